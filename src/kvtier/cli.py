@@ -1,0 +1,75 @@
+"""`kvtier SUBCOMMAND`: one module per subcommand under `kvtier.commands`.
+
+Each command module exposes `HELP` (one line), `add_arguments(parser)` and `run(args) -> int`,
+and imports heavy libraries (torch, transformers, vllm) inside `run` only, so `kvtier plan`
+starts in a blink. Exit codes: 0 ok, 1 failure, 2 usage (bad arguments or bad input files).
+Errors are one line on stderr starting `error:`; tracebacks only with KVTIER_DEBUG=1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import os
+import sys
+
+from kvtier.errors import ConfigError, KvtierError
+
+# Order is the order `kvtier --help` lists them. A name whose module does not exist is skipped,
+# so a command lands with its module and nothing else has to change.
+COMMANDS = ("plan", "demo", "replay", "inspect", "check", "bench")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2, as every kvtier error
+        sys.stderr.write(f"error: {message} (see `{self.prog} --help`)\n")
+        sys.exit(2)
+
+
+def available(package: str, names: tuple[str, ...]) -> list[tuple[str, object]]:
+    out = []
+    for name in names:
+        modname = f"{package}.{name}"
+        if importlib.util.find_spec(modname) is None:
+            continue
+        out.append((name, importlib.import_module(modname)))
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="kvtier", description="Hybrid-aware tiered KV-cache offloading.")
+    from kvtier import __version__
+
+    parser.add_argument("--version", action="version", version=f"kvtier {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="SUBCOMMAND", parser_class=_Parser)
+    sub.required = True
+    for name, mod in available("kvtier.commands", COMMANDS):
+        p = sub.add_parser(name, help=getattr(mod, "HELP", ""), description=getattr(mod, "HELP", ""))
+        mod.add_arguments(p)  # type: ignore[attr-defined]
+        p.set_defaults(_run=mod.run)  # type: ignore[attr-defined]
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args._run(args))
+    except ConfigError as exc:
+        if os.environ.get("KVTIER_DEBUG"):
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KvtierError as exc:
+        if os.environ.get("KVTIER_DEBUG"):
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

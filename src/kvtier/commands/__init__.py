@@ -1,0 +1,1 @@
+"""One module per `kvtier` subcommand; see kvtier.cli for the contract."""

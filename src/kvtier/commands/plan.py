@@ -1,0 +1,190 @@
+"""`kvtier plan GEOMETRY`: the chunk plan of a model, before serving it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from kvtier.errors import ConfigError
+from kvtier.geometry import Geometry, load_geometry
+from kvtier.plan import Plan, make_plan
+
+HELP = "show the chunk plan of a geometry JSON or a Hugging Face config.json"
+
+SPEC_NAME = "KvtierOffloadingSpec"
+SPEC_MODULE = "kvtier.integrations.vllm.spec"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("geometry", metavar="GEOMETRY",
+                   help="a geometry JSON file, a Hugging Face config.json, or a model directory")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--chunk-tokens", type=int, metavar="N", help="tokens per chunk")
+    size.add_argument("--blocks-per-chunk", metavar="N|NAME=N,...",
+                      help="blocks per chunk, one count for all groups or NAME=N per group")
+    p.add_argument("--hit-tokens", type=int, metavar="T",
+                   help="show what a hit of T tokens restores (rounded down to a chunk)")
+    p.add_argument("--dtype", help="KV dtype for a config.json (default: the config's, else bfloat16)")
+    p.add_argument("--block-size", type=int, metavar="N",
+                   help="the engine's tokens per block for a config.json (default 16)")
+    p.add_argument("--engine", choices=("hf", "vllm"), default="hf",
+                   help="read groups as transformers sees them (hf) or as vLLM would build them")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def parse_blocks_per_chunk(text: str) -> int | dict[str, int]:
+    """`16` or `global=16,local=8`."""
+    text = text.strip()
+    if "=" not in text:
+        try:
+            return int(text)
+        except ValueError:
+            raise ConfigError(
+                f"--blocks-per-chunk {text!r} is not a number; give N or NAME=N,NAME=N"
+            ) from None
+    out: dict[str, int] = {}
+    for part in text.split(","):
+        name, sep, count = part.partition("=")
+        name = name.strip()
+        try:
+            out[name] = int(count)
+        except ValueError:
+            raise ConfigError(
+                f"--blocks-per-chunk entry {part!r} is not NAME=N with N a number"
+            ) from None
+        if not name or not sep:
+            raise ConfigError(f"--blocks-per-chunk entry {part!r} is not NAME=N")
+    return out
+
+
+def plan_json(plan: Plan, hit_tokens: int | None) -> dict[str, object]:
+    t = plan.round_hit(hit_tokens) if hit_tokens is not None else None
+    return {
+        "chunk_tokens": plan.chunk_tokens,
+        "tokens_per_hash": plan.geometry.tokens_per_hash,
+        "hit_tokens": t,
+        "restore_bytes": plan.restore_bytes(t) if t is not None else None,
+        "naive_restore_bytes": plan.naive_restore_bytes(t) if t is not None else None,
+        "groups": [
+            {
+                "name": gp.name,
+                "kind": gp.kind,
+                "cacheable": gp.cacheable,
+                "tokens_per_block": gp.group.tokens_per_block,
+                "blocks_per_chunk": gp.blocks_per_chunk,
+                "chunk_bytes": gp.chunk_bytes,
+                "restore_chunks": (len(plan.chunks_for_hit(gp.index, t)) if t is not None else None)
+                if gp.cacheable
+                else None,
+            }
+            for gp in plan.groups
+        ],
+    }
+
+
+def vllm_warnings(geometry: Geometry) -> list[str]:
+    """Why vLLM's native OffloadingConnector would refuse or mis-chunk this geometry."""
+    out = []
+    tpbs = sorted({g.tokens_per_block for g in geometry.cacheable_groups if not g.is_state})
+    if len(tpbs) > 1:
+        out.append(
+            "vLLM's native offloading, given a token block_size, assumes one tokens-per-block for "
+            f"all groups; this geometry has {', '.join(map(str, tpbs))}: it would refuse or "
+            "chunk wrongly (use blocks_per_chunk, or kvtier's spec)"
+        )
+    for g in geometry.groups:
+        if g.tokens_per_block < geometry.tokens_per_hash:
+            out.append(
+                f"group {g.name!r} has {g.tokens_per_block} tokens per block, fewer than the hash "
+                f"unit ({geometry.tokens_per_hash}): vLLM's native offloading refuses such groups"
+            )
+    return out
+
+
+def vllm_extra_config(plan: Plan) -> dict[str, object]:
+    return {
+        "spec_name": SPEC_NAME,
+        "spec_module_path": SPEC_MODULE,
+        "kvtier.chunk_tokens": plan.chunk_tokens,
+    }
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = []
+    for k, r in enumerate(rows):
+        lines.append("  ".join(c.rjust(w) if j >= 2 else c.ljust(w) for j, (c, w) in enumerate(zip(r, widths))).rstrip())
+        if k == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def render(plan: Plan, hit_tokens: int | None) -> str:
+    g = plan.geometry
+    t = plan.round_hit(hit_tokens) if hit_tokens is not None else None
+    head = f"geometry {g.name or '(unnamed)'}"
+    if g.source:
+        head += f"  [{g.source}]"
+    out = [head, f"fingerprint {g.fingerprint()}  tokens_per_hash {g.tokens_per_hash}  "
+           f"chunk_tokens {plan.chunk_tokens}", ""]
+    rows = [["group", "kind", "layers", "tok/block", "blocks/chunk", "chunk bytes"]]
+    if t is not None:
+        rows[0].append(f"restore@{t}")
+    for gp in plan.groups:
+        kind = gp.kind
+        if gp.group.window:
+            kind += f"(W={gp.group.window})"
+        if gp.group.attention_chunk:
+            kind += f"(A={gp.group.attention_chunk})"
+        row = [
+            gp.name, kind, str(gp.group.num_layers), str(gp.group.tokens_per_block),
+            str(gp.blocks_per_chunk) if gp.cacheable else "-",
+            _human_bytes(gp.chunk_bytes) if gp.cacheable else f"not cached: {gp.reason}",
+        ]
+        if t is not None:
+            row.append(str(len(plan.chunks_for_hit(gp.index, t))) if gp.cacheable else "-")
+        rows.append(row)
+    out.append(_table(rows))
+    out.append("")
+    out.append(f"bytes per cached token: {_human_bytes(plan.bytes_per_cached_token)} "
+               "(one chunk of every cacheable group / chunk_tokens)")
+    if t is not None:
+        r, n = plan.restore_bytes(t), plan.naive_restore_bytes(t)
+        ratio = f" ({n / r:.1f}x less)" if r else ""
+        out.append(f"hit of {t} tokens restores {_human_bytes(r)}; a layout-blind restore moves "
+                   f"{_human_bytes(n)}{ratio}")
+    out.append("")
+    out.append("vLLM kv_connector_extra_config for this plan:")
+    out.append("  " + json.dumps(vllm_extra_config(plan)))
+    for w in vllm_warnings(g):
+        out.append(f"warning: {w}")
+    return "\n".join(out)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.engine == "vllm":
+        from kvtier.integrations.vllm.geometry import geometry_from_vllm  # needs vllm
+
+        geometry = geometry_from_vllm(args.geometry, dtype=args.dtype, block_size=args.block_size)
+    else:
+        geometry = load_geometry(args.geometry, dtype=args.dtype, block_size=args.block_size)
+    bpc = parse_blocks_per_chunk(args.blocks_per_chunk) if args.blocks_per_chunk else None
+    plan = make_plan(geometry, chunk_tokens=args.chunk_tokens, blocks_per_chunk=bpc)
+    if args.hit_tokens is not None and args.hit_tokens < 0:
+        raise ConfigError(f"--hit-tokens {args.hit_tokens} must be >= 0")
+    if args.json:
+        print(json.dumps(plan_json(plan, args.hit_tokens)))
+        for w in vllm_warnings(geometry):
+            print(f"warning: {w}", file=sys.stderr)
+    else:
+        print(render(plan, args.hit_tokens))
+    return 0
