@@ -1,0 +1,92 @@
+"""The tier contract run against the cpu and disk tiers, plus what only slot tiers promise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tier_contract import LAYOUT, NS, TierContract, header, payload
+
+from kvtier.errors import ConfigError
+from kvtier.tiers.base import TierLayout
+from kvtier.tiers.cpu import CpuTier
+from kvtier.tiers.disk import DiskTier
+
+
+class SlotTierExtras:
+    """Slot tiers drop a foreign payload when it is read (it can never be right again)."""
+
+    def test_foreign_read_is_counted_and_dropped(self, tier) -> None:
+        h = header(40, 0)
+        tier.write(0, 2, h, payload(40, h.payload_bytes))
+        assert tier.read(0, 2, header(41, 0), torch.zeros(h.payload_bytes, dtype=torch.uint8)) is False
+        assert tier.corrupt_dropped == 1
+        assert tier.read(0, 2, h, torch.zeros(h.payload_bytes, dtype=torch.uint8)) is False
+
+    def test_out_of_range_slot_and_oversized_payload_raise(self, tier) -> None:
+        with pytest.raises(ConfigError, match="slot 4 out of range"):
+            tier.free(0, 4)
+        big = header(42, 1, nbytes=LAYOUT.slot_bytes[1] + 1)
+        with pytest.raises(ConfigError, match="does not fit group 1"):
+            tier.write(1, 0, big, payload(1, big.payload_bytes))
+
+
+class TestCpuTier(TierContract, SlotTierExtras):
+    @pytest.fixture
+    def make_tier(self):
+        return lambda layout: CpuTier(layout)
+
+    def test_view_is_zero_copy(self, tier: CpuTier) -> None:
+        h = header(50, 0)
+        tier.write(0, 1, h, payload(50, h.payload_bytes))
+        v = tier.view(0, 1, h.payload_bytes)
+        assert v.data_ptr() == tier.slabs[0][1].data_ptr()
+        assert torch.equal(v, payload(50, h.payload_bytes))
+
+
+class TestDiskTier(TierContract, SlotTierExtras):
+    @pytest.fixture
+    def make_tier(self, tmp_path):
+        made: list[DiskTier] = []
+
+        def make(layout: TierLayout) -> DiskTier:
+            t = DiskTier(tmp_path, layout, NS)
+            made.append(t)
+            return t
+
+        yield make
+        for t in made:
+            t.close()
+
+    def test_restart_lists_and_reads_what_was_written(self, make_tier) -> None:
+        t1 = make_tier(LAYOUT)
+        h = header(60, 2)
+        data = payload(60, h.payload_bytes)
+        t1.write(2, 1, h, data)
+        t1.close()
+        t2 = make_tier(LAYOUT)
+        assert [(g, s, x.key) for g, s, x in t2.list()] == [(2, 1, h.key)]
+        out = torch.zeros(h.payload_bytes, dtype=torch.uint8)
+        assert t2.read(2, 1, h, out) and torch.equal(out, data)
+
+    def test_second_writer_is_refused_clearly(self, tier, tmp_path) -> None:
+        from kvtier.errors import TierError
+
+        with pytest.raises(TierError, match="in use by another writer"):
+            DiskTier(tmp_path, LAYOUT, NS)
+        other = DiskTier(tmp_path, LAYOUT, "0000000000000001")  # another namespace: fine
+        other.close()
+
+    def test_fsync_always_round_trips(self, tmp_path) -> None:
+        t = DiskTier(tmp_path, LAYOUT, NS, fsync="always")
+        h = header(61, 1)
+        assert t.write(1, 0, h, payload(61, h.payload_bytes))
+        out = torch.zeros(h.payload_bytes, dtype=torch.uint8)
+        assert t.read(1, 0, h, out) and torch.equal(out, payload(61, h.payload_bytes))
+        t.close()
+
+
+def test_capacity_zero_and_unknown_fsync_raise_at_construction(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="capacity is 0 slots"):
+        TierLayout(slot_bytes=(4096,), num_slots=(0,))
+    with pytest.raises(ConfigError, match="fsync policy 'sometimes' unknown"):
+        DiskTier(tmp_path, LAYOUT, NS, fsync="sometimes")
