@@ -1,0 +1,456 @@
+"""The `redis` tier: chunk payloads in a shared Redis / Valkey (standalone or Cluster).
+
+Key-addressed (`shared = True`): many processes on many hosts read and write one namespace, so
+the key is the address and there are no slots. A payload is kvtier's 128-byte header followed by
+the raw bytes, stored as one string value (SET is atomic: no reader sees half a value) under
+
+    kvtier:<namespace id>:{<chunk hash hex>}:<group>
+
+The `{...}` is a Redis Cluster hash tag on the chunk hash: every group of one chunk lives on one
+node (one chunk's groups come and go together), while the chunks of a prefix spread over all
+nodes. Rejected: a tag on the namespace (one node would hold a whole model's cache, no scale-out).
+Batches are pipelines; a cluster pipeline splits a batch by node and sends each node its part, so
+a whole prefix costs one round trip per node.
+
+Capacity. The server's `maxmemory` with `allkeys-lru` (or `volatile-lru`, every kvtier key has a
+TTL when `ttl_s` is set) is the real bound: Redis evicts least recently used payloads for every
+process at once, and an evicted payload is a miss. On top, `budget_bytes` is an optional
+per-namespace write budget: every write adds its bytes to a time-bucketed counter in Redis, and a
+write is skipped (counted) when the bytes written in the last `ttl_s` would exceed the budget.
+Since every payload expires `ttl_s` after its write (hits do not extend the TTL when a budget is
+set), that bounds the namespace's live bytes; it is conservative (deletes and evictions give
+nothing back until their bucket ages out). Rejected: one INCR/DECR counter, which drifts for ever
+because Redis evictions and expiries never decrement it.
+
+Failures are values: Redis down at start or mid-run, slow (socket timeout), out of memory, a
+payload evicted between lookup and load, or one that fails its header or checksum is a counted
+miss or skipped save, never an exception and never wrong bytes. After a connection failure a
+circuit breaker skips every call until a backoff deadline (doubling up to `backoff_max_s`), then
+lets one call through; one log line when the tier goes down, one when it is back.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+
+from kvtier.errors import ConfigError
+from kvtier.payload import (
+    CHECKSUM_NONE,
+    HASH_BYTES,
+    HEADER_BYTES,
+    ChunkHeader,
+    Rejected,
+    as_bytes_view,
+    decode_header,
+    encode_header,
+    mismatch,
+    seal,
+    verify,
+)
+from kvtier.tiers.base import Tier
+from kvtier.tiers.redis_conn import (
+    RedisOptions,
+    Breaker,
+    LogOnce,
+    build_client,
+    is_connection_error,
+    redact,
+)
+
+log = logging.getLogger("kvtier.tiers.redis")
+
+__all__ = ["RedisOptions", "RedisTier"]
+
+BUDGET_BUCKETS = 4  # a ttl window in 4 buckets: a write counts for 1 to 1.25 ttl windows
+
+
+# beyond the Tier base counters (reads, misses, writes, failed_writes, corrupt_dropped, bytes)
+_EXTRA = ("vanished", "skipped_reads", "skipped_saves", "budget_skipped", "errors", "deleted")
+
+
+class RedisTier(Tier):
+    """Chunk payloads in Redis, addressed by (namespace, chunk hash, group) from the header."""
+
+    name = "redis"
+    shared = True  # key-addressed: the slot argument of the Tier contract is ignored
+    persistent = True  # outlives this process; `list()` shows what the namespace holds
+
+    def __init__(self, options: RedisOptions | None = None, *, namespace_id: str | None = None,
+                 clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time) -> None:
+        super().__init__()
+        if namespace_id is not None and (
+                len(namespace_id) != 16 or any(c not in "0123456789abcdef" for c in namespace_id)):
+            raise ConfigError(f"namespace id {namespace_id!r} must be 16 lowercase hex digits "
+                              "(keys.Namespace.id)")
+        self.namespace_id = namespace_id  # restricts `list()`; None: every kvtier namespace
+        self.options = options or RedisOptions()
+        self._wall = wall_clock
+        self._breaker = Breaker(log, self.options.backoff_initial_s, self.options.backoff_max_s,
+                                clock, describe=redact(self.options.url))
+        self._log = LogOnce(log, clock)
+        self._lock = threading.Lock()
+        self._extra = dict.fromkeys(_EXTRA, 0)
+        self._client: object | None = None  # built lazily: Redis may be down at start
+        self._ttl_ms = int(self.options.ttl_s * 1000) if self.options.ttl_s is not None else None
+
+    @classmethod
+    def from_url(cls, url: str, *, namespace_id: str | None = None,
+                 **options: object) -> RedisTier:
+        """`redis://[user:pass@]host:port/db`, `rediss://...` (TLS), `redis+cluster://host:port`
+        (any node of a cluster), plus any `RedisOptions` field as a keyword."""
+        return cls(RedisOptions(url=url, **options), namespace_id=namespace_id)  # type: ignore[arg-type]
+
+    # -- keys ---------------------------------------------------------------------------------
+
+    def key(self, header: ChunkHeader) -> str:
+        hexhash = header.chunk_hash.ljust(HASH_BYTES, b"\0").hex()
+        return f"{self.options.key_prefix}:{header.namespace_id}:{{{hexhash}}}:{header.group}"
+
+    def _budget_key(self, namespace_id: str, bucket: int) -> str:
+        return f"{self.options.key_prefix}:{namespace_id}:budget:{bucket}"
+
+    # -- counters -----------------------------------------------------------------------------
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            if name in self._extra:
+                self._extra[name] += n
+            else:
+                setattr(self, name, getattr(self, name) + n)
+
+    def metrics(self) -> dict[str, int | bool]:
+        """The base TierStats counters plus the redis ones, and whether the breaker is closed."""
+        with self._lock:
+            out: dict[str, int | bool] = {k: getattr(self.stats(), k)
+                                          for k in self.stats().__slots__}  # type: ignore[attr-defined]
+            out.update(self._extra)
+        out["up"] = self._breaker.up
+        out["connection_failures"] = self._breaker.failures
+        return out
+
+    @property
+    def up(self) -> bool:
+        return self._breaker.up
+
+    # -- the client and the breaker -----------------------------------------------------------
+
+    def _get_client(self) -> object:
+        if self._client is None:
+            self._client = build_client(self.options)
+        return self._client
+
+    def _run(self, build: Callable[[object], object], skipped: str, n: int) -> list[object] | None:
+        """Run one pipeline built by `build(pipe)`; None (and `n` counted as `skipped`) when the
+        breaker is open or the connection fails. Per-command errors come back in the list."""
+        if not self._breaker.allow():
+            self._count(skipped, n)
+            return None
+        try:
+            client = self._get_client()
+            pipe = client.pipeline(transaction=False)  # type: ignore[attr-defined]
+            build(pipe)
+            results = pipe.execute(raise_on_error=False)
+        except Exception as exc:  # noqa: BLE001 - any failure of a remote cache is a miss
+            if isinstance(exc, ConfigError):
+                raise
+            if is_connection_error(exc):
+                self._breaker.failure(exc)
+                self._drop_client_if_cluster()
+            else:
+                self._log.warn("error", f"redis tier call failed: {exc!r}")
+                self._count("errors")
+            self.last_error = repr(exc)
+            self._count(skipped, n)
+            return None
+        conn_errors = [r for r in results if isinstance(r, Exception) and is_connection_error(r)]
+        if conn_errors:
+            self._breaker.failure(conn_errors[0])
+            self._drop_client_if_cluster()
+        else:
+            self._breaker.success()
+        return list(results)
+
+    def _drop_client_if_cluster(self) -> None:
+        # A cluster client caches the slot map; after a node failure it is rebuilt from scratch
+        # on the next allowed call rather than trusting a map that may have changed.
+        if self.options.is_cluster:
+            self.close()
+
+    def close(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            try:
+                client.close()  # type: ignore[attr-defined]
+            except Exception:  # noqa: BLE001
+                pass
+
+    # -- batched operations (what the store uses) ---------------------------------------------
+
+    def exists_many(self, headers: Sequence[ChunkHeader]) -> list[bool]:
+        """Which chunks the tier holds, in one pipeline (one round trip per node), without
+        reading payloads. Unreachable Redis: all False (counted as skipped reads)."""
+        if not headers:
+            return []
+        names = [self.key(h) for h in headers]
+        res = self._run(lambda p: [p.exists(k) for k in names], "skipped_reads", 0)
+        if res is None:
+            return [False] * len(headers)
+        return [isinstance(r, int) and r > 0 for r in res]
+
+    def write_many(self, items: Iterable[tuple[int, int, ChunkHeader, object]]) -> list[bool]:
+        """Store each (group, slot, header, data); True when stored. A down or full Redis, or
+        an exhausted budget: False, counted in failed_writes, no exception."""
+        items = list(items)
+        ok = [False] * len(items)
+        by_ns: dict[str, list[int]] = {}
+        for i, (g, _, h, _) in enumerate(items):
+            _check_group(g, h)
+            by_ns.setdefault(h.namespace_id, []).append(i)
+        for ns, idx in by_ns.items():
+            self._write_namespace(ns, [(i, items[i][2], items[i][3]) for i in idx], ok)
+        return ok
+
+    def read_many(self, items: Iterable[tuple[int, int, ChunkHeader, object]]) -> list[bool]:
+        """Fill each caller buffer `out` (uint8, at least `header.payload_bytes` long) with the
+        payload `header` names; True when filled. Absent, evicted since lookup, foreign,
+        truncated or failing its checksum: False (counted; a bad payload is deleted), and the
+        buffer's bytes are then unspecified and must not be used."""
+        items = list(items)
+        for g, _, h, _ in items:
+            _check_group(g, h)
+        ok = [False] * len(items)
+        start = 0
+        while start < len(items):  # split so one pipeline's replies stay under pipeline_bytes
+            end, size = start, 0
+            while end < len(items) and (end == start or size < self.options.pipeline_bytes):
+                size += items[end][2].payload_bytes + HEADER_BYTES
+                end += 1
+            self._read_batch(items, start, end, ok)
+            start = end
+        return ok
+
+    # -- the single-item Tier contract --------------------------------------------------------
+
+    def write(self, group: int, slot: int, header: ChunkHeader, data: object) -> bool:
+        return self.write_many([(group, slot, header, data)])[0]
+
+    def read(self, group: int, slot: int, header: ChunkHeader, out: object) -> bool:
+        return self.read_many([(group, slot, header, out)])[0]
+
+    def delete_many(self, headers: Sequence[ChunkHeader]) -> int:
+        """Remove these chunks (key-addressed free); how many were there."""
+        if not headers:
+            return 0
+        names = [self.key(h) for h in headers]
+        res = self._run(lambda p: [p.delete(k) for k in names], "skipped_saves", 0)
+        n = sum(1 for r in res if r == 1) if res is not None else 0
+        self._count("deleted", n)
+        return n
+
+    def free(self, group: int, slot: int, header: ChunkHeader | None = None) -> None:
+        """Key-addressed: `header` names the chunk; without it there is nothing to address
+        (a slot number means nothing in a shared tier), so it is a no-op."""
+        if header is not None:
+            _check_group(group, header)
+            self.delete_many([header])
+
+    def list(self) -> Iterator[tuple[int, int, ChunkHeader]]:
+        """Every valid header of this tier's namespace (all kvtier namespaces without one): SCAN
+        plus GETRANGE of the 128 header bytes, never the payloads. Slot is always 0. Nothing
+        when Redis is unreachable."""
+        ns = self.namespace_id or "*"
+        names = self._scan(f"{self.options.key_prefix}:{ns}:{{*")
+        for i in range(0, len(names), 512):
+            part = names[i:i + 512]
+            res = self._run(lambda p: [p.getrange(k, 0, HEADER_BYTES - 1) for k in part],
+                            "skipped_reads", 0)
+            if res is None:
+                return
+            for raw in res:
+                if isinstance(raw, bytes):
+                    h = decode_header(raw)
+                    if isinstance(h, ChunkHeader) and ns in ("*", h.namespace_id):
+                        yield (h.group, 0, h)
+
+    def _scan(self, pattern: str) -> list[bytes]:
+        if not self._breaker.allow():
+            return []
+        try:
+            names = list(self._get_client().scan_iter(match=pattern, count=1000))  # type: ignore[attr-defined]
+        except Exception as exc:  # noqa: BLE001
+            if is_connection_error(exc):
+                self._breaker.failure(exc)
+                self._drop_client_if_cluster()
+            return []
+        self._breaker.success()
+        return names
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _encode(self, header: ChunkHeader, data: object) -> bytes:
+        view = _u8_view(data)
+        if len(view) != header.payload_bytes:
+            raise ConfigError(f"payload of {len(view)} bytes for a header of "
+                              f"{header.payload_bytes}; pass the chunk's exact bytes")
+        if self.namespace_id is not None and header.namespace_id != self.namespace_id:
+            raise ConfigError(f"header namespace {header.namespace_id} written to a redis tier "
+                              f"of namespace {self.namespace_id}; build one tier per namespace")
+        if header.checksum_kind == CHECKSUM_NONE:
+            header = seal(header, view)
+        # the one copy on the save path: header + payload as one value (one SET is atomic;
+        # a header key beside a payload key could be evicted apart)
+        return b"".join((encode_header(header), view))
+
+    def _write_namespace(self, ns: str, items: list[tuple[int, ChunkHeader, object]],
+                         ok: list[bool]) -> None:
+        allowed = self._budget_allows(ns, [h.payload_bytes for _, h, _ in items])
+        if allowed is None:  # Redis unreachable (counted as skipped saves)
+            self._count("failed_writes", len(items))
+            return
+        self._count("budget_skipped", len(items) - allowed)
+        self._count("failed_writes", len(items) - allowed)
+        batch: list[tuple[int, str, bytes]] = []
+        batch_bytes = 0
+        for i, header, data in items[:allowed]:
+            value = self._encode(header, data)
+            batch.append((i, self.key(header), value))
+            batch_bytes += len(value)
+            if batch_bytes >= self.options.pipeline_bytes:
+                self._write_batch(ns, batch, ok)
+                batch, batch_bytes = [], 0
+        if batch:
+            self._write_batch(ns, batch, ok)
+
+    def _write_batch(self, ns: str, batch: list[tuple[int, str, bytes]], ok: list[bool]) -> None:
+        ttl = self._ttl_ms
+        total = sum(len(v) for _, _, v in batch)
+
+        def build(p: object) -> None:
+            for _, k, v in batch:
+                p.set(k, v, px=ttl)  # type: ignore[attr-defined]
+            if self.options.budget_bytes is not None:
+                bk = self._budget_key(ns, self._bucket())
+                p.incrby(bk, total)  # type: ignore[attr-defined]
+                p.pexpire(bk, self._bucket_ms() * (BUDGET_BUCKETS + 2))  # type: ignore[attr-defined]
+
+        res = self._run(build, "skipped_saves", len(batch))
+        if res is None:
+            self._count("failed_writes", len(batch))
+            return
+        for (i, _, v), r in zip(batch, res):
+            if r is True:
+                ok[i] = True
+                self._count("writes")
+                self._count("bytes_written", len(v) - HEADER_BYTES)
+            else:  # e.g. an OOM reply under maxmemory noeviction
+                self._count("failed_writes")
+                self._count("skipped_saves")
+                self.last_error = repr(r)
+                self._log.warn("save", f"redis tier save failed: {r!r}")
+
+    def _read_batch(self, items: list[tuple[int, int, ChunkHeader, object]], start: int,
+                    end: int, ok: list[bool]) -> None:
+        names = [self.key(h) for _, _, h, _ in items[start:end]]
+        ttl = self._ttl_ms if self.options.touch else None
+        self._count("reads", end - start)
+
+        def build(p: object) -> None:
+            for k in names:
+                if ttl is not None:
+                    p.getex(k, px=ttl)  # type: ignore[attr-defined]
+                else:
+                    p.get(k)  # type: ignore[attr-defined]
+
+        res = self._run(build, "skipped_reads", end - start)
+        if res is None:
+            self._count("misses", end - start)
+            return
+        bad: list[str] = []
+        for j, raw in enumerate(res):
+            _, _, header, out = items[start + j]
+            if raw is None:
+                self._count("vanished")  # never stored, expired, or evicted since lookup
+                self._count("misses")
+                continue
+            if not isinstance(raw, bytes):
+                self._count("errors")
+                self._count("misses")
+                continue
+            reason = _check_payload(header, raw)
+            if reason is not None:
+                self._count("corrupt_dropped")
+                self._count("misses")
+                self._log.warn("corrupt", f"redis tier dropped a bad payload ({reason})")
+                bad.append(names[j])
+                continue
+            dst = _u8_view(out)
+            n = header.payload_bytes
+            if len(dst) < n:
+                raise ConfigError(f"read buffer of {len(dst)} bytes for a payload of {n}; "
+                                  "pass a uint8 buffer at least that large")
+            dst[:n] = memoryview(raw)[HEADER_BYTES:]  # the one copy on the load path
+            ok[start + j] = True
+            self._count("bytes_read", n)
+        if bad:  # a corrupt or foreign payload is removed, so no one else trips on it
+            res2 = self._run(lambda p: [p.delete(k) for k in bad], "skipped_saves", 0)
+            if res2 is not None:
+                self._count("deleted", sum(1 for r in res2 if r == 1))
+
+    def _bucket_ms(self) -> int:
+        assert self.options.ttl_s is not None
+        return max(1000, int(self.options.ttl_s * 1000) // BUDGET_BUCKETS)
+
+    def _bucket(self) -> int:
+        return int(self._wall() * 1000) // self._bucket_ms()
+
+    def _budget_allows(self, ns: str, sizes: list[int]) -> int | None:
+        """How many leading items fit the namespace's write budget (all, without a budget);
+        None when Redis cannot be asked."""
+        budget = self.options.budget_bytes
+        if budget is None:
+            return len(sizes)
+        # a payload written in bucket b expires by (b + 1 + BUCKETS) * width: buckets
+        # c - BUCKETS .. c can still hold live bytes
+        c = self._bucket()
+        names = [self._budget_key(ns, b) for b in range(c - BUDGET_BUCKETS, c + 1)]
+        res = self._run(lambda p: [p.get(k) for k in names], "skipped_saves", len(sizes))
+        if res is None:
+            return None
+        used = sum(int(r) for r in res if isinstance(r, bytes))
+        n = 0
+        for size in sizes:
+            used += size + HEADER_BYTES
+            if used > budget:
+                self._log.warn("budget", f"redis tier namespace {ns} is at its budget of "
+                                         f"{budget} bytes; skipping saves")
+                break
+            n += 1
+        return n
+
+
+def _check_payload(expected: ChunkHeader, raw: bytes) -> str | None:
+    stored = decode_header(memoryview(raw)[:HEADER_BYTES])
+    if isinstance(stored, Rejected):
+        return stored.reason
+    why = mismatch(stored, expected)
+    if why is not None:
+        return why
+    return verify(stored, memoryview(raw)[HEADER_BYTES:])
+
+
+def _u8_view(data: object) -> memoryview:
+    """A flat writable-if-possible byte view of a tensor of any dtype, or of a buffer; no copy."""
+    if hasattr(data, "untyped_storage"):  # a torch.Tensor: bfloat16 has no numpy dtype
+        import torch
+
+        data = data.reshape(-1).view(torch.uint8)  # type: ignore[attr-defined]
+    return as_bytes_view(data)
+
+
+def _check_group(group: int, header: ChunkHeader) -> None:
+    if group != header.group:
+        raise ConfigError(f"group {group} does not match the header's group {header.group}")

@@ -1,0 +1,236 @@
+"""Connection plumbing for the redis tier: client construction, a circuit breaker, quiet logs.
+
+Kept apart from `tiers/redis.py` so the tier reads as its verbs (exists, read, write, free).
+redis-py is imported here, lazily, so `import kvtier` never needs it.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from urllib.parse import urlsplit, urlunsplit
+
+from kvtier.errors import ConfigError
+
+SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster", "unix")
+
+
+@dataclass(frozen=True, slots=True)
+class RedisOptions:
+    """How to reach Redis and what the tier may do there. Every field has a safe default."""
+
+    url: str = "redis://127.0.0.1:6379/0"
+    cluster: bool = False  # or a `redis+cluster://` / `rediss+cluster://` url
+    username: str | None = None
+    password: str | None = None
+    tls_ca_path: str | None = None  # TLS is on with `rediss://` or any tls_* path
+    tls_cert_path: str | None = None
+    tls_key_path: str | None = None
+    tls_verify: bool = True
+    ttl_s: float | None = None  # payloads expire this long after their write (or last hit)
+    budget_bytes: int | None = None  # per-namespace write budget per ttl window (needs ttl_s)
+    touch_on_hit: bool | None = None  # a hit renews the TTL; default: True unless budget_bytes
+    socket_timeout_s: float = 1.0  # every command; a slow server is a miss, not a stall
+    connect_timeout_s: float = 0.5
+    backoff_initial_s: float = 0.5
+    backoff_max_s: float = 30.0
+    pipeline_bytes: int = 64 << 20  # split a batch so one pipeline holds at most this much
+    key_prefix: str = "kvtier"
+    max_connections: int = 32
+
+    def __post_init__(self) -> None:
+        if self.budget_bytes is not None:
+            if self.budget_bytes <= 0:
+                raise ConfigError(f"budget_bytes={self.budget_bytes} must be > 0 (or None: no budget)")
+            if self.ttl_s is None:
+                raise ConfigError(
+                    "budget_bytes needs ttl_s (the budget counts bytes written per ttl window); "
+                    "set ttl_s, or drop budget_bytes and bound Redis with maxmemory + allkeys-lru"
+                )
+            if self.touch_on_hit:
+                raise ConfigError(
+                    "touch_on_hit=True with budget_bytes would let payloads outlive the budget "
+                    "window; drop one of them"
+                )
+        if self.ttl_s is not None and self.ttl_s <= 0:
+            raise ConfigError(f"ttl_s={self.ttl_s} must be > 0 (or None: no expiry)")
+        for name in ("socket_timeout_s", "connect_timeout_s", "backoff_initial_s", "backoff_max_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name}={getattr(self, name)} must be > 0")
+        if self.pipeline_bytes <= 0:
+            raise ConfigError(f"pipeline_bytes={self.pipeline_bytes} must be > 0")
+        if ":" in self.key_prefix or "{" in self.key_prefix or not self.key_prefix:
+            raise ConfigError(f"key_prefix {self.key_prefix!r} must be non-empty without ':' or '{{'")
+
+    @property
+    def is_cluster(self) -> bool:
+        return self.cluster or "+cluster" in urlsplit(self.url).scheme
+
+    @property
+    def touch(self) -> bool:
+        return self.touch_on_hit if self.touch_on_hit is not None else self.budget_bytes is None
+
+
+
+def _redis_module():  # noqa: ANN202 - the redis-py module
+    try:
+        import redis
+    except ImportError:
+        raise ConfigError("the redis tier needs redis-py: pip install 'kvtier[redis]'") from None
+    return redis
+
+
+def build_client(opts: RedisOptions) -> object:
+    """A redis-py `Redis` or `RedisCluster` with timeouts on every call and no retries of its
+    own: retrying is the breaker's job (redis-py's default 3 retries with backoff would turn a
+    dead server into seconds of stall per call). Cluster clients connect here (they fetch the
+    slot map), so this raises when a cluster is down; the caller counts that as a failure."""
+    redis = _redis_module()
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    parts = urlsplit(opts.url)
+    if parts.scheme not in SCHEMES:
+        raise ConfigError(f"redis url scheme {parts.scheme!r} unknown; use one of "
+                          f"{', '.join(s + '://' for s in SCHEMES)}")
+    tls = parts.scheme.startswith("rediss") or any(
+        p is not None for p in (opts.tls_ca_path, opts.tls_cert_path, opts.tls_key_path))
+    scheme = "rediss" if tls else ("unix" if parts.scheme == "unix" else "redis")
+    url = urlunsplit((scheme, parts.netloc, parts.path, parts.query, parts.fragment))
+    kwargs: dict[str, object] = {
+        "socket_timeout": opts.socket_timeout_s,
+        "socket_connect_timeout": opts.connect_timeout_s,
+        "retry": Retry(NoBackoff(), 0),
+        "max_connections": opts.max_connections,
+    }
+    if opts.username is not None:
+        kwargs["username"] = opts.username
+    if opts.password is not None:
+        kwargs["password"] = opts.password
+    if tls:
+        kwargs["ssl_cert_reqs"] = "required" if opts.tls_verify else "none"
+        if not opts.tls_verify:
+            kwargs["ssl_check_hostname"] = False
+        if opts.tls_ca_path is not None:
+            kwargs["ssl_ca_certs"] = opts.tls_ca_path
+        if opts.tls_cert_path is not None:
+            kwargs["ssl_certfile"] = opts.tls_cert_path
+        if opts.tls_key_path is not None:
+            kwargs["ssl_keyfile"] = opts.tls_key_path
+    if opts.is_cluster:
+        from redis.cluster import RedisCluster
+
+        if scheme == "unix":
+            raise ConfigError("a Redis Cluster is reached over TCP; use redis+cluster://host:port")
+        return RedisCluster.from_url(url, **kwargs)
+    return redis.Redis.from_url(url, **kwargs)
+
+
+def is_connection_error(exc: BaseException) -> bool:
+    """A failure of the server or the network (trips the breaker), as opposed to a refused
+    command (an OOM reply under maxmemory noeviction) which only fails that command."""
+    try:
+        from redis import exceptions as rex
+    except ImportError:  # pragma: no cover
+        return isinstance(exc, OSError)
+    kinds: tuple[type[BaseException], ...] = (
+        rex.ConnectionError, rex.TimeoutError, rex.ClusterDownError, rex.RedisClusterException,
+        rex.SlotNotCoveredError, rex.ClusterError, OSError, socket.timeout,
+    )
+    return isinstance(exc, kinds)
+
+
+class Breaker:
+    """Skip calls after a connection failure until a backoff deadline; then let calls through.
+
+    Backoff doubles from `initial_s` to `max_s` while tries keep failing and resets on the
+    first success. One warning when the tier goes down, one info line when it is back: a dead
+    Redis costs a counted miss per call, never a log flood or a stall longer than a timeout.
+    """
+
+    def __init__(self, log: logging.Logger, initial_s: float, max_s: float,
+                 clock: Callable[[], float], describe: str) -> None:
+        self._log = log
+        self._initial_s = initial_s
+        self._max_s = max_s
+        self._clock = clock
+        self._describe = describe
+        self._lock = threading.Lock()
+        self.up = True
+        self.failures = 0  # total connection failures seen
+        self._streak = 0  # consecutive failures since the last success
+        self._backoff_s = initial_s
+        self._open_until = 0.0
+
+    def allow(self) -> bool:
+        with self._lock:
+            return self.up or self._clock() >= self._open_until
+
+    def failure(self, exc: BaseException) -> None:
+        with self._lock:
+            self.failures += 1
+            self._streak += 1
+            if self.up:
+                self.up = False
+                self._backoff_s = self._initial_s
+                self._log.warning(
+                    "redis tier %s unreachable (%s: %s); saves skipped and lookups miss, "
+                    "retrying with backoff up to %.0fs", self._describe, type(exc).__name__,
+                    exc, self._max_s)
+            else:
+                self._backoff_s = min(self._backoff_s * 2, self._max_s)
+            self._open_until = self._clock() + self._backoff_s
+
+    def success(self) -> None:
+        with self._lock:
+            if not self.up:
+                self._log.warning("redis tier %s is back after %d failed tries",
+                                  self._describe, self._streak)
+            self.up = True
+            self._streak = 0
+            self._backoff_s = self._initial_s
+
+    @property
+    def retry_in_s(self) -> float:
+        with self._lock:
+            return 0.0 if self.up else max(0.0, self._open_until - self._clock())
+
+
+class LogOnce:
+    """At most one warning per kind per `interval_s`, with how many were held back."""
+
+    def __init__(self, log: logging.Logger, clock: Callable[[], float],
+                 interval_s: float = 60.0) -> None:
+        self._log = log
+        self._clock = clock
+        self._interval_s = interval_s
+        self._last: dict[str, float] = {}
+        self._held: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def warn(self, kind: str, message: str) -> None:
+        with self._lock:
+            now = self._clock()
+            last = self._last.get(kind)
+            if last is not None and now - last < self._interval_s:
+                self._held[kind] = self._held.get(kind, 0) + 1
+                return
+            held = self._held.pop(kind, 0)
+            self._last[kind] = now
+        suffix = f" ({held} more like it since the last line)" if held else ""
+        self._log.warning("%s%s", message, suffix)
+
+
+def redact(url: str) -> str:
+    """The url without its password, for log lines."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    if parts.port:
+        host += f":{parts.port}"
+    user = f"{parts.username}:***@" if parts.username else ":***@"
+    return urlunsplit((parts.scheme, user + host, parts.path, parts.query, parts.fragment))

@@ -1,0 +1,241 @@
+"""Real redis-server processes for tests: a standalone server and a 3-master Redis Cluster.
+
+Every server runs on a free loopback port, in its own temp directory, with persistence off, and is
+stopped (SIGTERM, then SIGKILL) by `stop()`, by the context managers, and at interpreter exit as
+a last resort, so no test leaves a process behind. Faults are real: `kill()` is SIGKILL,
+`pause()`/`resume()` are SIGSTOP/SIGCONT (a server that accepts connections but never answers),
+and `restart()` starts a fresh process on the same port.
+
+Usable from any test:
+
+    from redis_servers import redis_server, redis_cluster    # tests/ is on sys.path (see below)
+    with redis_server() as srv:        srv.url  -> "redis://127.0.0.1:PORT/0"
+    with redis_cluster() as cl:        cl.url   -> "redis+cluster://127.0.0.1:PORT"
+
+Test files outside tests/ import it after `sys.path.insert(0, str(Path(__file__).parents[1]))`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+_LIVE: set[subprocess.Popen[bytes]] = set()
+
+
+def _reap_all() -> None:  # last resort: a test that crashed before its teardown
+    for proc in list(_LIVE):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.kill()
+        with contextlib.suppress(Exception):
+            proc.wait(timeout=5)
+    _LIVE.clear()
+
+
+atexit.register(_reap_all)
+
+
+def have_redis() -> bool:
+    return shutil.which("redis-server") is not None and shutil.which("redis-cli") is not None
+
+
+def free_port() -> int:
+    """A loopback TCP port nobody listens on (bound once and released; Redis binds it next).
+
+    Cluster mode also needs port+10000 (the cluster bus) free, so only ports below 55536 are
+    returned and the bus port is checked too.
+    """
+    for _ in range(200):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port >= 55536:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free loopback port pair found")
+
+
+def _ping(port: int, timeout_s: float = 0.2) -> bool:
+    """A raw RESP PING, so this module needs no redis-py."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as s:
+            s.sendall(b"*1\r\n$4\r\nPING\r\n")
+            return s.recv(64).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+def cli(port: int, *args: str, timeout_s: float = 10.0) -> str:
+    """Run `redis-cli -p PORT ARGS...` and return its stdout (raises on a non-zero exit)."""
+    out = subprocess.run(
+        ["redis-cli", "-h", "127.0.0.1", "-p", str(port), *args],
+        capture_output=True, text=True, timeout=timeout_s, check=True,
+    )
+    return out.stdout
+
+
+class RedisServer:
+    """One redis-server process on a free loopback port, in its own directory."""
+
+    def __init__(self, directory: Path, port: int | None = None,
+                 extra_args: tuple[str, ...] = ()) -> None:
+        self.directory = directory
+        self.port = port if port is not None else free_port()
+        self.extra_args = extra_args
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self, timeout_s: float = 10.0) -> RedisServer:
+        if self.alive:
+            raise RuntimeError(f"redis-server on port {self.port} is already running")
+        self.directory.mkdir(parents=True, exist_ok=True)
+        args = [
+            "redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
+            "--dir", str(self.directory), "--save", "", "--appendonly", "no",
+            "--daemonize", "no", "--protected-mode", "no",
+            "--logfile", str(self.directory / "redis.log"),
+            *self.extra_args,
+        ]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _LIVE.add(self.proc)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                log = (self.directory / "redis.log")
+                tail = log.read_text()[-400:] if log.exists() else ""
+                raise RuntimeError(f"redis-server on port {self.port} exited at start: {tail}")
+            if _ping(self.port):
+                return self
+            time.sleep(0.02)
+        self.stop()
+        raise RuntimeError(f"redis-server on port {self.port} did not answer in {timeout_s}s")
+
+    def stop(self) -> None:
+        """SIGTERM (after SIGCONT, in case it is paused), SIGKILL if it lingers; waits for exit."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGCONT)
+                proc.terminate()
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)
+        _LIVE.discard(proc)
+
+    def kill(self) -> None:
+        """SIGKILL: the server vanishes mid-run, as in a crash."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        proc.wait(timeout=5)
+        _LIVE.discard(proc)
+
+    def pause(self) -> None:
+        """SIGSTOP: the socket stays open but nothing answers (a slow or hung server)."""
+        assert self.proc is not None and self.alive
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGCONT)
+
+    def restart(self) -> RedisServer:
+        """A fresh process on the same port (persistence is off: it comes back empty)."""
+        self.kill()
+        return self.start()
+
+    def cli(self, *args: str) -> str:
+        return cli(self.port, *args)
+
+
+class RedisClusterServers:
+    """Three masters, no replicas, every slot assigned; `url` is a `redis+cluster://` seed."""
+
+    def __init__(self, directory: Path, masters: int = 3) -> None:
+        self.nodes = [RedisServer(
+            directory / f"node{i}",
+            extra_args=("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                        "--cluster-node-timeout", "2000"),
+        ) for i in range(masters)]
+
+    @property
+    def url(self) -> str:
+        return f"redis+cluster://127.0.0.1:{self.nodes[0].port}"
+
+    @property
+    def ports(self) -> list[int]:
+        return [n.port for n in self.nodes]
+
+    def start(self, timeout_s: float = 20.0) -> RedisClusterServers:
+        try:
+            for n in self.nodes:
+                n.start()
+            subprocess.run(
+                ["redis-cli", "--cluster", "create",
+                 *[f"127.0.0.1:{p}" for p in self.ports],
+                 "--cluster-replicas", "0", "--cluster-yes"],
+                capture_output=True, text=True, timeout=timeout_s, check=True,
+            )
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline:
+                if all("cluster_state:ok" in cli(p, "cluster", "info") for p in self.ports):
+                    return self
+                time.sleep(0.05)
+            raise RuntimeError("redis cluster did not reach cluster_state:ok")
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        for n in self.nodes:
+            n.stop()
+
+
+@contextlib.contextmanager
+def redis_server(*extra_args: str) -> Iterator[RedisServer]:
+    """A running standalone server in a temp dir; stopped and removed on exit."""
+    with tempfile.TemporaryDirectory(prefix="kvtier-redis-") as d:
+        srv = RedisServer(Path(d), extra_args=tuple(extra_args)).start()
+        try:
+            yield srv
+        finally:
+            srv.stop()
+
+
+@contextlib.contextmanager
+def redis_cluster(masters: int = 3) -> Iterator[RedisClusterServers]:
+    """A running 3-master cluster in a temp dir; stopped and removed on exit."""
+    with tempfile.TemporaryDirectory(prefix="kvtier-rcluster-") as d:
+        cl = RedisClusterServers(Path(d), masters=masters).start()
+        try:
+            yield cl
+        finally:
+            cl.stop()
