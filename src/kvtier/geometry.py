@@ -50,12 +50,15 @@ _GROUP_FIELDS = {
     "dtype",
     "cacheable",
     "reason",
+    "layers",
 }
 _GEOMETRY_FIELDS = {"name", "tokens_per_hash", "groups"}
 
 
 def dtype_bytes(dtype: str) -> int:
     """Bytes per element of `dtype`, or a ConfigError listing the known dtypes."""
+    if not isinstance(dtype, str):
+        raise ConfigError(f"dtype {dtype!r} is not a name; use one of: {', '.join(DTYPE_BYTES)}")
     try:
         return DTYPE_BYTES[dtype]
     except KeyError:
@@ -79,6 +82,10 @@ class Group:
     dtype: str = "bfloat16"
     cacheable: bool = True
     reason: str = ""
+    # the model layer indices the group covers, in the order the group's blocks hold them;
+    # empty when unknown (a hand-written geometry JSON). Integrations map groups back to model
+    # layers with it, so when given it is part of the fingerprint.
+    layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         where = f"group {self.name!r}"
@@ -119,8 +126,25 @@ class Group:
         dtype_bytes(self.dtype)
         if not isinstance(self.cacheable, bool):
             raise ConfigError(f"{where} field 'cacheable' is {self.cacheable!r}; use true or false")
+        if not isinstance(self.reason, str):
+            raise ConfigError(f"{where} field 'reason' is {self.reason!r}; use a string")
         if not self.cacheable and not self.reason:
             raise ConfigError(f"{where} is not cacheable; give a 'reason' saying why")
+        if not isinstance(self.layers, tuple):
+            raise ConfigError(f"{where} field 'layers' must be a tuple of layer indices")
+        if self.layers:
+            for layer in self.layers:
+                if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
+                    raise ConfigError(
+                        f"{where} field 'layers' has {layer!r}; layer indices are integers >= 0"
+                    )
+            if len(set(self.layers)) != len(self.layers):
+                raise ConfigError(f"{where} field 'layers' lists a layer twice: {list(self.layers)}")
+            if len(self.layers) != self.num_layers:
+                raise ConfigError(
+                    f"{where} lists {len(self.layers)} layers in 'layers' but has "
+                    f"num_layers={self.num_layers}; they must agree"
+                )
 
     @property
     def is_state(self) -> bool:
@@ -155,6 +179,8 @@ class Group:
         if not self.cacheable:
             out["cacheable"] = False
             out["reason"] = self.reason
+        if self.layers:
+            out["layers"] = list(self.layers)
         return out
 
     @classmethod
@@ -188,6 +214,7 @@ class Group:
             dtype=data.get("dtype", "bfloat16"),
             cacheable=data.get("cacheable", True),
             reason=data.get("reason", ""),
+            layers=_layers_from_json(data.get("layers", ()), label),
         )
 
 
@@ -213,6 +240,18 @@ class Geometry:
             if g.name in seen:
                 raise ConfigError(f"group name {g.name!r} appears twice; group names must be unique")
             seen.add(g.name)
+        # A layer has at most one attention cache and one state (Falcon-H1 runs attention and
+        # Mamba side by side in every layer, so its layers are in one group of each).
+        owner: dict[tuple[bool, int], str] = {}
+        for g in self.groups:
+            for layer in g.layers:
+                slot = (g.is_state, layer)
+                if slot in owner:
+                    raise ConfigError(
+                        f"layer {layer} is in group {owner[slot]!r} and in group {g.name!r}; a layer "
+                        "belongs to at most one attention group and one state group"
+                    )
+                owner[slot] = g.name
 
     @property
     def cacheable_groups(self) -> tuple[Group, ...]:
@@ -236,8 +275,8 @@ class Geometry:
     def fingerprint(self) -> str:
         """A stable 16-hex-digit identity of the layout (not of the name or source).
 
-        Two geometries with the same groups (order, kinds, sizes, dtypes, cacheability) and the
-        same hash unit have the same fingerprint in every process and Python version: it is a
+        Two geometries with the same groups (order, kinds, sizes, dtypes, cacheability, layer
+        indices when given) and the same hash unit have the same fingerprint in every process and Python version: it is a
         sha256 of canonical JSON, never Python's `hash`.
         """
         doc = self.to_dict()
@@ -311,6 +350,14 @@ def load_geometry(
         f"{str(path)!r} is neither a geometry JSON (it has no 'groups') nor a Hugging Face "
         "config.json (it has no 'model_type'); see docs/geometry.md for the geometry format"
     )
+
+
+def _layers_from_json(value: object, label: str) -> tuple[int, ...]:
+    if isinstance(value, tuple):
+        return value
+    if not isinstance(value, list):
+        raise ConfigError(f"{label} field 'layers' is {value!r}; give a list of layer indices")
+    return tuple(value)
 
 
 def _positive_int(value: object, what: str) -> None:
