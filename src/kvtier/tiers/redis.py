@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from kvtier.errors import ConfigError
@@ -64,6 +65,7 @@ log = logging.getLogger("kvtier.tiers.redis")
 
 __all__ = ["RedisOptions", "RedisTier"]
 
+SLOT_MEMORY = 4096  # (group, slot) -> last header written, for free(group, slot)
 BUDGET_BUCKETS = 4  # a ttl window in 4 buckets: a write counts for 1 to 1.25 ttl windows
 
 
@@ -94,6 +96,7 @@ class RedisTier(Tier):
         self._log = LogOnce(log, clock)
         self._lock = threading.Lock()
         self._extra = dict.fromkeys(_EXTRA, 0)
+        self._slot_headers: OrderedDict[tuple[int, int], ChunkHeader] = OrderedDict()
         self._client: object | None = None  # built lazily: Redis may be down at start
         self._ttl_ms = int(self.options.ttl_s * 1000) if self.options.ttl_s is not None else None
 
@@ -212,6 +215,13 @@ class RedisTier(Tier):
             by_ns.setdefault(h.namespace_id, []).append(i)
         for ns, idx in by_ns.items():
             self._write_namespace(ns, [(i, items[i][2], items[i][3]) for i in idx], ok)
+        with self._lock:
+            for (g, slot, h, _), stored in zip(items, ok):
+                if stored:
+                    self._slot_headers[(g, slot)] = h
+                    self._slot_headers.move_to_end((g, slot))
+            while len(self._slot_headers) > SLOT_MEMORY:
+                self._slot_headers.popitem(last=False)
         return ok
 
     def read_many(self, items: Iterable[tuple[int, int, ChunkHeader, object]]) -> list[bool]:
@@ -252,11 +262,16 @@ class RedisTier(Tier):
         return n
 
     def free(self, group: int, slot: int, header: ChunkHeader | None = None) -> None:
-        """Key-addressed: `header` names the chunk; without it there is nothing to address
-        (a slot number means nothing in a shared tier), so it is a no-op."""
-        if header is not None:
-            _check_group(group, header)
-            self.delete_many([header])
+        """Remove a chunk. Key-addressed: pass `header` to name any chunk. Without it, for
+        callers that think in slots, this removes the chunk this process last wrote with this
+        (group, slot), if it still remembers it (the last SLOT_MEMORY writes); else nothing."""
+        if header is None:
+            with self._lock:
+                header = self._slot_headers.pop((group, slot), None)
+            if header is None:
+                return
+        _check_group(group, header)
+        self.delete_many([header])
 
     def list(self) -> Iterator[tuple[int, int, ChunkHeader]]:
         """Every valid header of this tier's namespace (all kvtier namespaces without one): SCAN
