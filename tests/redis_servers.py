@@ -10,6 +10,7 @@ Usable from any test:
 
     from redis_servers import redis_server, redis_cluster    # tests/ is on sys.path (see below)
     with redis_server() as srv:        srv.url  -> "redis://127.0.0.1:PORT/0"
+    with redis_server(tls=True, password="pw") as srv:   srv.url -> "rediss://...", srv.tls.ca
     with redis_cluster() as cl:        cl.url   -> "redis+cluster://127.0.0.1:PORT"
 
 Test files outside tests/ import it after `sys.path.insert(0, str(Path(__file__).parents[1]))`.
@@ -25,8 +26,10 @@ import signal
 import socket
 import subprocess
 import tempfile
+import ssl
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 _LIVE: set[subprocess.Popen[bytes]] = set()
@@ -70,14 +73,47 @@ def free_port() -> int:
     raise RuntimeError("no free loopback port pair found")
 
 
-def _ping(port: int, timeout_s: float = 0.2) -> bool:
-    """A raw RESP PING, so this module needs no redis-py."""
+def _ping(port: int, timeout_s: float = 0.2, tls: TlsFiles | None = None) -> bool:
+    """A raw RESP PING (over TLS when `tls`), so this module needs no redis-py. A server that
+    demands AUTH answers -NOAUTH, which still means it is up."""
     try:
-        with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as s:
+        with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as raw:
+            s: socket.socket = raw
+            if tls is not None:
+                ctx = ssl.create_default_context(cafile=str(tls.ca))
+                s = ctx.wrap_socket(raw, server_hostname="127.0.0.1")
             s.sendall(b"*1\r\n$4\r\nPING\r\n")
-            return s.recv(64).startswith(b"+PONG")
+            reply = s.recv(64)
+            return reply.startswith(b"+PONG") or reply.startswith(b"-NOAUTH")
     except OSError:
         return False
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    ca: Path
+    cert: Path
+    key: Path
+
+
+def make_tls_files(directory: Path) -> TlsFiles:
+    """A throwaway CA and a server certificate for 127.0.0.1, made with the openssl CLI."""
+    directory.mkdir(parents=True, exist_ok=True)
+    ca, ca_key = directory / "ca.crt", directory / "ca.key"
+    cert, key, csr = directory / "server.crt", directory / "server.key", directory / "server.csr"
+    ext = directory / "san.ext"
+    ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+
+    def ossl(*args: str) -> None:
+        subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
+
+    ossl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=kvtier-test-ca",
+         "-keyout", str(ca_key), "-out", str(ca))
+    ossl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1",
+         "-keyout", str(key), "-out", str(csr))
+    ossl("x509", "-req", "-in", str(csr), "-CA", str(ca), "-CAkey", str(ca_key),
+         "-CAcreateserial", "-days", "2", "-extfile", str(ext), "-out", str(cert))
+    return TlsFiles(ca=ca, cert=cert, key=key)
 
 
 def cli(port: int, *args: str, timeout_s: float = 10.0) -> str:
@@ -93,15 +129,18 @@ class RedisServer:
     """One redis-server process on a free loopback port, in its own directory."""
 
     def __init__(self, directory: Path, port: int | None = None,
-                 extra_args: tuple[str, ...] = ()) -> None:
+                 extra_args: tuple[str, ...] = (), tls: TlsFiles | None = None,
+                 password: str | None = None) -> None:
         self.directory = directory
         self.port = port if port is not None else free_port()
         self.extra_args = extra_args
+        self.tls = tls  # TLS only (no plain port) when set
+        self.password = password  # `requirepass` of the default user when set
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"{'rediss' if self.tls else 'redis'}://127.0.0.1:{self.port}/0"
 
     @property
     def alive(self) -> bool:
@@ -111,8 +150,15 @@ class RedisServer:
         if self.alive:
             raise RuntimeError(f"redis-server on port {self.port} is already running")
         self.directory.mkdir(parents=True, exist_ok=True)
+        ports = ["--port", str(self.port)]
+        if self.tls is not None:
+            ports = ["--port", "0", "--tls-port", str(self.port),
+                     "--tls-cert-file", str(self.tls.cert), "--tls-key-file", str(self.tls.key),
+                     "--tls-ca-cert-file", str(self.tls.ca), "--tls-auth-clients", "optional"]
+        if self.password is not None:
+            ports += ["--requirepass", self.password]
         args = [
-            "redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
+            "redis-server", *ports, "--bind", "127.0.0.1",
             "--dir", str(self.directory), "--save", "", "--appendonly", "no",
             "--daemonize", "no", "--protected-mode", "no",
             "--logfile", str(self.directory / "redis.log"),
@@ -126,7 +172,7 @@ class RedisServer:
                 log = (self.directory / "redis.log")
                 tail = log.read_text()[-400:] if log.exists() else ""
                 raise RuntimeError(f"redis-server on port {self.port} exited at start: {tail}")
-            if _ping(self.port):
+            if _ping(self.port, tls=self.tls):
                 return self
             time.sleep(0.02)
         self.stop()
@@ -173,7 +219,13 @@ class RedisServer:
         return self.start()
 
     def cli(self, *args: str) -> str:
-        return cli(self.port, *args)
+        pre: list[str] = []
+        if self.tls is not None:
+            pre = ["--tls", "--cacert", str(self.tls.ca)]
+        if self.password is not None:
+            pre += ["--pass", self.password, "--no-auth-warning"]
+        return cli(self.port, *pre, *args)
+
 
 
 class RedisClusterServers:
@@ -220,10 +272,14 @@ class RedisClusterServers:
 
 
 @contextlib.contextmanager
-def redis_server(*extra_args: str) -> Iterator[RedisServer]:
-    """A running standalone server in a temp dir; stopped and removed on exit."""
+def redis_server(*extra_args: str, tls: bool = False,
+                 password: str | None = None) -> Iterator[RedisServer]:
+    """A running standalone server in a temp dir (TLS-only with a throwaway CA when `tls`,
+    AUTH required when `password`); stopped and removed on exit."""
     with tempfile.TemporaryDirectory(prefix="kvtier-redis-") as d:
-        srv = RedisServer(Path(d), extra_args=tuple(extra_args)).start()
+        files = make_tls_files(Path(d) / "tls") if tls else None
+        srv = RedisServer(Path(d), extra_args=tuple(extra_args), tls=files,
+                          password=password).start()
         try:
             yield srv
         finally:

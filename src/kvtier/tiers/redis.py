@@ -162,7 +162,7 @@ class RedisTier(Tier):
                 raise
             if is_connection_error(exc):
                 self._breaker.failure(exc)
-                self._drop_client_if_cluster()
+                self._drop_client()
             else:
                 self._log.warn("error", f"redis tier call failed: {exc!r}")
                 self._count("errors")
@@ -172,16 +172,16 @@ class RedisTier(Tier):
         conn_errors = [r for r in results if isinstance(r, Exception) and is_connection_error(r)]
         if conn_errors:
             self._breaker.failure(conn_errors[0])
-            self._drop_client_if_cluster()
+            self._drop_client()
         else:
             self._breaker.success()
         return list(results)
 
-    def _drop_client_if_cluster(self) -> None:
-        # A cluster client caches the slot map; after a node failure it is rebuilt from scratch
-        # on the next allowed call rather than trusting a map that may have changed.
-        if self.options.is_cluster:
-            self.close()
+    def _drop_client(self) -> None:
+        # After a connection failure the pool's idle connections (and a cluster client's slot
+        # map) are stale; the next allowed call builds a fresh client rather than spending one
+        # more failed try per stale connection.
+        self.close()
 
     def close(self) -> None:
         client, self._client = self._client, None
@@ -299,7 +299,7 @@ class RedisTier(Tier):
         except Exception as exc:  # noqa: BLE001
             if is_connection_error(exc):
                 self._breaker.failure(exc)
-                self._drop_client_if_cluster()
+                self._drop_client()
             return []
         self._breaker.success()
         return names

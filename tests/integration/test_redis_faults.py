@@ -1,0 +1,298 @@
+"""The redis tier against a real redis-server that fails: down at start, killed mid-run and
+restarted, hung (SIGSTOP), evicting under maxmemory, refusing writes (noeviction), and payloads
+that are half-written, foreign or gone between lookup and load. Every case is a counted miss or
+skipped save, one log line, never an exception and never wrong bytes; the tier comes back by
+itself once its backoff deadline passes."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import redis
+import torch
+
+from kvtier.payload import ChunkHeader, encode_header, make_header, seal
+from kvtier.tiers.redis import RedisOptions, RedisTier
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from redis_servers import RedisServer, free_port, redis_server  # noqa: E402
+
+NS = "5a5a5a5a01234567"
+LOGGER = "kvtier.tiers.redis"
+
+
+class FakeClock:
+    """The breaker's clock: tests move time instead of sleeping through backoffs."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def hdr(i: int, nbytes: int = 4096, group: int = 0) -> ChunkHeader:
+    return make_header(NS, i.to_bytes(4, "little") * 8, group, 64 * i, 64 * (i + 1), nbytes)
+
+
+def data(i: int, nbytes: int = 4096) -> torch.Tensor:
+    g = torch.Generator().manual_seed(i)
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
+
+
+def write(tier: RedisTier, ids: range, nbytes: int = 4096) -> list[bool]:
+    return tier.write_many([(0, 0, hdr(i, nbytes), data(i, nbytes)) for i in ids])
+
+
+def read(tier: RedisTier, ids: range, nbytes: int = 4096) -> tuple[list[bool], list[torch.Tensor]]:
+    outs = [torch.zeros(nbytes, dtype=torch.uint8) for _ in ids]
+    ok = tier.read_many([(0, 0, hdr(i, nbytes), o) for i, o in zip(ids, outs)])
+    return ok, outs
+
+
+def warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name == LOGGER and r.levelno >= logging.WARNING]
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def server(tmp_path: Path):
+    srv = RedisServer(tmp_path / "redis").start()
+    yield srv
+    srv.stop()
+
+
+def make(url: str, clock: FakeClock, **opts: object) -> RedisTier:
+    opts.setdefault("socket_timeout_s", 0.3)
+    opts.setdefault("connect_timeout_s", 0.3)
+    return RedisTier(RedisOptions(url=url, backoff_initial_s=1.0, backoff_max_s=8.0, **opts),
+                     namespace_id=NS, clock=clock)
+
+
+def test_down_at_start_then_comes_up(tmp_path: Path, clock: FakeClock,
+                                     caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    srv = RedisServer(tmp_path / "late")  # port reserved, nothing listening yet
+    tier = make(srv.url, clock)
+    for _ in range(20):  # inference goes on: every call is a value, not an exception
+        assert write(tier, range(3)) == [False] * 3
+        assert tier.exists_many([hdr(0)]) == [False]
+        assert read(tier, range(2))[0] == [False, False]
+    m = tier.metrics()
+    assert m["up"] is False and m["connection_failures"] == 1  # one try, then the breaker skips
+    assert m["failed_writes"] == 60 and m["misses"] == 40 and m["writes"] == 0
+    assert len(warnings(caplog)) == 1 and "unreachable" in warnings(caplog)[0]
+    srv.start()
+    try:
+        assert write(tier, range(1)) == [False]  # still inside the 1 s backoff: not even tried
+        clock.advance(1.01)
+        assert write(tier, range(3)) == [True] * 3
+        ok, outs = read(tier, range(3))
+        assert ok == [True] * 3 and all(torch.equal(o, data(i)) for i, o in enumerate(outs))
+        assert tier.up and "is back" in warnings(caplog)[-1] and len(warnings(caplog)) == 2
+    finally:
+        srv.stop()
+        tier.close()
+
+
+def test_killed_mid_run_then_restarted(server: RedisServer, clock: FakeClock,
+                                       caplog: pytest.LogCaptureFixture) -> None:
+    tier = make(server.url, clock)
+    assert write(tier, range(4)) == [True] * 4
+    server.kill()  # SIGKILL
+    ok, _ = read(tier, range(4))
+    assert ok == [False] * 4
+    failures = tier.metrics()["connection_failures"]
+    clock.advance(1.01)  # the next try fails too: the backoff doubles (1 s -> 2 s)
+    assert write(tier, range(4, 6)) == [False, False]
+    assert tier.metrics()["connection_failures"] == failures + 1
+    clock.advance(1.01)
+    assert write(tier, range(4, 6)) == [False, False]  # 1 s later: inside the 2 s backoff
+    assert tier.metrics()["connection_failures"] == failures + 1
+    server.start()  # same port, empty (persistence is off)
+    clock.advance(1.01)
+    assert write(tier, range(4, 6)) == [True, True]
+    ok, outs = read(tier, range(6))
+    assert ok == [False] * 4 + [True] * 2  # what died with the server is a miss
+    assert torch.equal(outs[5], data(5))
+    assert len(warnings(caplog)) == 2  # "unreachable" once, "is back" once
+    tier.close()
+
+
+def test_hung_server_costs_one_timeout_not_a_stall(server: RedisServer, clock: FakeClock) -> None:
+    tier = make(server.url, clock, socket_timeout_s=0.2)
+    assert write(tier, range(2)) == [True, True]
+    server.pause()  # SIGSTOP: the socket accepts, nothing answers
+    try:
+        t0 = time.monotonic()
+        assert read(tier, range(2))[0] == [False, False]
+        first_s = time.monotonic() - t0
+        t0 = time.monotonic()
+        for _ in range(50):
+            assert read(tier, range(2))[0] == [False, False]
+            assert write(tier, range(2, 3)) == [False]
+        skipped_s = time.monotonic() - t0
+    finally:
+        server.resume()
+    assert 0.15 < first_s < 1.5, first_s  # one socket timeout, no redis-py retries
+    assert skipped_s < 0.5, skipped_s  # the breaker skips calls without touching the socket
+    clock.advance(1.01)
+    ok, outs = read(tier, range(2))
+    assert ok == [True, True] and torch.equal(outs[1], data(1))
+    tier.close()
+
+
+def test_evictions_under_maxmemory_are_misses_never_wrong_bytes(server: RedisServer,
+                                                                clock: FakeClock) -> None:
+    server.cli("config", "set", "maxmemory", "3mb")
+    server.cli("config", "set", "maxmemory-policy", "allkeys-lru")
+    tier = make(server.url, clock)
+    n, size = 60, 100_000  # 6 MB of payloads into 3 MB
+    assert all(write(tier, range(n), size))
+    present = tier.exists_many([hdr(i, size) for i in range(n)])
+    assert 0 < sum(present) < n  # Redis evicted some, kept some
+    ok, outs = read(tier, range(n), size)
+    assert sum(ok) > 0
+    for i in range(n):
+        if ok[i]:
+            assert torch.equal(outs[i], data(i, size))
+    assert tier.metrics()["vanished"] == n - sum(ok) and tier.up
+    tier.close()
+
+
+def test_noeviction_full_server_fails_saves_without_tripping(server: RedisServer,
+                                                            clock: FakeClock) -> None:
+    server.cli("config", "set", "maxmemory", "2mb")
+    server.cli("config", "set", "maxmemory-policy", "noeviction")
+    tier = make(server.url, clock)
+    ok = write(tier, range(40), 100_000)
+    assert ok[0] and not all(ok)  # OOM replies once full
+    m = tier.metrics()
+    assert m["failed_writes"] == ok.count(False) and m["up"] is True  # reads still served
+    got, outs = read(tier, range(1), 100_000)
+    assert got == [True] and torch.equal(outs[0], data(0, 100_000))
+    tier.close()
+
+
+def test_evicted_between_lookup_and_load(server: RedisServer, clock: FakeClock) -> None:
+    tier = make(server.url, clock)
+    write(tier, range(3))
+    assert tier.exists_many([hdr(i) for i in range(3)]) == [True] * 3
+    other = redis.Redis.from_url(server.url)
+    other.delete(tier.key(hdr(1)))  # another process, or Redis's LRU, removes it meanwhile
+    other.close()
+    ok, outs = read(tier, range(3))
+    assert ok == [True, False, True]
+    assert torch.equal(outs[0], data(0)) and torch.equal(outs[2], data(2))
+    assert tier.metrics()["vanished"] == 1 and tier.corrupt_dropped == 0
+    tier.close()
+
+
+@pytest.mark.parametrize("damage", ["header_only", "truncated", "flipped", "bad_magic", "foreign"])
+def test_half_written_or_foreign_payload_is_a_miss_and_removed(
+        server: RedisServer, clock: FakeClock, damage: str,
+        caplog: pytest.LogCaptureFixture) -> None:
+    tier = make(server.url, clock)
+    h, d = hdr(7), data(7)
+    sealed = seal(h, d)
+    good = encode_header(sealed) + d.numpy().tobytes()
+    bad = {
+        "header_only": good[:128],
+        "truncated": good[:-1000],
+        "flipped": good[:2000] + bytes([good[2000] ^ 1]) + good[2001:],
+        "bad_magic": b"XXXX" + good[4:],
+        "foreign": encode_header(seal(hdr(8), data(8))) + data(8).numpy().tobytes(),
+    }[damage]
+    r = redis.Redis.from_url(server.url)
+    r.set(tier.key(h), bad)
+    out = torch.zeros(4096, dtype=torch.uint8)
+    assert tier.read(0, 0, h, out) is False
+    assert tier.corrupt_dropped == 1 and tier.misses == 1
+    assert r.exists(tier.key(h)) == 0  # dropped, so no other process trips on it
+    assert len(warnings(caplog)) == 1 and "bad payload" in warnings(caplog)[0]
+    r.close()
+    tier.close()
+
+
+def test_corrupt_payloads_log_one_line_not_a_flood(server: RedisServer, clock: FakeClock,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    tier = make(server.url, clock)
+    r = redis.Redis.from_url(server.url)
+    for i in range(30):
+        r.set(tier.key(hdr(i)), b"garbage" * 100)
+    assert read(tier, range(30))[0] == [False] * 30
+    assert tier.corrupt_dropped == 30 and len(warnings(caplog)) == 1
+    r.close()
+    tier.close()
+
+
+def test_ttl_and_touch_on_hit(server: RedisServer, clock: FakeClock) -> None:
+    tier = make(server.url, clock, ttl_s=30.0)
+    write(tier, range(1))
+    r = redis.Redis.from_url(server.url)
+    key = tier.key(hdr(0))
+    assert 25_000 < r.pttl(key) <= 30_000
+    r.pexpire(key, 5_000)
+    assert read(tier, range(1))[0] == [True]
+    assert r.pttl(key) > 25_000  # a hit renews the TTL (LRU-like expiry across processes)
+    r.close()
+    tier.close()
+
+
+def test_budget_bounds_bytes_per_ttl_window(server: RedisServer, clock: FakeClock) -> None:
+    wall = FakeClock()
+    budget = 3 * (4096 + 128)  # three payloads with their headers
+    opts = RedisOptions(url=server.url, ttl_s=8.0, budget_bytes=budget)
+    a = RedisTier(opts, namespace_id=NS, clock=clock, wall_clock=wall)
+    b = RedisTier(opts, namespace_id=NS, clock=clock, wall_clock=wall)  # another process
+    assert write(a, range(2)) == [True, True]
+    assert write(b, range(2, 5)) == [True, False, False]  # b sees a's bytes in Redis
+    assert b.metrics()["budget_skipped"] == 2 and b.failed_writes == 2
+    r = redis.Redis.from_url(server.url)
+    assert 0 < r.pttl(a.key(hdr(0))) <= 8_000  # hits do not renew TTLs under a budget
+    wall.advance(8.0 * 1.25 + 2.0)  # the window of those writes has passed (they expired)
+    assert write(a, range(5, 7)) == [True, True]
+    r.close()
+    a.close()
+    b.close()
+
+
+def test_auth_and_tls(tmp_path: Path, clock: FakeClock) -> None:
+    with redis_server(tls=True, password="s3cret") as srv:
+        assert srv.tls is not None
+        srv.cli("acl", "setuser", "kv", "on", ">pw2", "~kvtier:*", "+@all")
+        for user, pw in ((None, "s3cret"), ("kv", "pw2")):
+            tier = make(srv.url, clock, username=user, password=pw,
+                        tls_ca_path=str(srv.tls.ca))
+            assert write(tier, range(2)) == [True, True]
+            ok, outs = read(tier, range(2))
+            assert ok == [True, True] and torch.equal(outs[1], data(1))
+            tier.close()
+        wrong = make(srv.url, clock, password="nope", tls_ca_path=str(srv.tls.ca))
+        assert write(wrong, range(1)) == [False]  # refused: a counted failure, one log line
+        assert wrong.metrics()["up"] is False and "Authentication" in wrong.last_error
+        wrong.close()
+        untrusted = make(srv.url, clock, password="s3cret")  # no CA: certificate not trusted
+        assert write(untrusted, range(1)) == [False]
+        untrusted.close()
+
+
+def test_nothing_listening_is_fast(clock: FakeClock) -> None:
+    tier = make(f"redis://127.0.0.1:{free_port()}/0", clock)
+    t0 = time.monotonic()
+    for _ in range(1000):
+        tier.exists_many([hdr(0)])
+    assert time.monotonic() - t0 < 1.0  # one refused connect, then the breaker answers
+    tier.close()
