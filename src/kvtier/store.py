@@ -1,0 +1,475 @@
+"""The store: lookup / load / save of chunk payloads across tiers, the facade integrations use.
+
+Tier order is fastest first: `cpu` -> `disk` -> shared key-addressed tiers (`redis`). The
+index (`kvtier.index`) knows which (chunk hash, group) sits in which cpu/disk slot; shared
+tiers are asked at lookup, once per prompt, with one batched `exists_many` for the chunks the
+local index lacks.
+
+- lookup(chunk_hashes, prompt_tokens) -> Hit: the largest T every cacheable group can
+  restore (plan rules), and per group the chunks to load, each from the first tier holding it.
+- load(hit, buffers) -> tokens restored. Each payload is read into the caller's buffer
+  `buffers[(group, chunk_index)]` and checked (disk and redis: header + checksum). A missing or
+  bad payload is dropped from its tier and the index (counted) and the hit shrinks to the
+  largest T every group can still restore from what was read, so wrong KV is never used.
+  A chunk read from disk/redis is promoted (copied up to cpu) when a cpu tier exists.
+- save(chunk_hashes, payloads, num_tokens): stores only what `plan.store_chunks` says some hit
+  reads, only the leading chunks the admission policy admits, skips chunks already held.
+  Write-back (default): saves go to the first slot tier; cpu evictions are demoted (written to
+  disk) before their slot is reused. Write-through: every slot tier gets the save. Shared tiers
+  are written at save time in one batch, so other processes see the chunk at once.
+  A failed write (ENOSPC, read-only directory, server down) is a counted failure, never an
+  exception: inference goes on.
+
+Restart: a disk tier's slots are listed and fed to `Index.rebuild`, so a restarted process
+keeps its cache. One lock serializes the calls (the index is not thread-safe).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvtier.errors import ConfigError
+from kvtier.index import Index, Load
+from kvtier.keys import Namespace, chunk_hashes as _chunk_hashes
+from kvtier.metrics import StoreMetrics, metrics_dict, register_prometheus
+from kvtier.payload import DTYPE_CODES, HASH_BYTES, ChunkHeader, make_header
+from kvtier.plan import Plan
+from kvtier.tiers.base import Tier, TierLayout
+from kvtier.tiers.cpu import CpuTier, as_u8
+from kvtier.tiers.disk import DiskTier
+
+log = logging.getLogger("kvtier.store")
+
+Buffers = Mapping[tuple[int, int], torch.Tensor] | Callable[[int, int], "torch.Tensor | None"]
+SHARED_SLOT = -1  # the slot of a Load from a key-addressed tier
+
+
+@dataclass(frozen=True, slots=True)
+class Hit:
+    """What a prompt can restore. `chunks[g]`: the loads of group g (chunk_index, tier, slot)."""
+
+    tokens: int
+    chunks: tuple[tuple[Load, ...], ...]
+    chunk_hashes: tuple[bytes, ...]
+    prompt_tokens: int
+
+    def buffers_needed(self) -> list[tuple[int, int]]:
+        return [(g, ld.chunk_index) for g, loads in enumerate(self.chunks) for ld in loads]
+
+
+def _getter(buffers: Buffers) -> Callable[[tuple[int, int]], object]:
+    if isinstance(buffers, Mapping):
+        return buffers.get
+    if callable(buffers):
+        return lambda key: buffers(*key)
+    raise ConfigError(f"buffers must be a mapping (group, chunk_index) -> tensor or a callable, not {type(buffers).__name__}")
+
+
+class Store:
+    """The tiered chunk store of one (plan, namespace). See the module docstring."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        namespace: Namespace,
+        *,
+        cpu_bytes: int | None = None,
+        disk_dir: str | os.PathLike[str] | None = None,
+        disk_bytes: int | None = None,
+        shared: Sequence[Tier] = (),
+        policy: str = "lru",
+        share: str | Mapping[str, float] = "proportional",
+        admission: object | None = None,
+        write_through: bool = False,
+        promote: bool = True,
+        fsync: str = "never",
+        pin_memory: bool | None = None,
+    ) -> None:
+        self.plan = plan
+        self.namespace = namespace
+        self.ns_id = namespace.id
+        if (disk_dir is None) != (disk_bytes is None):
+            raise ConfigError("give both disk_dir and disk_bytes for a disk tier, or neither")
+        capacities: dict[str, int] = {}
+        if cpu_bytes is not None:
+            capacities["cpu"] = cpu_bytes
+        if disk_bytes is not None:
+            capacities["disk"] = disk_bytes
+        for t in shared:
+            if not getattr(t, "shared", False):
+                raise ConfigError(f"tier {t.name!r} is slot-addressed; pass cpu_bytes/disk_dir instead of shared=")
+        if not capacities and not shared:
+            raise ConfigError("the store has no tier; give cpu_bytes, disk_dir + disk_bytes, or shared=[...]")
+        if admission is not None and not callable(getattr(admission, "admit", None)):
+            raise ConfigError(f"admission {admission!r} has no admit(chunk_hashes) method; use kvtier.admission.make_admission")
+        self.index: Index | None = Index(plan, capacities, policy=policy, share=share) if capacities else None
+        self.slot_tiers: dict[str, Tier] = {}
+        for name in capacities:
+            layout = self._layout(name)
+            if name == "cpu":
+                self.slot_tiers[name] = CpuTier(layout, pin_memory=pin_memory)
+            else:
+                assert disk_dir is not None
+                self.slot_tiers[name] = DiskTier(disk_dir, layout, self.ns_id, fsync=fsync)
+        self.shared: tuple[Tier, ...] = tuple(shared)
+        self.admission = admission
+        self.write_through = write_through
+        self.promote = promote
+        self.m = StoreMetrics()
+        self._lock = threading.RLock()
+        self._dtypes = [gp.group.dtype if gp.group.dtype in DTYPE_CODES else "uint8" for gp in plan.groups]
+        self.rebuilt = self._rebuild()
+
+    # -- construction helpers -------------------------------------------------------------
+    def _layout(self, tier: str) -> TierLayout:
+        assert self.index is not None
+        slots = tuple(self.index.slots(gp.index, tier) if gp.cacheable else 0 for gp in self.plan.groups)
+        sizes = tuple(gp.chunk_bytes if gp.cacheable else 0 for gp in self.plan.groups)
+        return TierLayout(slot_bytes=sizes, num_slots=slots)
+
+    def header(self, chunk_hash: bytes, group: int, chunk_index: int) -> ChunkHeader:
+        c = self.plan.chunk_tokens
+        return make_header(self.ns_id, chunk_hash, group, chunk_index * c, (chunk_index + 1) * c,
+                           self.plan.groups[group].chunk_bytes, self._dtypes[group])
+
+    def _rebuild(self) -> int:
+        """Feed what persistent slot tiers hold to the index; free what it refuses."""
+        count = 0
+        for name, tier in self.slot_tiers.items():
+            if not tier.persistent or self.index is None:
+                continue
+            c = self.plan.chunk_tokens
+            entries, bad = [], []
+            for g, slot, h in tier.list():
+                gp = self.plan.groups[g]
+                if (not gp.cacheable or h.payload_bytes != gp.chunk_bytes or h.token_end - h.token_start != c
+                        or h.token_start % c or h.dtype != self._dtypes[g]):
+                    bad.append((g, slot))
+                    continue
+                entries.append((h.chunk_hash, g, name, slot))
+            refused = self.index.rebuild(entries)
+            bad.extend((e.group, e.slot) for e in refused)
+            for g, slot in bad:
+                tier.free(g, slot)
+            count += len(entries) - len(refused)
+        return count
+
+    # -- lookup ---------------------------------------------------------------------------
+    def lookup(self, chunk_hashes: Sequence[bytes], prompt_tokens: int) -> Hit:
+        hashes = tuple(chunk_hashes)
+        with self._lock:
+            self.m.add("lookups")
+            self.m.add("lookup_tokens", prompt_tokens)
+            in_shared = self._shared_presence(hashes, prompt_tokens) if self.shared else {}
+            if not in_shared and self.index is not None:
+                ih = self.index.lookup(hashes, prompt_tokens)
+                hit = Hit(ih.tokens, ih.chunks, hashes, prompt_tokens)
+            else:
+                hit = self._lookup_with_shared(hashes, prompt_tokens, in_shared)
+            if hit.tokens:
+                self.m.add("hit_lookups")
+                self.m.add("hit_tokens", hit.tokens)
+            return hit
+
+    def lookup_tokens(self, token_ids: Sequence[int], extra_keys: Sequence[object] = ()) -> Hit:
+        """`lookup` from token ids (hashes with kvtier.keys in this store's namespace)."""
+        return self.lookup(self.hashes(token_ids, extra_keys), len(token_ids))
+
+    def hashes(self, token_ids: Sequence[int], extra_keys: Sequence[object] = ()) -> list[bytes]:
+        return _chunk_hashes(self.plan, self.namespace, token_ids, extra_keys)
+
+    def _local(self, h: bytes, g: int) -> tuple[str, int] | None:
+        if self.index is None:
+            return None
+        where = self.index.where(h, g)
+        return where[0] if where else None
+
+    def _shared_presence(self, hashes: tuple[bytes, ...], prompt_tokens: int) -> dict[tuple[int, int], Tier]:
+        """(group, chunk) -> shared tier, for chunks the local index lacks; one query per tier."""
+        n = min(len(hashes), self.plan.max_hit_tokens(prompt_tokens) // self.plan.chunk_tokens)
+        wanted = [(gp.index, i) for gp in self.plan.cacheable_groups for i in range(n)
+                  if self._local(hashes[i], gp.index) is None]
+        found: dict[tuple[int, int], Tier] = {}
+        for tier in self.shared:
+            ask = [k for k in wanted if k not in found]
+            if not ask:
+                break
+            self.m.add("shared_exists_queries")
+            try:
+                present = tier.exists_many([self.header(hashes[i], g, i) for g, i in ask])
+            except Exception as exc:  # a shared tier going away is a miss, not an error
+                log.warning("shared tier %s: exists_many failed: %s", tier.name, exc)
+                continue
+            for k, yes in zip(ask, present):
+                if yes:
+                    found[k] = tier
+        return found
+
+    def _lookup_with_shared(self, hashes: tuple[bytes, ...], prompt_tokens: int,
+                            in_shared: dict[tuple[int, int], Tier]) -> Hit:
+        def has(g: int, i: int) -> bool:
+            return i < len(hashes) and ((g, i) in in_shared or self._local(hashes[i], g) is not None)
+
+        tokens = self.plan.best_hit(prompt_tokens, has)
+        chunks: list[tuple[Load, ...]] = []
+        for gp in self.plan.groups:
+            loads = []
+            for i in self.plan.chunks_for_hit(gp.index, tokens):
+                where = self._local(hashes[i], gp.index)
+                if where is not None:
+                    assert self.index is not None
+                    self.index.touch(hashes[i], gp.index, where[0])
+                    loads.append(Load(i, hashes[i], where[0], where[1]))
+                else:
+                    loads.append(Load(i, hashes[i], in_shared[(gp.index, i)].name, SHARED_SLOT))
+            chunks.append(tuple(loads))
+        return Hit(tokens, tuple(chunks), hashes, prompt_tokens)
+
+    # -- load -----------------------------------------------------------------------------
+    def load(self, hit: Hit, buffers: Buffers) -> int:
+        """Fill the caller's buffers for `hit`; returns the tokens every group restored."""
+        if hit.tokens == 0:
+            return 0
+        get = _getter(buffers)
+        plan = self.plan
+        ok: set[tuple[int, int]] = set()
+        bad: set[tuple[int, int]] = set()
+        with self._lock:
+            tokens = hit.tokens
+            for _ in range(4 * len(plan.groups) + 4):  # each round loads or drops something
+                for gp in plan.cacheable_groups:
+                    for i in plan.chunks_for_hit(gp.index, tokens):
+                        if (gp.index, i) in ok or (gp.index, i) in bad:
+                            continue
+                        if self._load_one(hit.chunk_hashes, gp.index, i, get):
+                            ok.add((gp.index, i))
+                        else:
+                            bad.add((gp.index, i))
+                got = plan.best_hit(tokens + 1, lambda g, i: (g, i) in ok)
+                if got == tokens:
+                    break
+                # something was bad: the best hit below `tokens` from what is still available
+                tokens = plan.best_hit(
+                    tokens + 1,
+                    lambda g, i: (g, i) in ok or ((g, i) not in bad and self._available(hit, g, i, get)),
+                )
+            else:  # pragma: no cover - bounded by construction
+                tokens = plan.best_hit(tokens + 1, lambda g, i: (g, i) in ok)
+            self.m.add("restored_tokens", tokens)
+            return tokens
+
+    def load_tokens(self, token_ids: Sequence[int], buffers: Buffers, extra_keys: Sequence[object] = ()) -> int:
+        return self.load(self.lookup_tokens(token_ids, extra_keys), buffers)
+
+    def _available(self, hit: Hit, g: int, i: int, get: Callable[[tuple[int, int]], object]) -> bool:
+        if i >= len(hit.chunk_hashes) or get((g, i)) is None:
+            return False
+        h = hit.chunk_hashes[i]
+        return self._local(h, g) is not None or any(t.exists_many([self.header(h, g, i)])[0] for t in self.shared)
+
+    def _load_one(self, hashes: tuple[bytes, ...], g: int, i: int, get: Callable[[tuple[int, int]], object]) -> bool:
+        out = get((g, i))
+        if out is None:
+            return False
+        h = hashes[i]
+        header = self.header(h, g, i)
+        out_u8 = as_u8(out) if isinstance(out, torch.Tensor) else out
+        where = self._local(h, g)
+        if where is not None:
+            tier_name, slot = where
+            assert self.index is not None
+            if not self.index.pin(h, g, tier_name):
+                return False
+            try:
+                good = self._timed_read(self.slot_tiers[tier_name], g, slot, header, out_u8)
+            finally:
+                self.index.unpin(h, g, tier_name)
+            if not good:
+                self.index.remove(h, g, tier_name)
+                return False
+            if tier_name != "cpu" and self.promote:
+                self._promote(h, g, header, out_u8)
+            return True
+        for tier in self.shared:
+            if self._timed_read(tier, g, SHARED_SLOT, header, out_u8):
+                if self.promote and self.index is not None:
+                    self._promote(h, g, header, out_u8)
+                return True
+        return False
+
+    def _timed_read(self, tier: Tier, g: int, slot: int, header: ChunkHeader, out: object) -> bool:
+        before = tier.corrupt_dropped
+        t0 = time.perf_counter()
+        try:
+            good = tier.read(g, slot, header, out)
+        except OSError as exc:  # a tier that fails under us is a miss
+            log.warning("tier %s: read failed: %s", tier.name, exc)
+            good = False
+        d = self.m.tg(tier.name, g)
+        d["load_seconds"] += time.perf_counter() - t0
+        if good:
+            d["load_chunks"] += 1
+            d["load_bytes"] += header.payload_bytes
+        else:
+            d["load_misses"] += 1
+            self.m.add("corrupt_dropped", tier.corrupt_dropped - before)
+        return good
+
+    def _promote(self, h: bytes, g: int, header: ChunkHeader, data: object) -> None:
+        first = next(iter(self.slot_tiers), None)
+        if first is None or self.index is None or self.index.contains(h, g, first):
+            return
+        if self._store_in(first, h, g, header, data):
+            self.m.add("promotions")
+
+    # -- save -----------------------------------------------------------------------------
+    def save(self, chunk_hashes: Sequence[bytes], payloads: Buffers, num_tokens: int) -> int:
+        """Store the chunks worth storing; returns how many (group, chunk) payloads were written."""
+        get = _getter(payloads)
+        plan = self.plan
+        with self._lock:
+            n = min(len(chunk_hashes), num_tokens // plan.chunk_tokens)
+            if self.admission is not None:
+                admitted = int(self.admission.admit(list(chunk_hashes[:n])))  # type: ignore[attr-defined]
+                self.m.add("not_admitted", n - min(n, admitted))
+                n = min(n, admitted)
+            # anchors (full/mla) first, so a dependent chunk is never stored ahead of its prefix
+            order = sorted(plan.cacheable_groups, key=lambda gp: gp.kind not in ("full", "mla"))
+            wanted = {gp.index: set(plan.store_chunks(gp.index, n * plan.chunk_tokens)) for gp in order}
+            stored = 0
+            shared_batch: list[tuple[int, int, ChunkHeader, object]] = []
+            for i in range(n):
+                h = chunk_hashes[i]
+                for gp in order:
+                    g = gp.index
+                    if i not in wanted[g]:
+                        continue
+                    data = get((g, i))
+                    if data is None:
+                        continue
+                    data = as_u8(data) if isinstance(data, torch.Tensor) else data
+                    header = self.header(h, g, i)
+                    if data.numel() != header.payload_bytes:  # type: ignore[attr-defined]
+                        raise ConfigError(
+                            f"payload of group {g} chunk {i} has {data.numel()} bytes; the plan "  # type: ignore[attr-defined]
+                            f"says {header.payload_bytes} (plan.groups[{g}].chunk_bytes)")
+                    stored += self._save_one(h, g, header, data)
+                    if self.shared:
+                        shared_batch.append((g, SHARED_SLOT, header, data))
+            for tier in self.shared:
+                if shared_batch:
+                    stored += self._shared_write(tier, shared_batch)
+            return stored
+
+    def save_tokens(self, token_ids: Sequence[int], payloads: Buffers, extra_keys: Sequence[object] = ()) -> int:
+        return self.save(self.hashes(token_ids, extra_keys), payloads, len(token_ids))
+
+    def _save_one(self, h: bytes, g: int, header: ChunkHeader, data: object) -> int:
+        if self.index is None:
+            return 0
+        if any(self.index.contains(h, g, t) for t in self.slot_tiers):
+            self.m.add("skipped_saves")
+            for t in self.slot_tiers:
+                self.index.touch(h, g, t)
+            return 0
+        targets = list(self.slot_tiers) if self.write_through else list(self.slot_tiers)[:1]
+        return sum(self._store_in(t, h, g, header, data) for t in targets)
+
+    def _store_in(self, tier_name: str, h: bytes, g: int, header: ChunkHeader, data: object) -> int:
+        """reserve -> demote the evicted -> write -> commit/abort; 1 if written."""
+        assert self.index is not None
+        res = self.index.reserve(h, g, tier_name)
+        if res.slot is None:
+            if res.status != "present":
+                self.m.add("failed_saves")
+                self.m.tg(tier_name, g)["save_failures"] += 1
+            return 0
+        tier = self.slot_tiers[tier_name]
+        for ev in res.evicted:
+            self._demote(tier_name, ev.chunk_hash, ev.group, ev.slot, ev.dead)
+        t0 = time.perf_counter()
+        try:
+            good = tier.write(g, res.slot, header, data)
+        except OSError as exc:
+            log.warning("tier %s: write failed: %s", tier_name, exc)
+            good = False
+        d = self.m.tg(tier_name, g)
+        d["save_seconds"] += time.perf_counter() - t0
+        if not good:
+            self.index.abort(h, g, tier_name)
+            self.m.add("failed_saves")
+            d["save_failures"] += 1
+            return 0
+        self.index.commit(h, g, tier_name)
+        d["save_chunks"] += 1
+        d["save_bytes"] += header.payload_bytes
+        return 1
+
+    def _demote(self, tier_name: str, h: object, g: int, slot: int, dead: bool) -> None:
+        """Copy an entry evicted from `tier_name` down to the next slot tier (write-back)."""
+        names = list(self.slot_tiers)
+        k = names.index(tier_name)
+        if dead or k + 1 >= len(names) or not isinstance(h, bytes):
+            return
+        assert self.index is not None
+        lower = names[k + 1]
+        if self.index.contains(h, g, lower):
+            return
+        src = self.slot_tiers[tier_name]
+        if not isinstance(src, CpuTier):
+            return
+        old = src.header(g, slot)
+        if old is None or old.key != (h.ljust(HASH_BYTES, b"\0"), g):
+            return
+        if self._store_in(lower, h, g, old, src.view(g, slot, old.payload_bytes)):
+            self.m.add("demotions")
+
+    def _shared_write(self, tier: Tier, batch: list[tuple[int, int, ChunkHeader, object]]) -> int:
+        t0 = time.perf_counter()
+        try:
+            results = tier.write_many(batch)
+        except Exception as exc:  # a shared tier going away is a counted failure
+            log.warning("shared tier %s: write failed: %s", tier.name, exc)
+            results = [False] * len(batch)
+        dt = time.perf_counter() - t0
+        for (g, _, header, _), good in zip(batch, results):
+            d = self.m.tg(tier.name, g)
+            d["save_seconds"] += dt / len(batch)
+            if good:
+                d["save_chunks"] += 1
+                d["save_bytes"] += header.payload_bytes
+            else:
+                d["save_failures"] += 1
+                self.m.add("failed_saves")
+        return sum(1 for r in results if r)
+
+    # -- metrics and lifecycle ------------------------------------------------------------
+    def metrics(self) -> dict[str, object]:
+        with self._lock:
+            ev: dict[tuple[str, int], int] = {}
+            if self.index is not None:
+                for name in self.slot_tiers:
+                    for gp in self.plan.cacheable_groups:
+                        c = self.index.counters(gp.index, name)
+                        ev[(name, gp.index)] = c["evictions"] + c["dead_evictions"]
+            return metrics_dict(self.m, [gp.name for gp in self.plan.groups], ev)
+
+    def register_prometheus(self, registry: object | None = None) -> object:
+        return register_prometheus(self.metrics, registry)
+
+    def close(self) -> None:
+        for t in (*self.slot_tiers.values(), *self.shared):
+            t.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
