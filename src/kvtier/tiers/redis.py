@@ -217,7 +217,7 @@ class RedisTier(Tier):
             self._write_namespace(ns, [(i, items[i][2], items[i][3]) for i in idx], ok)
         with self._lock:
             for (g, slot, h, _), stored in zip(items, ok):
-                if stored:
+                if stored and slot >= 0:  # a negative slot means "no slot" (store.SHARED_SLOT)
                     self._slot_headers[(g, slot)] = h
                     self._slot_headers.move_to_end((g, slot))
             while len(self._slot_headers) > SLOT_MEMORY:
