@@ -287,6 +287,7 @@ class _building:
     def __enter__(self) -> Path:
         self.target.parent.mkdir(parents=True, exist_ok=True)
         self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.target.name}.", dir=self.target.parent))
+        self.tmp.chmod(0o755)  # mkdtemp makes it private; other users of the cache must read it
         return self.tmp
 
     def __exit__(self, exc_type, exc, tb) -> None:  # type: ignore[no-untyped-def]
