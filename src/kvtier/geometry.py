@@ -325,8 +325,14 @@ def load_geometry(
     p = Path(path)
     if p.is_dir():
         p = p / "config.json"
+        if not p.is_file():
+            raise ConfigError(
+                f"directory {str(path)!r} has no config.json; give a geometry JSON or a config.json"
+            )
     try:
-        text = p.read_text()
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"{str(path)!r} is not a UTF-8 text file; give a geometry JSON or a config.json") from None
     except FileNotFoundError:
         raise ConfigError(f"geometry file {str(path)!r} does not exist; give a geometry JSON or a config.json") from None
     except OSError as exc:

@@ -387,7 +387,18 @@ def geometry_from_hf_config(
         reader, defaults, source = _generic(text, model_type), {}, f"generic reading of model_type {model_type!r}"
     else:
         (reader, defaults), source = family, f"hf config.json, model_type {model_type!r}"
-    layers = reader(_Cfg(text, model_type, defaults), d)
+    try:
+        layers = reader(_Cfg(text, model_type, defaults), d)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
+        # A field of the wrong shape (a string where a list belongs, a list too short) is the
+        # caller's file, not a kvtier bug: one line naming it beats a traceback. The readers
+        # check the fields that matter one by one; this is the net for the rest.
+        raise ConfigError(
+            f"config.json of model_type {model_type!r} has a malformed field ({type(exc).__name__}: "
+            f"{exc}); check it against the model's published config.json"
+        ) from None
     groups = _group(layers, block, kv_dtype)
     name = str(config.get("_name_or_path") or model_type)
     return Geometry(groups=groups, tokens_per_hash=block, name=name,

@@ -83,31 +83,56 @@ def plan_json(plan: Plan, hit_tokens: int | None) -> dict[str, object]:
     }
 
 
-def vllm_warnings(geometry: Geometry) -> list[str]:
-    """Why vLLM's native OffloadingConnector would refuse or mis-chunk this geometry."""
+def vllm_warnings(plan: Plan) -> list[str]:
+    """Why vLLM's native offloading connector would refuse or mis-chunk this geometry.
+
+    vLLM 0.32 (`kv_connector/v1/offloading/config.py`) asserts that every group's tokens per
+    block is a multiple of the hash unit, turns a token `block_size` into blocks only when all
+    groups share one tokens per block, and takes one `blocks_per_chunk` for every group.
+    """
+    geometry = plan.geometry
     out = []
-    tpbs = sorted({g.tokens_per_block for g in geometry.cacheable_groups if not g.is_state})
+    tpbs = sorted({g.tokens_per_block for g in geometry.groups})
     if len(tpbs) > 1:
         out.append(
-            "vLLM's native offloading, given a token block_size, assumes one tokens-per-block for "
-            f"all groups; this geometry has {', '.join(map(str, tpbs))}: it would refuse or "
-            "chunk wrongly (use blocks_per_chunk, or kvtier's spec)"
+            "vLLM's native offloading, given a token block_size, needs one tokens-per-block for "
+            f"all groups; this geometry has {', '.join(map(str, tpbs))}: it would refuse it"
         )
     for g in geometry.groups:
-        if g.tokens_per_block < geometry.tokens_per_hash:
+        if g.tokens_per_block % geometry.tokens_per_hash:
+            smaller = "fewer than" if g.tokens_per_block < geometry.tokens_per_hash else "not a multiple of"
             out.append(
-                f"group {g.name!r} has {g.tokens_per_block} tokens per block, fewer than the hash "
+                f"group {g.name!r} has {g.tokens_per_block} tokens per block, {smaller} the hash "
                 f"unit ({geometry.tokens_per_hash}): vLLM's native offloading refuses such groups"
             )
+    if native_blocks_per_chunk(plan) is None:
+        counts = ", ".join(f"{gp.name}={gp.blocks_per_chunk}" for gp in plan.cacheable_groups
+                           if not gp.group.is_state)
+        out.append(
+            f"the groups need different blocks per chunk ({counts}); vLLM's single "
+            "blocks_per_chunk cannot express this plan, kvtier.chunk_tokens does"
+        )
     return out
 
 
+def native_blocks_per_chunk(plan: Plan) -> int | None:
+    """The one blocks_per_chunk vLLM's native setting would need, or None when groups differ."""
+    counts = {gp.blocks_per_chunk for gp in plan.cacheable_groups if not gp.group.is_state}
+    return counts.pop() if len(counts) == 1 else None
+
+
 def vllm_extra_config(plan: Plan) -> dict[str, object]:
-    return {
-        "spec_name": SPEC_NAME,
-        "spec_module_path": SPEC_MODULE,
-        "kvtier.chunk_tokens": plan.chunk_tokens,
-    }
+    """`kv_connector_extra_config` for kvtier's spec in vLLM, expressing this plan.
+
+    `kvtier.chunk_tokens` is what kvtier's spec reads; vLLM's own `blocks_per_chunk` is added
+    when one count fits every attention group (it is then the same chunk).
+    """
+    out: dict[str, object] = {"spec_name": SPEC_NAME, "spec_module_path": SPEC_MODULE}
+    bpc = native_blocks_per_chunk(plan)
+    if bpc is not None:
+        out["blocks_per_chunk"] = bpc
+    out["kvtier.chunk_tokens"] = plan.chunk_tokens
+    return out
 
 
 def _human_bytes(n: float) -> str:
@@ -122,7 +147,10 @@ def _table(rows: list[list[str]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = []
     for k, r in enumerate(rows):
-        lines.append("  ".join(c.rjust(w) if j >= 2 else c.ljust(w) for j, (c, w) in enumerate(zip(r, widths))).rstrip())
+        cells = zip(r, widths)
+        lines.append("  ".join(
+            c.rjust(w) if 2 <= j < len(r) - 1 else c.ljust(w) for j, (c, w) in enumerate(cells)
+        ).rstrip())
         if k == 0:
             lines.append("  ".join("-" * w for w in widths))
     return "\n".join(lines)
@@ -139,6 +167,7 @@ def render(plan: Plan, hit_tokens: int | None) -> str:
     rows = [["group", "kind", "layers", "tok/block", "blocks/chunk", "chunk bytes"]]
     if t is not None:
         rows[0].append(f"restore@{t}")
+    rows[0].append("note")
     for gp in plan.groups:
         kind = gp.kind
         if gp.group.window:
@@ -147,11 +176,16 @@ def render(plan: Plan, hit_tokens: int | None) -> str:
             kind += f"(A={gp.group.attention_chunk})"
         row = [
             gp.name, kind, str(gp.group.num_layers), str(gp.group.tokens_per_block),
-            str(gp.blocks_per_chunk) if gp.cacheable else "-",
-            _human_bytes(gp.chunk_bytes) if gp.cacheable else f"not cached: {gp.reason}",
+            str(gp.blocks_per_chunk) if gp.cacheable else "-", _human_bytes(gp.chunk_bytes),
         ]
         if t is not None:
             row.append(str(len(plan.chunks_for_hit(gp.index, t))) if gp.cacheable else "-")
+        if not gp.cacheable:
+            row.append(f"not cached: {gp.reason}")
+        elif gp.group.is_state:
+            row.append("one state checkpoint per chunk")
+        else:
+            row.append(gp.reason)
         rows.append(row)
     out.append(_table(rows))
     out.append("")
@@ -159,31 +193,35 @@ def render(plan: Plan, hit_tokens: int | None) -> str:
                "(one chunk of every cacheable group / chunk_tokens)")
     if t is not None:
         r, n = plan.restore_bytes(t), plan.naive_restore_bytes(t)
-        ratio = f" ({n / r:.1f}x less)" if r else ""
-        out.append(f"hit of {t} tokens restores {_human_bytes(r)}; a layout-blind restore moves "
-                   f"{_human_bytes(n)}{ratio}")
+        ratio = f", {n / r:.2f}x" if r else ""
+        out.append(f"hit of {t} tokens restores {_human_bytes(r)} ({r} B); restoring every chunk "
+                   f"of every group would move {_human_bytes(n)} ({n} B{ratio})")
     out.append("")
     out.append("vLLM kv_connector_extra_config for this plan:")
     out.append("  " + json.dumps(vllm_extra_config(plan)))
-    for w in vllm_warnings(g):
+    for w in vllm_warnings(plan):
         out.append(f"warning: {w}")
     return "\n".join(out)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.engine == "vllm":
-        from kvtier.integrations.vllm.geometry import geometry_from_vllm  # needs vllm
-
+        try:
+            from kvtier.integrations.vllm.geometry import geometry_from_vllm
+        except ImportError as exc:
+            raise ConfigError(
+                f"--engine vllm needs vLLM ({exc}); install kvtier[vllm] or use --engine hf"
+            ) from None
         geometry = geometry_from_vllm(args.geometry, dtype=args.dtype, block_size=args.block_size)
     else:
         geometry = load_geometry(args.geometry, dtype=args.dtype, block_size=args.block_size)
-    bpc = parse_blocks_per_chunk(args.blocks_per_chunk) if args.blocks_per_chunk else None
-    plan = make_plan(geometry, chunk_tokens=args.chunk_tokens, blocks_per_chunk=bpc)
     if args.hit_tokens is not None and args.hit_tokens < 0:
         raise ConfigError(f"--hit-tokens {args.hit_tokens} must be >= 0")
+    bpc = parse_blocks_per_chunk(args.blocks_per_chunk) if args.blocks_per_chunk is not None else None
+    plan = make_plan(geometry, chunk_tokens=args.chunk_tokens, blocks_per_chunk=bpc)
     if args.json:
         print(json.dumps(plan_json(plan, args.hit_tokens)))
-        for w in vllm_warnings(geometry):
+        for w in vllm_warnings(plan):
             print(f"warning: {w}", file=sys.stderr)
     else:
         print(render(plan, args.hit_tokens))
