@@ -110,6 +110,7 @@ class Store:
         if admission is not None and not callable(getattr(admission, "admit", None)):
             raise ConfigError(f"admission {admission!r} has no admit(chunk_hashes) method; use kvtier.admission.make_admission")
         self.index: Index | None = Index(plan, capacities, policy=policy, share=share) if capacities else None
+        self.m = StoreMetrics()
         self.slot_tiers: dict[str, Tier] = {}
         for name in capacities:
             layout = self._layout(name)
@@ -122,7 +123,6 @@ class Store:
         self.admission = admission
         self.write_through = write_through
         self.promote = promote
-        self.m = StoreMetrics()
         self._lock = threading.RLock()
         self._dtypes = [gp.group.dtype if gp.group.dtype in DTYPE_CODES else "uint8" for gp in plan.groups]
         self.rebuilt = self._rebuild()
@@ -158,6 +158,7 @@ class Store:
             bad.extend((e.group, e.slot) for e in refused)
             for g, slot in bad:
                 tier.free(g, slot)
+            self.m.add("corrupt_dropped", tier.corrupt_dropped + len(bad))
             count += len(entries) - len(refused)
         return count
 

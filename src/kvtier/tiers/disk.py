@@ -47,7 +47,7 @@ from kvtier.payload import (
     seal,
     verify,
 )
-from kvtier.tiers.base import SlotTier, TierLayout
+from kvtier.tiers.base import SlotTier, TierLayout, log
 
 FSYNC_POLICIES = ("never", "always")
 ALIGN_BYTES = 4096
@@ -189,14 +189,30 @@ class DiskTier(SlotTier):
             pass  # a slot we cannot zero still fails its header/checksum checks on read
 
     def list(self) -> Iterator[tuple[int, int, ChunkHeader]]:
-        """Valid headers of this namespace in the current layout, oldest first."""
+        """Valid headers of this namespace in the current layout, oldest first.
+
+        A slot whose header is bad (torn, flipped, newer format, another namespace or group)
+        is dropped as it is found and counted in `corrupt_dropped`: a restart cleans up.
+        """
         found: list[tuple[int, int, int, ChunkHeader]] = []
         for g, fd in enumerate(self._fds):
             if fd is None:
                 continue
             for s, h in _scan_fd(fd, self.strides[g], self.layout.num_slots[g]):
-                if isinstance(h, ChunkHeader) and h.namespace_id == self.namespace_id and h.group == g:
-                    found.append((h.created_ns, g, s, h))
+                if isinstance(h, Rejected):
+                    why: str | None = h.reason
+                elif h.namespace_id != self.namespace_id:
+                    why = f"foreign namespace {h.namespace_id}"
+                elif h.group != g:
+                    why = f"group {h.group} in group {g}'s file"
+                else:
+                    why = None
+                if why is not None:
+                    self.corrupt_dropped += 1
+                    log.warning("tier disk: dropped group %d slot %d at scan: %s", g, s, why)
+                    self.free(g, s)
+                    continue
+                found.append((h.created_ns, g, s, h))
         found.sort(key=lambda t: (t[0], t[1], t[2]))
         for _, g, s, h in found:
             yield g, s, h

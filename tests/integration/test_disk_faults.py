@@ -1,0 +1,139 @@
+"""Disk tier faults with real files: bad bytes, truncation, foreign and future slots.
+
+Each fault must end as a counted miss: the slot is dropped and its bytes never reach a buffer
+that the store reports as restored.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import zlib
+
+import torch
+
+from kvtier.geometry import Geometry, Group
+from kvtier.keys import Namespace
+from kvtier.payload import HEADER_BYTES
+from kvtier.plan import make_plan
+from kvtier.store import Store
+from kvtier.tiers.disk import scan_dir, slab_name, slot_stride
+
+C = 32
+GEOM = Geometry(
+    groups=(
+        Group("full", "full", num_layers=2, tokens_per_block=16, bytes_per_token_per_layer=64),
+        Group("ssm", "state", num_layers=1, tokens_per_block=16, state_bytes_per_layer=3000),
+    ),
+    tokens_per_hash=16,
+)
+PLAN = make_plan(GEOM, chunk_tokens=C)
+NS = Namespace("fault-model", GEOM.fingerprint(), "bfloat16")
+ROW = sum(gp.chunk_bytes for gp in PLAN.groups)
+TOKS = [(13 * i + 5) % 30000 for i in range(4 * C + 1)]  # 4 full chunks, hit up to 128
+
+
+def _payloads() -> dict[tuple[int, int], torch.Tensor]:
+    return {(gp.index, i): torch.full((gp.chunk_bytes,), 17 * gp.index + i, dtype=torch.uint8)
+            for gp in PLAN.groups for i in range(4)}
+
+
+def _filled(tmp_path) -> None:
+    with Store(PLAN, NS, disk_dir=tmp_path, disk_bytes=8 * ROW) as s:
+        assert s.save_tokens(TOKS, _payloads()) == 8
+
+
+def _slot_of(tmp_path, group: int, chunk_index: int) -> tuple[str, int]:
+    """(slab path, byte offset of the slot) holding chunk `chunk_index` of `group`."""
+    nbytes = PLAN.groups[group].chunk_bytes
+    path = tmp_path / NS.id / slab_name(group, nbytes)
+    for rec in scan_dir(tmp_path):
+        if rec.path == path and rec.header.token_start == chunk_index * C:
+            return str(path), rec.slot * slot_stride(nbytes)
+    raise AssertionError("chunk not found")
+
+
+def _restart_and_load(tmp_path) -> tuple[int, dict[str, object], dict]:
+    s = Store(PLAN, NS, disk_dir=tmp_path, disk_bytes=8 * ROW)
+    hit = s.lookup_tokens(TOKS)
+    bufs = {(gp.index, i): torch.zeros(gp.chunk_bytes, dtype=torch.uint8) for gp in PLAN.groups for i in range(4)}
+    got = s.load(hit, bufs)
+    want = _payloads()
+    for (g, i), b in bufs.items():
+        if i * C < got and (g == 0 or (i + 1) * C == got):
+            assert torch.equal(b, want[(g, i)]), f"restored wrong bytes for group {g} chunk {i}"
+    m = s.metrics()
+    again = s.lookup_tokens(TOKS).tokens
+    s.close()
+    return got, m, {"hit": hit.tokens, "again": again}
+
+
+def test_flipped_payload_byte(tmp_path) -> None:
+    _filled(tmp_path)
+    path, off = _slot_of(tmp_path, 0, 1)
+    with open(path, "r+b") as f:
+        f.seek(off + HEADER_BYTES + 1000)
+        b = f.read(1)
+        f.seek(off + HEADER_BYTES + 1000)
+        f.write(bytes([b[0] ^ 0x01]))
+    got, m, h = _restart_and_load(tmp_path)
+    assert (h["hit"], got, h["again"]) == (128, 32, 32)  # full chunk 1 bad -> 1 chunk left
+    assert m["corrupt_dropped"] == 1
+
+
+def test_flipped_header_byte(tmp_path) -> None:
+    _filled(tmp_path)
+    path, off = _slot_of(tmp_path, 1, 3)  # the state checkpoint at 128
+    with open(path, "r+b") as f:
+        f.seek(off + 60)  # token span end
+        f.write(b"\x7f")
+    got, m, h = _restart_and_load(tmp_path)
+    # the bad header is not listed at restart: the hit falls back to the checkpoint at 96
+    assert (h["hit"], got) == (96, 96)
+    assert [r.problem for r in scan_dir(tmp_path) if r.problem] == []  # dropped at restart
+    assert m["corrupt_dropped"] == 1
+
+
+def test_truncated_file(tmp_path) -> None:
+    _filled(tmp_path)
+    path, off = _slot_of(tmp_path, 0, 3)
+    size = os.path.getsize(path)
+    assert size == off + HEADER_BYTES + PLAN.groups[0].chunk_bytes  # chunk 3 is the last slot
+    os.truncate(path, off + HEADER_BYTES + 100)
+    got, m, h = _restart_and_load(tmp_path)
+    assert (h["hit"], got, h["again"]) == (128, 96, 96)
+    assert m["corrupt_dropped"] == 1
+
+
+def test_slot_from_another_namespace_is_never_restored(tmp_path) -> None:
+    _filled(tmp_path)
+    other = Namespace("fault-model", GEOM.fingerprint(), "float16")  # another dtype: another namespace
+    src = tmp_path / NS.id
+    dst = tmp_path / other.id
+    dst.mkdir()
+    for f in src.glob("*.slab"):
+        (dst / f.name).write_bytes(f.read_bytes())
+    with Store(PLAN, other, disk_dir=tmp_path, disk_bytes=8 * ROW) as s:
+        assert s.rebuilt == 0
+        assert s.metrics()["corrupt_dropped"] == 8  # every foreign slot dropped at restart
+        assert s.lookup_tokens(TOKS).tokens == 0
+    assert [r for r in scan_dir(tmp_path) if r.namespace_id == other.id] == []
+    # the owner still has all of its chunks
+    got, m, h = _restart_and_load(tmp_path)
+    assert (h["hit"], got, m["corrupt_dropped"]) == (128, 128, 0)
+
+
+def test_header_from_a_newer_format_version(tmp_path) -> None:
+    _filled(tmp_path)
+    path, off = _slot_of(tmp_path, 0, 0)
+    with open(path, "r+b") as f:
+        f.seek(off)
+        raw = bytearray(f.read(HEADER_BYTES))
+        struct.pack_into("<H", raw, 4, 2)  # format version 2, header crc made valid again
+        struct.pack_into("<I", raw, 124, zlib.crc32(bytes(raw[:124])))
+        f.seek(off)
+        f.write(raw)
+    problems = [r.problem for r in scan_dir(tmp_path) if r.problem]
+    assert problems == ["newer format version 2 (this kvtier reads 1)"]
+    got, m, h = _restart_and_load(tmp_path)
+    assert (h["hit"], got) == (0, 0)  # chunk 0 of the full group is gone: nothing restores
