@@ -1,0 +1,202 @@
+"""`kvtier bench redis`: the redis tier against raw redis-py on the same server, as ratios.
+
+Both sides move the same chunk payloads (seeded random bytes) in one pipeline per round:
+- save: `RedisTier.write_many` (header, checksum, one value per chunk, TTL-less SET) against a
+  raw pipelined `SET key <the payload's memoryview>` (redis-py sends a memoryview without a copy);
+- load: `RedisTier.read_many` into preallocated uint8 buffers (header + checksum verified, one
+  copy into the buffer) against a raw pipelined `GET` that returns bytes and stops there.
+The two alternate within each round (which goes first flips every round) and the figures are
+medians over rounds; ratios are kvtier's throughput over raw's (1.0 = as fast). Without --url
+a redis-server is started on a free loopback port in a temp dir and stopped afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import shutil
+import socket
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+
+from kvtier.errors import ConfigError, KvtierError
+
+HELP = "redis tier save/load throughput against raw redis-py pipelined SET/GET, as ratios"
+
+BENCH_NS = "b0b0b0b0b0b0b0b0"
+KEY_PREFIX = "kvtier-bench"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", help="a running Redis (redis://, rediss://, redis+cluster://); "
+                                 "default: start a redis-server on a free loopback port")
+    p.add_argument("--chunk-bytes", type=int, default=256 << 10, metavar="N",
+                   help="bytes per chunk payload (default 256 KiB)")
+    p.add_argument("--chunks", type=int, default=64, metavar="N",
+                   help="chunk payloads per round, in one batch (default 64)")
+    p.add_argument("--rounds", type=int, default=7, metavar="N", help="rounds (default 7)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def own_server() -> Iterator[str]:
+    """A redis-server on a free loopback port, persistence off; always stopped."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise KvtierError("redis-server not found; install it (apt-get install redis-server) "
+                          "or pass --url")
+    with tempfile.TemporaryDirectory(prefix="kvtier-bench-redis-") as d:
+        port = _free_port()
+        proc = subprocess.Popen(
+            [exe, "--port", str(port), "--bind", "127.0.0.1", "--dir", d, "--save", "",
+             "--appendonly", "no", "--protected-mode", "no", "--logfile", f"{d}/redis.log"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + 10
+            while True:
+                if proc.poll() is not None:
+                    raise KvtierError(f"redis-server exited at start (port {port})")
+                try:
+                    with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
+                        s.sendall(b"*1\r\n$4\r\nPING\r\n")
+                        if s.recv(16).startswith(b"+PONG"):
+                            break
+                except OSError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise KvtierError(f"redis-server on port {port} did not answer in 10 s")
+                time.sleep(0.02)
+            yield f"redis://127.0.0.1:{port}/0"
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def measure(url: str, chunk_bytes: int, chunks: int, rounds: int) -> dict[str, object]:
+    import redis
+    import torch
+
+    from kvtier.payload import CHECKSUM_NAMES, DEFAULT_CHECKSUM, make_header
+    from kvtier.tiers.redis import RedisOptions, RedisTier
+    from kvtier.tiers.redis_conn import build_client
+
+    opts = RedisOptions(url=url, key_prefix=KEY_PREFIX, socket_timeout_s=30.0,
+                        connect_timeout_s=5.0)
+    tier = RedisTier(opts, namespace_id=BENCH_NS)
+    raw = build_client(opts)  # the same connection settings, used through plain redis-py
+    gen = torch.Generator().manual_seed(0)
+    datas = [torch.randint(0, 256, (chunk_bytes,), dtype=torch.uint8, generator=gen)
+             for _ in range(chunks)]
+    headers = [make_header(BENCH_NS, i.to_bytes(8, "little") * 4, 0, 256 * i, 256 * (i + 1),
+                           chunk_bytes) for i in range(chunks)]
+    raw_keys = [f"{KEY_PREFIX}:raw:{{{i}}}" for i in range(chunks)]
+    outs = [torch.empty(chunk_bytes, dtype=torch.uint8) for _ in range(chunks)]
+    views = [d.numpy().data for d in datas]
+
+    def kv_save() -> None:
+        if not all(tier.write_many([(0, 0, h, d) for h, d in zip(headers, datas)])):
+            raise KvtierError(f"redis tier could not save to {url}: {tier.last_error}")
+
+    def kv_load() -> None:
+        if not all(tier.read_many([(0, 0, h, o) for h, o in zip(headers, outs)])):
+            raise KvtierError(f"redis tier could not load from {url} (evicted? maxmemory)")
+
+    def raw_save() -> None:
+        p = raw.pipeline(transaction=False)  # type: ignore[attr-defined]
+        for k, v in zip(raw_keys, views):
+            p.set(k, v)
+        p.execute()
+
+    def raw_load() -> None:
+        p = raw.pipeline(transaction=False)  # type: ignore[attr-defined]
+        for k in raw_keys:
+            p.get(k)
+        got = p.execute()
+        if any(g is None for g in got):
+            raise KvtierError(f"raw GET missed on {url} (evicted? maxmemory)")
+
+    try:
+        try:
+            raw.ping()  # type: ignore[attr-defined]
+        except Exception as exc:  # noqa: BLE001
+            raise KvtierError(f"cannot reach Redis at {url}: {exc}") from None
+        kv_save(), raw_save(), kv_load(), raw_load()  # warm-up: connections, allocator
+        t: dict[str, list[float]] = {k: [] for k in ("kv_save", "raw_save", "kv_load", "raw_load")}
+        for r in range(rounds):
+            order = (("kv", "raw") if r % 2 == 0 else ("raw", "kv"))
+            for side in order:
+                t[f"{side}_save"].append(_timed(kv_save if side == "kv" else raw_save))
+            for side in order:
+                t[f"{side}_load"].append(_timed(kv_load if side == "kv" else raw_load))
+        if not all(torch.equal(o, d) for o, d in zip(outs, datas)):
+            raise KvtierError("redis tier loaded bytes that differ from the saved ones")
+    finally:
+        with contextlib.suppress(Exception):
+            tier.delete_many(headers)
+            raw.delete(*raw_keys)  # type: ignore[attr-defined]
+        tier.close()
+        with contextlib.suppress(Exception):
+            raw.close()  # type: ignore[attr-defined]
+
+    total = chunk_bytes * chunks
+    med = {k: statistics.median(v) for k, v in t.items()}
+    gbs = {k: total / v / 1e9 for k, v in med.items()}
+    return {
+        "save_ratio": med["raw_save"] / med["kv_save"],
+        "load_ratio": med["raw_load"] / med["kv_load"],
+        "kvtier_save_gb_s": gbs["kv_save"], "raw_save_gb_s": gbs["raw_save"],
+        "kvtier_load_gb_s": gbs["kv_load"], "raw_load_gb_s": gbs["raw_load"],
+        "chunk_bytes": chunk_bytes, "chunks": chunks, "rounds": rounds,
+        "checksum": CHECKSUM_NAMES[DEFAULT_CHECKSUM], "hiredis": _has_hiredis(),
+        "redis_py": redis.__version__,
+    }
+
+
+def _has_hiredis() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("hiredis") is not None
+
+
+def run(args: argparse.Namespace) -> int:
+    for name in ("chunk_bytes", "chunks", "rounds"):
+        if getattr(args, name) <= 0:
+            raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)} must be > 0")
+    if args.url:
+        res = measure(args.url, args.chunk_bytes, args.chunks, args.rounds)
+        res["server"] = "given"
+    else:
+        with own_server() as url:
+            res = measure(url, args.chunk_bytes, args.chunks, args.rounds)
+        res["server"] = "own redis-server on loopback"
+    if args.json:
+        print(json.dumps(res))
+        return 0
+    mib = args.chunk_bytes / (1 << 20)
+    print(f"redis tier vs raw redis-py, {args.chunks} chunks of {mib:.2f} MiB per batch, "
+          f"median of {args.rounds} rounds ({res['server']}; checksum {res['checksum']})")
+    print(f"  save  kvtier {res['kvtier_save_gb_s']:.2f} GB/s  raw SET {res['raw_save_gb_s']:.2f} "
+          f"GB/s  ratio {res['save_ratio']:.2f}")
+    print(f"  load  kvtier {res['kvtier_load_gb_s']:.2f} GB/s  raw GET {res['raw_load_gb_s']:.2f} "
+          f"GB/s  ratio {res['load_ratio']:.2f}")
+    return 0
