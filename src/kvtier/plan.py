@@ -187,11 +187,13 @@ def make_plan(
     if chunk_tokens is not None and blocks_per_chunk is not None:
         raise ConfigError("give either chunk_tokens or blocks_per_chunk, not both")
     unit = hit_unit(geometry)
+    given = ""
     if blocks_per_chunk is not None:
         chunk_tokens = _chunk_tokens_from_blocks(geometry, blocks_per_chunk)
+        given = f" (the span blocks_per_chunk={_show(blocks_per_chunk)} gives)"
     if chunk_tokens is None:
         chunk_tokens = unit * max(1, -(-DEFAULT_MIN_CHUNK_TOKENS // unit))
-    _check_chunk_tokens(geometry, chunk_tokens, unit)
+    _check_chunk_tokens(geometry, chunk_tokens, unit, given)
     groups = []
     for i, g in enumerate(geometry.groups):
         if g.is_state:
@@ -216,7 +218,13 @@ def make_plan(
     return Plan(geometry=geometry, chunk_tokens=chunk_tokens, groups=tuple(groups))
 
 
-def _check_chunk_tokens(geometry: Geometry, chunk_tokens: object, unit: int) -> None:
+def _show(blocks_per_chunk: int | Mapping[str, int]) -> str:
+    if isinstance(blocks_per_chunk, Mapping):
+        return ",".join(f"{k}={v}" for k, v in blocks_per_chunk.items())
+    return str(blocks_per_chunk)
+
+
+def _check_chunk_tokens(geometry: Geometry, chunk_tokens: object, unit: int, given: str = "") -> None:
     if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens <= 0:
         raise ConfigError(
             f"chunk_tokens={chunk_tokens!r} must be a positive multiple of {unit}; "
@@ -230,7 +238,7 @@ def _check_chunk_tokens(geometry: Geometry, chunk_tokens: object, unit: int) -> 
         bad = next(g for g in geometry.cacheable_groups if chunk_tokens % g.tokens_per_block)
         culprit = f"group {bad.name!r} has {bad.tokens_per_block} tokens per block, which"
     raise ConfigError(
-        f"{culprit} does not divide chunk_tokens={chunk_tokens}; "
+        f"{culprit} does not divide chunk_tokens={chunk_tokens}{given}; "
         f"valid chunk sizes: {_nearby(chunk_tokens, unit)}"
     )
 
