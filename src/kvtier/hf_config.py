@@ -135,13 +135,14 @@ def _by_type(cfg: _Cfg, types: list[str], specs: Mapping[str, _Spec]) -> list[tu
 
 def _sliding_or_full(cfg: _Cfg, d: int, default: Callable[[int], str]) -> list[tuple[int, _Spec]]:
     """Full + sliding-window attention with one head size (Llama, Qwen, Mistral, Gemma 2/3, gpt-oss)."""
+    types = _layer_types(cfg, default)
     b = _attn_bytes(cfg, d)
     window = cfg.opt_int("sliding_window")
     full = _Spec("full", "full", b)
     # no window: transformers runs "sliding_attention" layers as full attention
     sliding = _Spec("sliding", "sliding", b, window=window) if window is not None else full
     specs = {"full_attention": full, "sliding_attention": sliding}
-    return _by_type(cfg, _layer_types(cfg, default), specs)
+    return _by_type(cfg, types, specs)
 
 
 def _llama(cfg: _Cfg, d: int) -> list[tuple[int, _Spec]]:
