@@ -98,12 +98,10 @@ def measure(url: str, chunk_bytes: int, chunks: int, rounds: int) -> dict[str, o
 
     from kvtier.payload import CHECKSUM_NAMES, DEFAULT_CHECKSUM, make_header
     from kvtier.tiers.redis import RedisOptions, RedisTier
-    from kvtier.tiers.redis_conn import build_client
+    from kvtier.tiers.redis_conn import build_client, redact
 
     opts = RedisOptions(url=url, key_prefix=KEY_PREFIX, socket_timeout_s=30.0,
                         connect_timeout_s=5.0)
-    tier = RedisTier(opts, namespace_id=BENCH_NS)
-    raw = build_client(opts)  # the same connection settings, used through plain redis-py
     gen = torch.Generator().manual_seed(0)
     datas = [torch.randint(0, 256, (chunk_bytes,), dtype=torch.uint8, generator=gen)
              for _ in range(chunks)]
@@ -115,11 +113,11 @@ def measure(url: str, chunk_bytes: int, chunks: int, rounds: int) -> dict[str, o
 
     def kv_save() -> None:
         if not all(tier.write_many([(0, 0, h, d) for h, d in zip(headers, datas)])):
-            raise KvtierError(f"redis tier could not save to {url}: {tier.last_error}")
+            raise KvtierError(f"redis tier could not save to {redact(url)}: {tier.last_error}")
 
     def kv_load() -> None:
         if not all(tier.read_many([(0, 0, h, o) for h, o in zip(headers, outs)])):
-            raise KvtierError(f"redis tier could not load from {url} (evicted? maxmemory)")
+            raise KvtierError(f"redis tier could not load from {redact(url)} (evicted? maxmemory)")
 
     def raw_save() -> None:
         p = raw.pipeline(transaction=False)  # type: ignore[attr-defined]
@@ -133,13 +131,15 @@ def measure(url: str, chunk_bytes: int, chunks: int, rounds: int) -> dict[str, o
             p.get(k)
         got = p.execute()
         if any(g is None for g in got):
-            raise KvtierError(f"raw GET missed on {url} (evicted? maxmemory)")
+            raise KvtierError(f"raw GET missed on {redact(url)} (evicted? maxmemory)")
 
     try:
-        try:
-            raw.ping()  # type: ignore[attr-defined]
-        except Exception as exc:  # noqa: BLE001
-            raise KvtierError(f"cannot reach Redis at {url}: {exc}") from None
+        raw = build_client(opts)  # the same connection settings, used through plain redis-py
+        raw.ping()  # type: ignore[attr-defined]
+    except Exception as exc:  # noqa: BLE001
+        raise KvtierError(f"cannot reach Redis at {redact(url)}: {exc}") from None
+    tier = RedisTier(opts, namespace_id=BENCH_NS)
+    try:
         kv_save(), raw_save(), kv_load(), raw_load()  # warm-up: connections, allocator
         t: dict[str, list[float]] = {k: [] for k in ("kv_save", "raw_save", "kv_load", "raw_load")}
         for r in range(rounds):

@@ -42,6 +42,12 @@ class RedisOptions:
     max_connections: int = 32
 
     def __post_init__(self) -> None:
+        scheme = urlsplit(self.url).scheme
+        if scheme not in SCHEMES:
+            raise ConfigError(f"redis url {redact(self.url)!r} has scheme {scheme!r}; use one of "
+                              f"{', '.join(s + '://' for s in SCHEMES)}")
+        if self.cluster and scheme == "unix":
+            raise ConfigError("a Redis Cluster is reached over TCP; use redis+cluster://host:port")
         if self.budget_bytes is not None:
             if self.budget_bytes <= 0:
                 raise ConfigError(f"budget_bytes={self.budget_bytes} must be > 0 (or None: no budget)")

@@ -1,0 +1,100 @@
+"""Caller mistakes in redis tier options raise ConfigError at construction, naming the fix;
+and `kvtier bench redis` runs end to end (own server, given server, dead server, bad args)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvtier.cli import main
+from kvtier.errors import ConfigError
+from kvtier.tiers.redis import RedisOptions, RedisTier
+from kvtier.tiers.redis_conn import redact
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from redis_servers import cli, free_port, redis_cluster, redis_server  # noqa: E402
+
+KVTIER = str(Path(sys.executable).parent / "kvtier")
+
+
+@pytest.mark.parametrize(("opts", "match"), [
+    ({"url": "http://127.0.0.1:6379"}, "scheme 'http'"),
+    ({"url": "unix:///tmp/r.sock", "cluster": True}, "over TCP"),
+    ({"budget_bytes": 1 << 20}, "budget_bytes needs ttl_s"),
+    ({"budget_bytes": 0, "ttl_s": 5.0}, "budget_bytes=0"),
+    ({"budget_bytes": 100, "ttl_s": 5.0, "touch_on_hit": True}, "outlive the budget"),
+    ({"ttl_s": -1.0}, "ttl_s=-1.0"),
+    ({"socket_timeout_s": 0}, "socket_timeout_s=0"),
+    ({"key_prefix": "a:b"}, "key_prefix"),
+])
+def test_bad_options_raise_with_the_fix(opts: dict[str, object], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        RedisOptions(**opts)  # type: ignore[arg-type]
+
+
+def test_url_forms() -> None:
+    assert RedisOptions(url="redis+cluster://10.0.0.1:7000").is_cluster
+    assert RedisOptions(url="rediss+cluster://10.0.0.1:7000").is_cluster
+    assert RedisOptions(url="redis://h:1/0", cluster=True).is_cluster
+    assert not RedisOptions(url="rediss://h:1/0").is_cluster
+    assert redact("redis://alice:s3cret@h:6379/0") == "redis://alice:***@h:6379/0"
+    assert redact("redis://h:6379/0") == "redis://h:6379/0"
+    with pytest.raises(ConfigError, match="16 lowercase hex"):
+        RedisTier(namespace_id="not-a-namespace")
+
+
+def test_touch_default_follows_the_budget() -> None:
+    assert RedisOptions(ttl_s=10.0).touch is True
+    assert RedisOptions(ttl_s=10.0, budget_bytes=1000).touch is False
+
+
+def _bench(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([KVTIER, "bench", "redis", *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+def _servers_in(prefix: str) -> list[str]:
+    out = subprocess.run(["pgrep", "-af", "redis-server"], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if prefix in line]
+
+
+def test_bench_starts_and_stops_its_own_server() -> None:
+    proc = _bench("--json", "--chunks", "8", "--chunk-bytes", "65536", "--rounds", "3")
+    assert proc.returncode == 0, proc.stderr
+    res = json.loads(proc.stdout)
+    for key in ("save_ratio", "load_ratio"):
+        assert isinstance(res[key], float) and 0.0 < res[key] < 10.0
+    assert res["chunks"] == 8 and res["chunk_bytes"] == 65536 and res["rounds"] == 3
+    assert res["server"].startswith("own")
+    assert not _servers_in("kvtier-bench-redis-")  # stopped
+
+
+def test_bench_on_a_given_server_and_cluster_leaves_no_keys(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    with redis_server() as srv:
+        rc = main(["bench", "redis", "--url", srv.url, "--chunks", "4", "--chunk-bytes", "4096",
+                   "--rounds", "2"])
+        out = capsys.readouterr().out
+        assert rc == 0 and "save" in out and "ratio" in out
+        assert int(srv.cli("dbsize")) == 0
+    with redis_cluster() as cl:
+        rc = main(["bench", "redis", "--url", cl.url, "--json", "--chunks", "6",
+                   "--chunk-bytes", "4096", "--rounds", "2"])
+        assert rc == 0 and json.loads(capsys.readouterr().out)["save_ratio"] > 0
+        assert sum(int(cli(p, "dbsize")) for p in cl.ports) == 0
+
+
+def test_bench_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    for url in (f"redis://127.0.0.1:{free_port()}/0", f"redis+cluster://127.0.0.1:{free_port()}"):
+        assert main(["bench", "redis", "--url", url, "--rounds", "1"]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("error: cannot reach Redis") and err.count("\n") == 1, err
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "redis", "--chunks", "x"])
+    assert exc.value.code == 2 and "invalid int value" in capsys.readouterr().err
+    assert main(["bench", "redis", "--chunks", "0"]) == 2
+    assert capsys.readouterr().err.startswith("error: --chunks 0")
