@@ -1,0 +1,1 @@
+"""Internals of the transformers integration (payload layouts, filling a DynamicCache)."""
