@@ -16,7 +16,7 @@ Sizes, per layer (d = bytes of the KV dtype):
   the compressed latent and the rope key, not per-head K/V);
 - state groups: conv state `conv_dim * conv_kernel * d` plus the recurrent / SSM state, which
   transformers keeps in float32 (4 bytes) whatever the model dtype (measured, see
-  tests/unit/test_hf_config.py).
+  tests/unit/test_hf_config_measured.py).
 
 Options: `dtype` (default: the config's `dtype`/`torch_dtype`, else bfloat16) and `block_size`
 (the engine's tokens per block, default 16). Every group, state groups too, gets
@@ -26,15 +26,14 @@ block sizes (vLLM pads state pages into larger blocks) reads its own geometry in
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 
 from kvtier.errors import ConfigError, UnsupportedModelError
 from kvtier.geometry import Geometry, Group, dtype_bytes
+from kvtier.hf_families import FAMILIES, Cfg, Reader, Spec, read_llama
 
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_DTYPE = "bfloat16"
-STATE_FP32_BYTES = 4  # transformers keeps recurrent / SSM states in float32
 
 _DTYPE_ALIASES = {
     "bf16": "bfloat16",
@@ -54,306 +53,7 @@ _WRAPPERS = {
     "qwen3_5_moe": "qwen3_5_moe_text",
 }
 
-
-@dataclass(frozen=True, slots=True)
-class _Spec:
-    """What one layer caches; equal specs share a group."""
-
-    label: str
-    kind: str
-    bytes_per_token_per_layer: int = 0
-    state_bytes_per_layer: int = 0
-    window: int | None = None
-    attention_chunk: int | None = None
-
-
-class _Cfg:
-    """A config dict with the family's transformers defaults and errors that name the field."""
-
-    def __init__(self, data: Mapping[str, object], model_type: str, defaults: Mapping[str, object]):
-        self.data, self.model_type, self.defaults = data, model_type, defaults
-
-    def get(self, key: str) -> object:
-        value = self.data.get(key)
-        return self.defaults.get(key) if value is None else value
-
-    def int(self, key: str, fallback: int | None = None) -> int:
-        value = self.get(key)
-        if value is None and fallback is not None:
-            return fallback
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            what = "is missing field" if value is None else f"has {value!r} for field"
-            raise ConfigError(
-                f"config.json of model_type {self.model_type!r} {what} {key!r}; "
-                "it must be a positive integer"
-            )
-        return value
-
-    def opt_int(self, key: str) -> int | None:
-        return None if self.get(key) is None else self.int(key)
-
-
-# ---------------------------------------------------------------------------------------------
-# per-family readers: (cfg, d) -> [(layer index, spec)], d = bytes per element of the KV dtype
-
-
-def _attn_bytes(cfg: _Cfg, d: int) -> int:
-    heads = cfg.get("num_key_value_heads")
-    heads = cfg.int("num_key_value_heads") if heads is not None else cfg.int("num_attention_heads")
-    return 2 * heads * _head_dim(cfg) * d
-
-
-def _head_dim(cfg: _Cfg) -> int:
-    if cfg.get("head_dim") is not None:
-        return cfg.int("head_dim")
-    return cfg.int("hidden_size") // cfg.int("num_attention_heads")
-
-
-def _layer_types(cfg: _Cfg, default: Callable[[int], str]) -> list[str]:
-    n = cfg.int("num_hidden_layers")
-    types = cfg.data.get("layer_types")
-    if types is None:
-        return [default(i) for i in range(n)]
-    if not isinstance(types, list) or len(types) != n:
-        raise ConfigError(
-            f"config.json field 'layer_types' must list one type per layer ({n} layers), got {types!r}"
-        )
-    return types
-
-
-def _by_type(cfg: _Cfg, types: list[str], specs: Mapping[str, _Spec]) -> list[tuple[int, _Spec]]:
-    out = []
-    for i, t in enumerate(types):
-        if t not in specs:
-            raise UnsupportedModelError(
-                f"layer {i} of model_type {cfg.model_type!r} has layer type {t!r}; kvtier reads "
-                f"{', '.join(sorted(specs))} for this family"
-            )
-        out.append((i, specs[t]))
-    return out
-
-
-def _sliding_or_full(cfg: _Cfg, d: int, default: Callable[[int], str]) -> list[tuple[int, _Spec]]:
-    """Full + sliding-window attention with one head size (Llama, Qwen, Mistral, Gemma 2/3, gpt-oss)."""
-    types = _layer_types(cfg, default)
-    b = _attn_bytes(cfg, d)
-    window = cfg.opt_int("sliding_window")
-    full = _Spec("full", "full", b)
-    # no window: transformers runs "sliding_attention" layers as full attention
-    sliding = _Spec("sliding", "sliding", b, window=window) if window is not None else full
-    specs = {"full_attention": full, "sliding_attention": sliding}
-    return _by_type(cfg, types, specs)
-
-
-def _llama(cfg: _Cfg, d: int) -> list[tuple[int, _Spec]]:
-    return _sliding_or_full(cfg, d, lambda i: "full_attention")
-
-
-def _all_sliding_if_window(cfg: _Cfg, d: int) -> list[tuple[int, _Spec]]:
-    """Mistral / Mixtral / Qwen3-MoE: `sliding_window` (when set) applies to every layer."""
-    if cfg.model_type == "qwen3_moe" and not cfg.get("use_sliding_window"):
-        cfg = _Cfg({**cfg.data, "sliding_window": None}, cfg.model_type, {})
-    sliding = cfg.get("sliding_window") is not None
-    return _sliding_or_full(cfg, d, lambda i: "sliding_attention" if sliding else "full_attention")
-
-
-def _qwen2(cfg: _Cfg, d: int) -> list[tuple[int, _Spec]]:
-    """Qwen2/Qwen3: sliding only with `use_sliding_window`, on layers >= `max_window_layers`."""
-    if not cfg.get("use_sliding_window"):
-        cfg = _Cfg({**cfg.data, "sliding_window": None}, cfg.model_type, {})
-    first = cfg.int("max_window_layers") if cfg.get("use_sliding_window") else 0
-    sliding = cfg.get("sliding_window") is not None
-    return _sliding_or_full(
-        cfg, d, lambda i: "sliding_attention" if sliding and i >= first else "full_attention"
-    )
-
-
-def _every_nth_full(n_key: str, fallback: int) -> Callable[[_Cfg, int], list[tuple[int, _Spec]]]:
-    """Gemma 2/3, gpt-oss: layer i is full when (i+1) % pattern == 0, else sliding."""
-
-    def read(cfg: _Cfg, d: int) -> list[tuple[int, _Spec]]:
-        _refuse_bidirectional(cfg)
-        pattern = cfg.data.get(n_key) or cfg.data.get("_" + n_key) or fallback
-        return _sliding_or_full(
-            cfg, d, lambda i: "sliding_attention" if (i + 1) % pattern else "full_attention"
-        )
-
-    return read
-
-
-def _gemma4(cfg: _Cfg, d: int) -> list[tuple[int, _Spec]]:
-    """Gemma 4: global (full) layers have their own head size and KV heads; the last
-    `num_kv_shared_layers` layers reuse earlier layers' KV and cache nothing themselves."""
-    _refuse_bidirectional(cfg)
-    n = cfg.int("num_hidden_layers")
-    types = _layer_types(cfg, lambda i: "full_attention" if (i + 1) % 6 == 0 else "sliding_attention")
-    types = [*types[:-1], "full_attention"]  # transformers forces the last layer to full
-    window = cfg.int("sliding_window")
-    kv, hd = cfg.int("num_key_value_heads"), _head_dim(cfg)
-    # a config saved by transformers 5.x holds per-layer overrides instead of global_head_dim
-    raw = cfg.data.get("per_layer_config")
-    overrides = {int(k): v for k, v in raw.items()} if isinstance(raw, Mapping) else None
-    global_kv = cfg.data.get("num_global_key_value_heads")
-    if not cfg.get("attention_k_eq_v") or global_kv is None:
-        global_kv = kv
-    shared = cfg.data.get("num_kv_shared_layers") or 0
-    out = []
-    for i, t in enumerate(types[: n - shared]):
-        heads, dim = kv, hd
-        if overrides is not None:
-            o = overrides.get(i) or {}
-            heads, dim = o.get("num_key_value_heads", kv), o.get("head_dim", hd)
-        elif t == "full_attention":
-            heads, dim = global_kv, cfg.int("global_head_dim", fallback=512)
-        b = 2 * heads * dim * d
-        if t == "sliding_attention":
-            out.append((i, _Spec("sliding", "sliding", b, window=window)))
-        elif t == "full_attention":
-            out.append((i, _Spec("full", "full", b)))
-        else:
-            raise UnsupportedModelError(f"layer {i} of gemma4 has layer type {t!r}")
-    return out
-
-
-def _refuse_bidirectional(cfg: _Cfg) -> None:
-    mode = cfg.data.get("use_bidirectional_attention")
-    if mode is True or mode == "all":
-        raise UnsupportedModelError(
-            f"model_type {cfg.model_type!r} with use_bidirectional_attention={mode!r}: later "
-            "tokens change earlier tokens' KV, so no prefix cache is valid for it"
-        )
-
-
-def _mla(cfg: _Cfg, d: int) -> list[tuple[int, _Spec]]:
-    """DeepSeek-V2/V3 MLA: the compressed latent plus the shared rope key, one head."""
-    b = (cfg.int("kv_lora_rank") + cfg.int("qk_rope_head_dim")) * d
-    return [(i, _Spec("mla", "mla", b)) for i in range(cfg.int("num_hidden_layers"))]
-
-
-def _gated_deltanet(cfg: _Cfg, d: int) -> list[tuple[int, _Spec]]:
-    """Qwen3-Next / Qwen3.5: GatedDeltaNet layers (conv + recurrent state) and full attention.
-
-    conv state: (2 * k_heads * k_dim + v_heads * v_dim) channels x conv kernel, model dtype;
-    recurrent state: v_heads x k_dim x v_dim, float32.
-    """
-    nk, dk = cfg.int("linear_num_key_heads"), cfg.int("linear_key_head_dim")
-    nv, dv = cfg.int("linear_num_value_heads"), cfg.int("linear_value_head_dim")
-    conv = (2 * nk * dk + nv * dv) * cfg.int("linear_conv_kernel_dim") * d
-    state = conv + nv * dk * dv * STATE_FP32_BYTES
-    every = cfg.data.get("full_attention_interval") or 4
-    types = _layer_types(cfg, lambda i: "full_attention" if (i + 1) % every == 0 else "linear_attention")
-    specs = {
-        "full_attention": _Spec("full", "full", _attn_bytes(cfg, d)),
-        "linear_attention": _Spec("linear_attention", "state", state_bytes_per_layer=state),
-    }
-    return _by_type(cfg, types, specs)
-
-
-def _mamba2_state(cfg: _Cfg, d: int, intermediate: int) -> int:
-    """Mamba-2: conv (intermediate + 2*groups*d_state) x d_conv, model dtype; SSM heads x
-    head_dim x d_state, float32."""
-    d_state, heads = cfg.int("mamba_d_state"), cfg.int("mamba_n_heads")
-    head_dim = cfg.get("mamba_d_head")
-    if head_dim in (None, "auto"):
-        head_dim = intermediate // heads
-    conv_dim = intermediate + 2 * cfg.int("mamba_n_groups") * d_state
-    return conv_dim * cfg.int("mamba_d_conv") * d + heads * int(head_dim) * d_state * STATE_FP32_BYTES
-
-
-def _bamba(cfg: _Cfg, d: int) -> list[tuple[int, _Spec]]:
-    """Bamba: Mamba-2 layers, attention on `attn_layer_indices`."""
-    attn = set(cfg.data.get("attn_layer_indices") or ())
-    state = _mamba2_state(cfg, d, cfg.int("mamba_expand") * cfg.int("hidden_size"))
-    full, mamba = _Spec("full", "full", _attn_bytes(cfg, d)), _Spec("mamba", "state", state_bytes_per_layer=state)
-    return [(i, full if i in attn else mamba) for i in range(cfg.int("num_hidden_layers"))]
-
-
-def _falcon_h1(cfg: _Cfg, d: int) -> list[tuple[int, _Spec]]:
-    """Falcon-H1: every layer runs attention and Mamba-2 in parallel: one spec of each."""
-    inter = cfg.opt_int("mamba_d_ssm") or cfg.int("mamba_expand") * cfg.int("hidden_size")
-    full = _Spec("full", "full", _attn_bytes(cfg, d))
-    mamba = _Spec("mamba", "state", state_bytes_per_layer=_mamba2_state(cfg, d, inter))
-    out = []
-    for i in range(cfg.int("num_hidden_layers")):
-        out += [(i, full), (i, mamba)]
-    return out
-
-
-def _jamba(cfg: _Cfg, d: int) -> list[tuple[int, _Spec]]:
-    """Jamba: Mamba-1 layers (conv intermediate x d_conv, model dtype; SSM intermediate x
-    d_state, float32), attention where i % attn_layer_period == attn_layer_offset."""
-    inter = cfg.int("mamba_expand") * cfg.int("hidden_size")
-    state = inter * cfg.int("mamba_d_conv") * d + inter * cfg.int("mamba_d_state") * STATE_FP32_BYTES
-    period, offset = cfg.int("attn_layer_period"), cfg.get("attn_layer_offset")
-    window = cfg.opt_int("sliding_window")
-    b = _attn_bytes(cfg, d)
-    attn = _Spec("sliding", "sliding", b, window=window) if window else _Spec("full", "full", b)
-    mamba = _Spec("mamba", "state", state_bytes_per_layer=state)
-    return [(i, attn if i % period == offset else mamba) for i in range(cfg.int("num_hidden_layers"))]
-
-
-def _llama4(cfg: _Cfg, d: int) -> list[tuple[int, _Spec]]:
-    """Llama 4: chunked local attention (RoPE layers), full attention on the NoPE layers."""
-    every = cfg.int("no_rope_layer_interval", fallback=4)
-    no_rope = cfg.data.get("no_rope_layers") or [
-        int((i + 1) % every != 0) for i in range(cfg.int("num_hidden_layers"))
-    ]
-    chunk = cfg.opt_int("attention_chunk_size")
-    types = _layer_types(
-        cfg, lambda i: "chunked_attention" if no_rope[i] and chunk else "full_attention"
-    )
-    b = _attn_bytes(cfg, d)
-    specs = {"full_attention": _Spec("full", "full", b)}
-    if chunk:
-        specs["chunked_attention"] = _Spec("chunked", "chunked", b, attention_chunk=chunk)
-    return _by_type(cfg, types, specs)
-
-
-_Reader = Callable[[_Cfg, int], list[tuple[int, _Spec]]]
-
-# model_type -> (reader, transformers 5.19 class defaults the reader may need)
-_FAMILIES: dict[str, tuple[_Reader, dict[str, object]]] = {
-    "llama": (_llama, {}),
-    "qwen2": (_qwen2, {"max_window_layers": 28, "sliding_window": 4096}),
-    "qwen2_moe": (_qwen2, {"max_window_layers": 28, "sliding_window": 4096}),
-    "qwen3": (_qwen2, {"max_window_layers": 28, "sliding_window": 4096, "head_dim": 128}),
-    "qwen3_moe": (_all_sliding_if_window, {"sliding_window": 4096}),
-    "mistral": (_all_sliding_if_window, {}),
-    "mixtral": (_all_sliding_if_window, {}),
-    "gemma2": (_every_nth_full("sliding_window_pattern", 2),
-               {"num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
-                "head_dim": 256, "sliding_window": 4096, "hidden_size": 2304}),
-    "gemma3_text": (_every_nth_full("sliding_window_pattern", 6),
-                    {"num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
-                     "head_dim": 256, "sliding_window": 4096, "hidden_size": 2304}),
-    "gemma4_text": (_gemma4, {"num_hidden_layers": 30, "num_attention_heads": 8,
-                              "num_key_value_heads": 4, "head_dim": 256, "sliding_window": 512,
-                              "hidden_size": 2304}),
-    "gpt_oss": (_every_nth_full("sliding_window_pattern", 2),
-                {"num_hidden_layers": 36, "num_attention_heads": 64, "num_key_value_heads": 8,
-                 "head_dim": 64, "sliding_window": 128, "hidden_size": 2880}),
-    "deepseek_v2": (_mla, {"kv_lora_rank": 512, "qk_rope_head_dim": 64}),
-    "deepseek_v3": (_mla, {"num_hidden_layers": 61, "kv_lora_rank": 512, "qk_rope_head_dim": 64}),
-    "kimi_k2": (_mla, {"kv_lora_rank": 512, "qk_rope_head_dim": 64}),
-    "qwen3_next": (_gated_deltanet, {"head_dim": 256, "linear_conv_kernel_dim": 4,
-                                     "linear_key_head_dim": 128, "linear_value_head_dim": 128,
-                                     "linear_num_key_heads": 16, "linear_num_value_heads": 32}),
-    "qwen3_5_text": (_gated_deltanet, {"head_dim": 256, "linear_conv_kernel_dim": 4,
-                                       "linear_key_head_dim": 128, "linear_value_head_dim": 128,
-                                       "linear_num_key_heads": 16, "linear_num_value_heads": 32}),
-    "qwen3_5_moe_text": (_gated_deltanet, {"head_dim": 256, "linear_conv_kernel_dim": 4,
-                                           "linear_key_head_dim": 128, "linear_value_head_dim": 128,
-                                           "linear_num_key_heads": 16, "linear_num_value_heads": 32}),
-    "bamba": (_bamba, {"mamba_d_conv": 4, "mamba_d_state": 256, "mamba_n_heads": 128,
-                       "mamba_n_groups": 1, "mamba_expand": 2}),
-    "falcon_h1": (_falcon_h1, {"mamba_d_conv": 4, "mamba_d_state": 256, "mamba_n_heads": 128,
-                               "mamba_n_groups": 1, "mamba_expand": 2, "mamba_d_ssm": 1024}),
-    "jamba": (_jamba, {"mamba_d_conv": 4, "mamba_d_state": 16, "mamba_expand": 2,
-                       "attn_layer_period": 8, "attn_layer_offset": 4}),
-    "llama4_text": (_llama4, {"attention_chunk_size": 8192, "head_dim": 128}),
-}
-
-SUPPORTED_MODEL_TYPES = tuple(sorted({*_FAMILIES, *_WRAPPERS}))
+SUPPORTED_MODEL_TYPES = tuple(sorted({*FAMILIES, *_WRAPPERS}))
 
 # keys that mean a layer is not plain full attention: a generic reading would be wrong
 _HYBRID_HINTS = ("kv_lora_rank", "attention_chunk_size", "layers_block_type", "attn_layer_indices",
@@ -383,13 +83,13 @@ def geometry_from_hf_config(
     d = dtype_bytes(kv_dtype)
     if not isinstance(model_type, str) or not model_type:
         raise ConfigError("config.json has no 'model_type'; give a geometry JSON instead")
-    family = _FAMILIES.get(model_type)
+    family = FAMILIES.get(model_type)
     if family is None:
         reader, defaults, source = _generic(text, model_type), {}, f"generic reading of model_type {model_type!r}"
     else:
         (reader, defaults), source = family, f"hf config.json, model_type {model_type!r}"
     try:
-        layers = reader(_Cfg(text, model_type, defaults), d)
+        layers = reader(Cfg(text, model_type, defaults), d)
     except ConfigError:
         raise
     except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
@@ -428,7 +128,7 @@ def geometry_from_pretrained_config(
     return geometry_from_hf_config(data, dtype=dtype, block_size=block_size)
 
 
-def _generic(text: Mapping[str, object], model_type: str) -> _Reader:
+def _generic(text: Mapping[str, object], model_type: str) -> Reader:
     types = text.get("layer_types")
     hybrid = [k for k in text if k in _HYBRID_HINTS or k.startswith(_HYBRID_PREFIXES)]
     if text.get("sliding_window") is not None:
@@ -442,12 +142,12 @@ def _generic(text: Mapping[str, object], model_type: str) -> _Reader:
             f"({why}); supported: {', '.join(SUPPORTED_MODEL_TYPES)}; or write a geometry JSON "
             "(docs/geometry.md)"
         )
-    return _llama
+    return read_llama
 
 
-def _group(layers: list[tuple[int, _Spec]], block: int, dtype: str) -> tuple[Group, ...]:
-    order: list[_Spec] = []
-    members: dict[_Spec, list[int]] = {}
+def _group(layers: list[tuple[int, Spec]], block: int, dtype: str) -> tuple[Group, ...]:
+    order: list[Spec] = []
+    members: dict[Spec, list[int]] = {}
     for i, spec in layers:
         if spec not in members:
             order.append(spec)

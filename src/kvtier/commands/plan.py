@@ -7,7 +7,7 @@ import json
 import sys
 
 from kvtier.errors import ConfigError
-from kvtier.geometry import Geometry, load_geometry
+from kvtier.geometry import load_geometry
 from kvtier.plan import Plan, make_plan
 
 HELP = "show the chunk plan of a geometry JSON or a Hugging Face config.json"
