@@ -13,7 +13,7 @@ import pytest
 from kvtier.cli import main
 from kvtier.errors import ConfigError
 from kvtier.tiers.redis import RedisOptions, RedisTier
-from kvtier.tiers.redis_conn import redact
+from kvtier.tiers.redis_conn import options_from_mapping, redact
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from redis_servers import cli, free_port, redis_cluster, redis_server  # noqa: E402
@@ -45,6 +45,19 @@ def test_url_forms() -> None:
     assert redact("redis://h:6379/0") == "redis://h:6379/0"
     with pytest.raises(ConfigError, match="16 lowercase hex"):
         RedisTier(namespace_id="not-a-namespace")
+
+
+def test_options_from_a_string_mapping() -> None:
+    o = options_from_mapping({"url": "redis://h:1/0", "ttl_s": "30", "budget_bytes": "1000",
+                              "cluster": "true", "socket_timeout_s": 2, "password": "pw"})
+    assert (o.ttl_s, o.budget_bytes, o.cluster, o.socket_timeout_s) == (30.0, 1000, True, 2.0)
+    assert "pw" not in repr(o)  # options get logged; the password must not be
+    with pytest.raises(ConfigError, match="unknown redis option 'ttl'; valid: url"):
+        options_from_mapping({"ttl": 1})
+    with pytest.raises(ConfigError, match="ttl_s='x' is not a float"):
+        options_from_mapping({"ttl_s": "x"})
+    with pytest.raises(ConfigError, match="cluster='maybe' is not a bool"):
+        options_from_mapping({"cluster": "maybe"})
 
 
 def test_touch_default_follows_the_budget() -> None:

@@ -6,10 +6,11 @@ redis-py is imported here, lazily, so `import kvtier` never needs it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from urllib.parse import urlsplit, urlunsplit
 
@@ -25,7 +26,7 @@ class RedisOptions:
     url: str = "redis://127.0.0.1:6379/0"
     cluster: bool = False  # or a `redis+cluster://` / `rediss+cluster://` url
     username: str | None = None
-    password: str | None = None
+    password: str | None = dataclasses.field(default=None, repr=False)  # never in logs
     tls_ca_path: str | None = None  # TLS is on with `rediss://` or any tls_* path
     tls_cert_path: str | None = None
     tls_key_path: str | None = None
@@ -240,3 +241,32 @@ def redact(url: str) -> str:
         host += f":{parts.port}"
     user = f"{parts.username}:***@" if parts.username else ":***@"
     return urlunsplit((parts.scheme, user + host, parts.path, parts.query, parts.fragment))
+
+
+def options_from_mapping(values: Mapping[str, object], where: str = "redis option") -> RedisOptions:
+    """`RedisOptions` from string-keyed settings (a config file, an engine's extra config):
+    field names as keys, numbers and booleans also accepted as strings ("30", "true").
+    An unknown key or an unreadable value is a ConfigError naming it and the valid keys."""
+    fields = {f.name: f for f in dataclasses.fields(RedisOptions)}
+    out: dict[str, object] = {}
+    for key, value in values.items():
+        if key not in fields:
+            raise ConfigError(f"unknown {where} {key!r}; valid: {', '.join(fields)}")
+        kind = str(fields[key].type)
+        try:
+            if value is None or isinstance(value, bool):
+                out[key] = value
+            elif "bool" in kind:
+                text = str(value).strip().lower()
+                if text not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+                    raise ValueError(value)
+                out[key] = text in ("1", "true", "yes", "on")
+            elif "float" in kind:
+                out[key] = float(value)  # type: ignore[arg-type]
+            elif "int" in kind:
+                out[key] = int(str(value))
+            else:
+                out[key] = str(value)
+        except ValueError:
+            raise ConfigError(f"{where} {key}={value!r} is not a {kind.replace(' | None', '')}") from None
+    return RedisOptions(**out)  # type: ignore[arg-type]
