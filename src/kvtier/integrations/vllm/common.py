@@ -1,0 +1,129 @@
+"""What the scheduler-side manager and the worker-side handler share: the context both build
+from the same engine config, the transfer spec that travels between them, and the metrics file.
+
+Both sides build the context independently (vLLM creates the spec once per process) from the
+same inputs, so they agree on the plan, the namespace and every tier's slot layout without
+exchanging anything but the per-job `KvtierLoadStoreSpec`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from vllm.v1.kv_offload.base import LoadStoreSpec, OffloadKey
+
+from kvtier.index import Index
+from kvtier.keys import Namespace, chunk_hashes_from_block_hashes
+from kvtier.plan import Plan
+
+from .config import VllmTierConfig
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkItem:
+    """One chunk of one group to move: where its payload lives (one place for a load, every
+    tier that reserved a slot for a store) and what its header must say."""
+
+    group: int  # kvtier plan group index (position in vLLM's offloaded groups)
+    chunk_hash: bytes
+    token_start: int
+    token_end: int
+    places: tuple[tuple[str, int], ...]  # (tier, slot), fastest tier first
+
+
+class KvtierLoadStoreSpec(LoadStoreSpec):
+    """The manager's answer to prepare_load / prepare_store: chunks in vLLM's key order (group
+    by group, prefix order within a group), which is the order of vLLM's GPU block spec."""
+
+    def __init__(self, items: list[ChunkItem]) -> None:
+        self.items = tuple(items)
+
+    def __repr__(self) -> str:
+        return f"KvtierLoadStoreSpec({len(self.items)} chunks)"
+
+
+@dataclass(frozen=True, slots=True)
+class SpecContext:
+    plan: Plan
+    namespace: Namespace
+    config: VllmTierConfig
+    group_of: dict[int, int]  # vLLM KV-cache group id -> kvtier plan group index
+    blocks_per_chunk: int
+
+    def new_index(self) -> Index:
+        return Index(self.plan, self.config.capacities, policy=self.config.policy,
+                     share=self.config.share)
+
+    @property
+    def disk_root(self) -> Path | None:
+        d = self.config.directory
+        return Path(d) / "disk" if d is not None and "disk" in self.config.tiers else None
+
+    def chunk_hash(self, block_hash: bytes) -> bytes:
+        """kvtier's chunk hash for vLLM's hash of a chunk's last block (namespace mixed in)."""
+        return chunk_hashes_from_block_hashes(self.plan, self.namespace, [block_hash],
+                                              self.plan.chunk_tokens)[0]
+
+    def split_key(self, key: OffloadKey) -> tuple[bytes, int] | None:
+        """(chunk_hash, plan group) of a vLLM offload key; None for a group kvtier does not cache."""
+        g = self.group_of.get(int.from_bytes(key[-4:], "big"))
+        if g is None or not self.plan.groups[g].cacheable:
+            return None
+        return self.chunk_hash(bytes(key[:-4])), g
+
+
+@dataclass
+class Metrics:
+    """Counters of one side (scheduler or worker), written as JSON into
+    `<kvtier.directory>/metrics/<role>-<pid>.json` so a test or an operator can read what
+    happened inside an engine whose workers live in other processes."""
+
+    role: str
+    directory: str | None
+    counts: dict[str, int] = field(default_factory=dict)
+    _last_write: float = 0.0
+    _dirty: bool = False
+
+    def add(self, name: str, n: int = 1) -> None:
+        self.counts[name] = self.counts.get(name, 0) + n
+        self._dirty = True
+
+    def flush(self, force: bool = False) -> None:
+        if self.directory is None or not (self._dirty or force):
+            return
+        out = Path(self.directory) / "metrics"
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / f"{self.role}-{os.getpid()}.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"role": self.role, "pid": os.getpid(), "time": time.time(),
+                                   "counts": self.counts}))
+        os.replace(tmp, path)  # readers never see half a file
+        self._dirty = False
+        self._last_write = time.monotonic()
+
+
+def read_metrics(directory: str | os.PathLike[str]) -> dict[str, int]:
+    """Sum every side's counters found under `<directory>/metrics` (all processes so far)."""
+    total: dict[str, int] = {}
+    root = Path(directory) / "metrics"
+    if not root.is_dir():
+        return total
+    for path in sorted(root.glob("*.json")):
+        data = json.loads(path.read_text())
+        for k, v in data.get("counts", {}).items():
+            total[k] = total.get(k, 0) + int(v)
+    return total
+
+
+def model_identity(model: str) -> str:
+    """The namespace's model field: the model path/name plus a digest of its config.json when
+    it is a local directory (two different checkpoints at one path never share chunks)."""
+    cfg = Path(model) / "config.json"
+    if cfg.is_file():
+        return f"{model}#{hashlib.blake2b(cfg.read_bytes(), digest_size=8).hexdigest()}"
+    return model

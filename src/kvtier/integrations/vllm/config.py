@@ -1,0 +1,153 @@
+"""The `kvtier.*` keys of vLLM's `kv_connector_extra_config`, parsed once at engine start.
+
+vLLM hands every key of `kv_connector_extra_config` to the offloading spec; the keys that start
+with `kvtier.` are ours and are checked here, strictly: an unknown `kvtier.` key, a negative or
+unreadable size, a tier without its size, a disk tier without an existing directory all raise
+`ConfigError` with one line naming the key, so a misconfigured engine fails at start instead of
+serving without its cache. Keys without the prefix (`spec_name`, `blocks_per_chunk`, ...) are
+vLLM's and are left to it.
+
+| key | meaning | default |
+| --- | --- | --- |
+| `kvtier.tiers` | tiers, fastest first: `"cpu"`, `"disk"`, `"cpu,disk"` (or a list) | `"cpu"` |
+| `kvtier.cpu_bytes` | host-memory tier capacity (int bytes or `"4GiB"`, `"512MiB"`) | required with cpu |
+| `kvtier.disk_bytes` | disk tier capacity | required with disk |
+| `kvtier.directory` | existing directory: disk slabs and the metrics file | required with disk |
+| `kvtier.policy` | eviction policy (`lru`, `fifo`, `arc`, `s3fifo`) | `"lru"` |
+| `kvtier.share` | how a tier's bytes are shared by groups (`proportional`, `equal`) | `"proportional"` |
+| `kvtier.chunk_tokens` | tokens per chunk (a multiple of vLLM's block size) | vLLM's blocks_per_chunk |
+| `kvtier.redis_url` | reserved for the Redis tier (refused for now in vLLM) | - |
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from kvtier.errors import ConfigError
+
+PREFIX = "kvtier."
+KEYS = ("tiers", "cpu_bytes", "disk_bytes", "directory", "policy", "share", "chunk_tokens",
+        "redis_url")
+TIERS = ("cpu", "disk")
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+@dataclass(frozen=True, slots=True)
+class VllmTierConfig:
+    """kvtier's settings inside one vLLM engine (both the scheduler and the workers parse them)."""
+
+    tiers: tuple[str, ...]
+    capacities_bytes: tuple[tuple[str, int], ...]  # (tier, bytes), fastest first
+    directory: str | None
+    policy: str
+    share: str
+    chunk_tokens: int | None
+
+    @property
+    def capacities(self) -> dict[str, int]:
+        return dict(self.capacities_bytes)
+
+
+def parse_size(key: str, value: object) -> int:
+    """Bytes from an int or a string such as `"4GiB"`; a ConfigError naming `key` otherwise."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}={value!r} is not a byte count; give e.g. 4294967296 or \"4GiB\"")
+    if isinstance(value, int):
+        n = value
+    elif isinstance(value, float) and value.is_integer():
+        n = int(value)
+    elif isinstance(value, str) and (m := _SIZE_RE.match(value)) and m.group(2).lower() in _UNITS:
+        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    else:
+        raise ConfigError(
+            f"{key}={value!r} is not a byte count; give an integer or a size like \"512MiB\", \"4GiB\""
+        )
+    if n <= 0:
+        raise ConfigError(f"{key}={value!r}: a tier size must be a positive byte count, e.g. \"4GiB\"")
+    return n
+
+
+def parse_config(extra_config: Mapping[str, object]) -> VllmTierConfig:
+    """Check and read the `kvtier.` keys of a `kv_connector_extra_config` mapping."""
+    ours = {k[len(PREFIX):]: v for k, v in extra_config.items() if k.startswith(PREFIX)}
+    unknown = sorted(k for k in ours if k not in KEYS)
+    if unknown:
+        raise ConfigError(
+            f"unknown key {PREFIX}{unknown[0]} in kv_connector_extra_config; kvtier keys are: "
+            + ", ".join(PREFIX + k for k in KEYS)
+        )
+    tiers = _tiers(ours.get("tiers", "cpu"))
+    if "redis_url" in ours:
+        raise ConfigError(
+            "kvtier.redis_url: the Redis tier is not available inside vLLM yet; "
+            "use kvtier.tiers \"cpu\", \"disk\" or \"cpu,disk\""
+        )
+    capacities: list[tuple[str, int]] = []
+    for tier in tiers:
+        key = f"{PREFIX}{tier}_bytes"
+        if f"{tier}_bytes" not in ours:
+            raise ConfigError(f"{key} is missing: tier {tier!r} needs a capacity, e.g. \"{key}\": \"4GiB\"")
+        capacities.append((tier, parse_size(key, ours[f"{tier}_bytes"])))
+    for tier in TIERS:
+        if tier not in tiers and f"{tier}_bytes" in ours:
+            raise ConfigError(
+                f"{PREFIX}{tier}_bytes is set but tier {tier!r} is not in kvtier.tiers {list(tiers)}; "
+                f"add it to kvtier.tiers or drop the size"
+            )
+    directory = ours.get("directory")
+    if directory is not None:
+        if not isinstance(directory, str) or not directory:
+            raise ConfigError(f"kvtier.directory={directory!r} must be a path (a non-empty string)")
+        if not os.path.isdir(directory):
+            raise ConfigError(
+                f"kvtier.directory={directory!r} does not exist or is not a directory; create it first"
+            )
+    elif "disk" in tiers:
+        raise ConfigError("kvtier.directory is missing: the disk tier needs an existing directory")
+    policy = ours.get("policy", "lru")
+    from kvtier.policies import POLICIES  # control plane, no torch
+
+    if not isinstance(policy, str) or policy not in POLICIES:
+        raise ConfigError(f"kvtier.policy={policy!r} is unknown; use one of: {', '.join(POLICIES)}")
+    share = ours.get("share", "proportional")
+    if share not in ("proportional", "equal"):
+        raise ConfigError(f"kvtier.share={share!r} is unknown; use \"proportional\" or \"equal\"")
+    chunk_tokens = ours.get("chunk_tokens")
+    if chunk_tokens is not None and (
+        isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens <= 0
+    ):
+        raise ConfigError(f"kvtier.chunk_tokens={chunk_tokens!r} must be a positive integer")
+    return VllmTierConfig(
+        tiers=tiers,
+        capacities_bytes=tuple(capacities),
+        directory=directory,
+        policy=policy,
+        share=str(share),
+        chunk_tokens=chunk_tokens,
+    )
+
+
+def _tiers(value: object) -> tuple[str, ...]:
+    if isinstance(value, str):
+        names = [t.strip() for t in value.split(",") if t.strip()]
+    elif isinstance(value, (list, tuple)) and all(isinstance(t, str) for t in value):
+        names = [t.strip() for t in value]
+    else:
+        raise ConfigError(f"kvtier.tiers={value!r} must be a string like \"cpu,disk\" or a list of names")
+    if not names:
+        raise ConfigError("kvtier.tiers is empty; give at least one of: " + ", ".join(TIERS))
+    for t in names:
+        if t == "redis":
+            raise ConfigError(
+                "kvtier.tiers: the Redis tier is not available inside vLLM yet; use cpu and/or disk"
+            )
+        if t not in TIERS:
+            raise ConfigError(f"kvtier.tiers names unknown tier {t!r}; use: {', '.join(TIERS)}")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"kvtier.tiers={value!r} names a tier twice")
+    return tuple(names)

@@ -1,0 +1,58 @@
+"""`KvtierConnector`: vLLM's OffloadingConnector plus failed loads reported as failed.
+
+vLLM 0.32's OffloadingConnector asserts that every transfer succeeds. A tier can miss (a disk
+slot overwritten by another process, a corrupt payload, an I/O error), and a KV cache must
+never restore wrong bytes, so this subclass changes exactly two things:
+- worker side: a load job that finished with `success=False` is reported through vLLM's
+  `failed_recving` (with `kv_load_failure_policy: "recompute"` the scheduler recomputes the
+  request; the engine keeps serving) instead of tripping the assert;
+- scheduler side: the manager forgets the chunks of that load, so the next request is not
+  offered the same bad hit.
+Everything else (scheduling, chunking, hybrid groups) is the stock OffloadingConnector.
+Rejected alternative: reporting `invalid_block_ids`; vLLM refuses block-level failures for
+models with several KV-cache groups, which are the models kvtier is for.
+"""
+
+from __future__ import annotations
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+from vllm.v1.outputs import KVConnectorOutput
+
+
+class KvtierConnector(OffloadingConnector):
+    def __init__(self, vllm_config, role, kv_cache_config) -> None:  # noqa: ANN001 - vLLM's types
+        super().__init__(vllm_config, role, kv_cache_config)
+        if self.connector_worker is not None:
+            self.connector_worker.spec.reports_failures = True  # type: ignore[attr-defined]
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        w = self.connector_worker
+        assert w is not None and w.worker is not None
+        recving: set[str] = set()
+        failed: set[str] = set()
+        meta = w._connector_worker_meta
+        for result in w.worker.get_finished():
+            is_load = result.job_id in w._load_jobs
+            if result.success and result.transfer_time is not None and result.transfer_size is not None:
+                stats = meta.transfer_stats.load if is_load else meta.transfer_stats.store
+                stats.record(result.transfer_size, result.transfer_time)
+            meta.mark_completed(result.job_id)
+            req_id = w._load_jobs.pop(result.job_id, None)
+            if req_id is not None:
+                recving.add(req_id)
+                if not result.success:
+                    failed.add(req_id)
+        return KVConnectorTransferResults(finished_recving=recving, failed_recving=failed)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending, results.finished_recving
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        super().update_connector_output(connector_output)
+        manager = self.scheduler.manager
+        for req_id in connector_output.failed_recving or ():
+            forget = getattr(manager, "load_failed", None)
+            if forget is not None:
+                forget(req_id)

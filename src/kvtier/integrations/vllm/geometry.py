@@ -1,0 +1,171 @@
+"""kvtier geometries for the KV-cache groups vLLM builds.
+
+vLLM groups layers its own way: Gemma 3 270M (15 sliding + 3 full layers) becomes six groups of
+three layers (five sliding, one full) because vLLM's hybrid allocator gives every group the same
+page size. kvtier must index exactly those groups (a vLLM offload key carries vLLM's group
+index), so the geometry used inside vLLM has one kvtier group per vLLM group, in vLLM's order,
+with the kind, window and bytes of its layers taken from kvtier's reading of config.json.
+
+- `geometry_for_groups`: used by the spec at engine start, from the groups vLLM hands it.
+- `geometry_from_vllm`: used by `kvtier plan --engine vllm`; it asks vLLM's own grouping code
+  (`get_kv_cache_groups`) which groups it would build, without loading weights.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvtier.errors import ConfigError, UnsupportedModelError
+from kvtier.geometry import Geometry, Group, dtype_bytes
+from kvtier.hf_config import geometry_from_hf_config
+
+_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineGroup:
+    """One KV-cache group as vLLM describes it: its index, tokens per block and layer names."""
+
+    group_id: int
+    tokens_per_block: int
+    layer_names: tuple[str, ...]
+
+
+def layer_index(name: str) -> int:
+    """The model layer index in a vLLM attention layer name (`model.layers.7.self_attn.attn`)."""
+    m = _LAYER_RE.search(name)
+    if m is None:
+        raise UnsupportedModelError(
+            f"vLLM layer {name!r} has no 'layers.N.' in its name; kvtier cannot tell which model "
+            "layer it is"
+        )
+    return int(m.group(1))
+
+
+def read_hf_config(model: str) -> dict[str, object]:
+    """config.json of a local model directory (or of a model in the local Hugging Face cache)."""
+    path = Path(model)
+    if path.is_dir():
+        cfg = path / "config.json"
+        if not cfg.is_file():
+            raise ConfigError(f"model directory {model!r} has no config.json")
+        return json.loads(cfg.read_text())
+    try:  # a hub id already in the local cache (HF_HUB_OFFLINE=1 keeps this off the network)
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(model).to_dict()
+    except Exception as exc:  # noqa: BLE001 - any failure means: no config we can read
+        raise ConfigError(f"cannot read the config of model {model!r}: {exc}") from None
+
+
+def geometry_for_groups(
+    model: str, dtype: str, groups: Sequence[EngineGroup], tokens_per_hash: int
+) -> Geometry:
+    """One kvtier group per vLLM group (same order), described from the model's config.json."""
+    hf = geometry_from_hf_config(read_hf_config(model), dtype=dtype,
+                                 block_size=groups[0].tokens_per_block if groups else None)
+    by_layer: dict[int, Group] = {}
+    for g in hf.groups:
+        for i in g.layers:
+            by_layer[i] = g
+    out: list[Group] = []
+    for eg in groups:
+        members = [by_layer.get(layer_index(n)) for n in eg.layer_names]
+        if any(m is None for m in members):
+            raise UnsupportedModelError(
+                f"vLLM group {eg.group_id} has layers {list(eg.layer_names)} that kvtier's reading "
+                f"of {model!r} does not know; kvtier refuses rather than guess their KV layout"
+            )
+        specs = {(m.kind, m.bytes_per_token_per_layer, m.state_bytes_per_layer, m.window,
+                  m.attention_chunk) for m in members if m is not None}
+        if len(specs) != 1:
+            raise UnsupportedModelError(
+                f"vLLM group {eg.group_id} mixes layers kvtier reads as different kinds {sorted(map(str, specs))}"
+            )
+        first = members[0]
+        assert first is not None
+        out.append(Group(
+            name=f"vllm{eg.group_id}_{first.kind}",
+            kind=first.kind,
+            num_layers=len(eg.layer_names),
+            tokens_per_block=eg.tokens_per_block,
+            bytes_per_token_per_layer=first.bytes_per_token_per_layer,
+            state_bytes_per_layer=first.state_bytes_per_layer,
+            window=first.window,
+            attention_chunk=first.attention_chunk,
+            dtype=dtype,
+            layers=tuple(layer_index(n) for n in eg.layer_names),
+        ))
+    return Geometry(groups=tuple(out), tokens_per_hash=tokens_per_hash, name=hf.name,
+                    source=f"vLLM KV-cache groups of {model}, dtype {dtype}")
+
+
+def geometry_from_vllm(path: str, dtype: str | None = None, block_size: int | None = None) -> Geometry:
+    """The geometry vLLM would build for the model at `path` (its groups, in its order).
+
+    Builds vLLM's engine config (no weights are loaded), gives vLLM's grouping code one
+    attention spec per layer as kvtier reads config.json, and converts the groups it returns.
+    """
+    import torch
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_groups
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        SlidingWindowSpec,
+    )
+
+    args = EngineArgs(model=str(path), dtype=dtype or "auto", block_size=block_size,
+                      max_model_len=2048, enforce_eager=True)
+    vconf = args.create_engine_config()
+    if vconf.cache_config.kv_cache_layout is None:
+        # the engine core resolves this from its attention backends; "LBHNC" is what the
+        # OffloadingConnector requires, and grouping depends only on whether it is packed
+        vconf.cache_config.kv_cache_layout = "LBHNC"
+    kv_dtype = str(vconf.model_config.dtype).removeprefix("torch.")
+    if vconf.cache_config.cache_dtype not in (None, "auto"):
+        kv_dtype = str(vconf.cache_config.cache_dtype)
+    block = vconf.cache_config.block_size or 16
+    hf = geometry_from_hf_config(read_hf_config(str(path)), dtype=kv_dtype, block_size=block)
+    tdtype = getattr(torch, kv_dtype)
+    esize = dtype_bytes(kv_dtype)
+    specs: dict[str, object] = {}
+    for g in hf.groups:
+        if g.kind not in ("full", "sliding", "chunked"):
+            raise UnsupportedModelError(
+                f"kvtier plan --engine vllm reads attention models only; group {g.name!r} is "
+                f"{g.kind!r} (use --engine hf to see kvtier's own grouping)"
+            )
+        # vLLM groups by page size: one head of the layer's bytes per token gives the same page.
+        head_size = g.bytes_per_token_per_layer // (2 * esize)
+        for i in g.layers:
+            common = dict(block_size=block, num_kv_heads=1, head_size=head_size, dtype=tdtype)
+            if g.kind == "sliding":
+                spec = SlidingWindowSpec(sliding_window=g.window, **common)
+            elif g.kind == "chunked":
+                spec = ChunkedLocalAttentionSpec(attention_chunk_size=g.attention_chunk, **common)
+            else:
+                spec = FullAttentionSpec(**common)
+            specs[f"model.layers.{i}.self_attn.attn"] = spec
+    groups = get_kv_cache_groups(vconf, specs)
+    engine_groups = [
+        EngineGroup(gid, int(gs.kv_cache_spec.block_size), tuple(gs.layer_names))
+        for gid, gs in enumerate(groups)
+    ]
+    geometry = geometry_for_groups(str(path), kv_dtype, engine_groups, tokens_per_hash=block)
+    return Geometry(groups=geometry.groups, tokens_per_hash=block, name=geometry.name,
+                    source=f"vLLM {_vllm_version()} KV-cache groups of {path}, dtype {kv_dtype}, "
+                           f"block_size {block}")
+
+
+def _vllm_version() -> str:
+    try:
+        import vllm
+
+        return str(vllm.__version__)
+    except Exception:  # noqa: BLE001
+        return "?"

@@ -1,0 +1,222 @@
+"""The scheduler-side half of the kvtier spec: vLLM's OffloadingManager on kvtier's index.
+
+vLLM asks per offload key (a block hash + a KV-cache group id). Each key becomes kvtier's
+`(chunk_hash, group)`; the index decides where it lives (one slot pool per (tier, group), slots
+sized for that group's chunk only), pins it while a load is in flight, and evicts per group with
+kvtier's policies. Stores are write-through: a chunk is reserved in every configured tier that
+has room, so the disk tier holds what the host tier holds and survives the process. A pool
+whose entries are all pinned answers "full": that store is skipped and counted, never waited on.
+
+Rejected alternative: demoting host evictions to disk. The worker owns the bytes, so a demotion
+would be a copy job vLLM does not know how to schedule; write-through costs disk bandwidth on
+store but never blocks the engine and keeps the two processes' views trivially consistent.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection
+
+from vllm.v1.kv_offload.base import (
+    LoadStoreSpec,
+    LookupResult,
+    OffloadingManager,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+)
+
+from kvtier.index import Index
+
+from .common import ChunkItem, KvtierLoadStoreSpec, Metrics, SpecContext
+
+log = logging.getLogger("kvtier.vllm")
+
+
+class KvtierManager(OffloadingManager):
+    def __init__(self, ctx: SpecContext, metrics: Metrics) -> None:
+        self.ctx = ctx
+        self.metrics = metrics
+        self.index: Index = ctx.new_index()
+        self._split: dict[OffloadKey, tuple[bytes, int] | None] = {}
+        self._okey: dict[tuple[bytes, int], OffloadKey] = {}  # for eviction events
+        self._pins: dict[OffloadKey, list[str]] = {}  # tier of each pin, oldest first
+        self._pending: dict[OffloadKey, list[str]] = {}  # tiers reserved by a store in flight
+        self._loads: dict[str, list[tuple[bytes, int]]] = {}  # req_id -> chunks of its load
+        self._rebuild()
+        metrics.flush(force=True)
+
+    # -- keys ----------------------------------------------------------------------------------
+
+    def _key(self, key: OffloadKey) -> tuple[bytes, int] | None:
+        split = self._split.get(key)
+        if split is None and key not in self._split:
+            if len(self._split) > 1 << 20:  # bound the memo; recomputing is a blake2b call
+                self._split.clear()
+            split = self._split[key] = self.ctx.split_key(key)
+            if split is not None:
+                self._okey[split] = key
+        return split
+
+    def _span(self, key: OffloadKey, rc: ReqContext) -> tuple[int, int]:
+        end = rc.get_offload_key_position(key)
+        if end is None:
+            return 0, 0
+        return max(0, end - self.ctx.plan.chunk_tokens), end
+
+    # -- OffloadingManager ---------------------------------------------------------------------
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        split = self._key(key)
+        self.metrics.add("lookup_keys")
+        if split is None or not self.index.contains(*split):
+            return LookupResult.MISS
+        self.metrics.add("lookup_hit_keys")
+        return LookupResult.HIT
+
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
+        items: list[ChunkItem] = []
+        chunks: list[tuple[bytes, int]] = []
+        for key in keys:
+            split = self._key(key)
+            assert split is not None, "vLLM loads only keys that lookup() reported as hits"
+            h, g = split
+            places = self.index.where(h, g)
+            assert places, "a hit key left the index between lookup and load"
+            tier, slot = places[0]
+            pinned = self.index.pin(h, g, tier)
+            assert pinned
+            self.index.touch(h, g, tier)
+            self._pins.setdefault(key, []).append(tier)
+            start, end = self._span(key, req_context)
+            items.append(ChunkItem(g, h, start, end, ((tier, slot),)))
+            chunks.append(split)
+            self.metrics.add(f"load_chunks_{tier}")
+        self._loads[req_context.req_id] = chunks
+        self.metrics.add("load_jobs_scheduled")
+        self.metrics.flush()
+        return KvtierLoadStoreSpec(items)
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        for key in keys:
+            split = self._key(key)
+            if split is not None:
+                for tier, _ in self.index.where(*split)[:1]:
+                    self.index.touch(split[0], split[1], tier)
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        for key in keys:
+            tiers = self._pins.get(key)
+            split = self._key(key)
+            if not tiers or split is None:
+                continue
+            self.index.unpin(split[0], split[1], tiers.pop(0))
+            if not tiers:
+                del self._pins[key]
+        self.metrics.flush()
+
+    def prepare_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext
+    ) -> PrepareStoreOutput | None:
+        items: list[ChunkItem] = []
+        to_store: list[OffloadKey] = []
+        evicted: list[OffloadKey] = []
+        for key in keys:
+            split = self._key(key)
+            if split is None or key in self._pending:
+                continue
+            h, g = split
+            places: list[tuple[str, int]] = []
+            for tier in self.ctx.config.tiers:
+                r = self.index.reserve(h, g, tier)
+                if r.slot is not None:
+                    places.append((tier, r.slot))
+                elif r.status in ("full", "busy"):
+                    self.metrics.add(f"store_skipped_full_{tier}")
+                for e in r.evicted:
+                    self.metrics.add(f"evicted_{tier}" + ("_dead" if e.dead else ""))
+                    gone = self._okey.get((e.chunk_hash, e.group))
+                    if gone is not None and not self.index.where(e.chunk_hash, e.group):
+                        evicted.append(gone)
+            if places:
+                start, end = self._span(key, req_context)
+                items.append(ChunkItem(g, h, start, end, tuple(places)))
+                to_store.append(key)
+                self._pending[key] = [t for t, _ in places]
+        self.metrics.add("store_chunks", len(to_store))
+        self.metrics.flush()
+        return PrepareStoreOutput(keys_to_store=to_store, store_spec=KvtierLoadStoreSpec(items),
+                                  evicted_keys=evicted)
+
+    def complete_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
+    ) -> None:
+        for key in keys:
+            tiers = self._pending.pop(key, None)
+            split = self._key(key)
+            if not tiers or split is None:
+                continue
+            for tier in tiers:
+                if success:
+                    self.index.commit(split[0], split[1], tier)
+                else:
+                    self.index.abort(split[0], split[1], tier)
+        self.metrics.flush()
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self._loads.pop(req_context.req_id, None)
+
+    def load_failed(self, req_id: str) -> None:
+        """The worker could not restore this request's load (a tier error, a corrupt payload):
+        forget every chunk of it, so no later request is offered the same bad hit."""
+        removed = 0
+        for h, g in self._loads.pop(req_id, []):
+            for tier, _ in self.index.where(h, g):
+                removed += self.index.remove(h, g, tier)
+        self.metrics.add("load_failures")
+        self.metrics.add("removed_after_failure", removed)
+        self.metrics.flush()
+
+    def reset_cache(self) -> None:
+        self.index = self.ctx.new_index()
+        self._pins.clear()
+        self._pending.clear()
+        self._loads.clear()
+        self.metrics.add("resets")
+        self.metrics.flush()
+
+    def on_schedule_end(self, context: object) -> None:
+        self.metrics.flush()
+
+    def shutdown(self) -> None:
+        self.metrics.flush(force=True)
+
+    # -- restart -------------------------------------------------------------------------------
+
+    def _rebuild(self) -> None:
+        """Adopt what a previous process left in the disk tier (same namespace and layout)."""
+        root = self.ctx.disk_root
+        if root is None or not root.is_dir():
+            return
+        from kvtier.tiers.disk import scan_dir  # no torch
+
+        ns = self.ctx.namespace.id
+        found: list[tuple[int, bytes, int, int]] = []
+        for rec in scan_dir(root):
+            h = rec.header
+            if rec.namespace_id != ns or rec.problem is not None or isinstance(h, str):
+                continue
+            g = rec.group
+            if g >= len(self.ctx.plan.groups) or not self.ctx.plan.groups[g].cacheable:
+                continue
+            if rec.slot_bytes != self.ctx.plan.groups[g].chunk_bytes:
+                continue  # another chunk size: another plan's slab
+            found.append((h.created_ns, h.chunk_hash, g, rec.slot))  # type: ignore[union-attr]
+        found.sort()
+        rejected = self.index.rebuild((h, g, "disk", s) for _, h, g, s in found)
+        self.metrics.add("rebuilt_chunks", len(found) - len(rejected))
+        log.info("kvtier: adopted %d chunks from %s", len(found) - len(rejected), root)

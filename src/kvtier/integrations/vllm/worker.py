@@ -1,0 +1,250 @@
+"""The worker-side half of the kvtier spec: copies chunks between vLLM's KV tensors and tiers.
+
+vLLM hands the worker its KV cache as canonical per-block byte views: a list of int8 tensors of
+shape (num_blocks, page_bytes) and, per KV-cache group, the (tensor, page bytes) of each of its
+layers. A chunk payload of group g is, for each layer ref of g in vLLM's order, the pages of the
+chunk's `blocks_per_chunk` blocks back to back: `sum(page_bytes) * blocks_per_chunk` bytes, the
+group's own size (not a row sized for all groups).
+
+Transfers run in `submit_*` on CPU tensors (the engine thread is the only user of the KV
+tensors between steps, and a copy of a few MiB is cheaper than a thread hand-off). When the
+tensors live on a GPU the device<->host copy runs on a side CUDA stream into pinned staging
+memory and the job finishes when its event has fired; tier I/O stays on the host.
+
+A job that cannot be completed (a tier miss, a corrupt payload, a layout mismatch) finishes
+with `success=False` and is never reported as loaded. vLLM 0.32's own OffloadingConnector
+asserts success; `KvtierConnector` (connector.py) turns the failure into vLLM's
+"failed receive" so the request is recomputed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    OffloadingWorker,
+    TransferResult,
+)
+
+from kvtier.errors import ConfigError
+from kvtier.payload import make_header
+from kvtier.tiers.base import Tier, TierLayout
+
+from .common import ChunkItem, KvtierLoadStoreSpec, Metrics, SpecContext
+
+log = logging.getLogger("kvtier.vllm")
+
+
+@dataclass(frozen=True, slots=True)
+class _Ref:
+    tensor: torch.Tensor  # uint8 (num_blocks, >= page_bytes)
+    page_bytes: int
+    offset: int  # byte offset of this layer's pages inside a chunk payload
+
+
+class KvtierWorker(OffloadingWorker):
+    def __init__(self, ctx: SpecContext, kv_caches: CanonicalKVCaches, metrics: Metrics) -> None:
+        self.ctx = ctx
+        self.metrics = metrics
+        self.bpc = ctx.blocks_per_chunk
+        plan = ctx.plan
+        if len(kv_caches.group_data_refs) != len(plan.groups):
+            raise ConfigError(
+                f"vLLM registered {len(kv_caches.group_data_refs)} KV-cache groups, kvtier planned "
+                f"{len(plan.groups)}; the engine and the model config disagree"
+            )
+        tensors = [t.tensor.view(torch.uint8) for t in kv_caches.tensors]
+        self.device = tensors[0].device
+        self.refs: list[list[_Ref]] = []
+        for g, refs in enumerate(kv_caches.group_data_refs):
+            out, off = [], 0
+            for r in refs:
+                out.append(_Ref(tensors[r.tensor_idx], r.page_size_bytes, off))
+                off += r.page_size_bytes * self.bpc
+            want = plan.groups[g].chunk_bytes
+            if plan.groups[g].cacheable and off != want:
+                raise ConfigError(
+                    f"vLLM's pages for group {plan.groups[g].name!r} make {off}-byte chunks but "
+                    f"kvtier planned {want} from config.json; kvtier refuses a layout it did not plan"
+                )
+            self.refs.append(out)
+        index = ctx.new_index()
+        self.tiers: dict[str, Tier] = {}
+        for tier in ctx.config.tiers:
+            layout = TierLayout(
+                slot_bytes=tuple(gp.chunk_bytes if gp.cacheable else 0 for gp in plan.groups),
+                num_slots=tuple(index.slots(gp.index, tier) if gp.cacheable else 0
+                                for gp in plan.groups),
+            )
+            self.tiers[tier] = _make_tier(tier, layout, ctx)
+        self._pin = self.device.type == "cuda"
+        self._finished: list[TransferResult] = []
+        self.metrics.flush(force=True)
+
+    # -- OffloadingWorker ----------------------------------------------------------------------
+
+    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
+        t0 = time.perf_counter()
+        assert isinstance(dst_spec, KvtierLoadStoreSpec)
+        ok, nbytes = self._store(src_spec, dst_spec.items)
+        self._done(job_id, ok, nbytes, t0, "store")
+        return True
+
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
+        t0 = time.perf_counter()
+        assert isinstance(src_spec, KvtierLoadStoreSpec)
+        ok, nbytes = self._load(src_spec.items, dst_spec)
+        self._done(job_id, ok, nbytes, t0, "load")
+        return True
+
+    def get_finished(self) -> list[TransferResult]:
+        out, self._finished = self._finished, []
+        if out:
+            self.metrics.flush()
+        return out
+
+    def wait(self, job_ids: set[int]) -> None:
+        # every job finishes inside submit_*: nothing is ever in flight here
+        if self.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+
+    def shutdown(self) -> None:
+        self.metrics.flush(force=True)
+        for tier in self.tiers.values():
+            tier.close()
+
+    # -- transfers -----------------------------------------------------------------------------
+
+    def _done(self, job_id: int, ok: bool, nbytes: int, t0: float, kind: str) -> None:
+        dt = time.perf_counter() - t0
+        self.metrics.add(f"{kind}_jobs" if ok else f"{kind}_jobs_failed")
+        self._finished.append(TransferResult(job_id, ok, nbytes if ok else None, dt if ok else None))
+
+    def _placement(
+        self, spec: GPULoadStoreSpec, items: Sequence[ChunkItem]
+    ) -> list[tuple[int, list[tuple[ChunkItem, list[tuple[int, int]]]]]] | None:
+        """Per group: each chunk item with its (block id, position in chunk) pairs, following
+        vLLM's rule: a group's blocks start at logical block `block_indices[g]`, so the first
+        chunk may begin mid-chunk; items of a group are consecutive in vLLM's key order."""
+        out = []
+        pos_b = pos_i = 0
+        block_ids = [int(b) for b in spec.block_ids]
+        for g, (n, first) in enumerate(zip(spec.group_sizes, spec.block_indices)):
+            if n == 0:
+                continue
+            skip = first % self.bpc
+            num_chunks = -(-(n + skip) // self.bpc)
+            group_items = items[pos_i:pos_i + num_chunks]
+            if len(group_items) != num_chunks or any(it.group != g for it in group_items):
+                log.error("kvtier: job layout mismatch in group %d (%d blocks from %d, %d items)",
+                          g, n, first, len(group_items))
+                return None
+            placed: list[tuple[ChunkItem, list[tuple[int, int]]]] = [(it, []) for it in group_items]
+            for i, b in enumerate(block_ids[pos_b:pos_b + n]):
+                p = skip + i
+                placed[p // self.bpc][1].append((b, p % self.bpc))
+            out.append((g, placed))
+            pos_b += n
+            pos_i += num_chunks
+        if pos_i != len(items):
+            log.error("kvtier: job has %d chunk items, vLLM's block spec covers %d", len(items), pos_i)
+            return None
+        return out
+
+    def _header(self, item: ChunkItem):
+        gp = self.ctx.plan.groups[item.group]
+        return make_header(self.ctx.namespace.id, item.chunk_hash, item.group, item.token_start,
+                           item.token_end, gp.chunk_bytes, "uint8")
+
+    def _staging(self, num_chunks: int, nbytes: int) -> torch.Tensor:
+        return torch.empty((num_chunks, nbytes), dtype=torch.uint8, pin_memory=self._pin)
+
+    def _store(self, spec: GPULoadStoreSpec, items: Sequence[ChunkItem]) -> tuple[bool, int]:
+        placement = self._placement(spec, items)
+        if placement is None:
+            return False, 0
+        ok, total = True, 0
+        for g, placed in placement:
+            nbytes = self.ctx.plan.groups[g].chunk_bytes
+            buf = self._staging(len(placed), nbytes)
+            ci, pos, bids = _index(placed)
+            for ref in self.refs[g]:
+                view = buf[:, ref.offset:ref.offset + ref.page_bytes * self.bpc]
+                view = view.view(len(placed), self.bpc, ref.page_bytes)
+                src = ref.tensor.index_select(0, bids.to(ref.tensor.device))[:, :ref.page_bytes]
+                view[ci, pos] = src.to("cpu", non_blocking=False)
+            for k, (item, _) in enumerate(placed):
+                header = self._header(item)
+                for tier, slot in item.places:
+                    if self.tiers[tier].write(g, slot, header, buf[k]):
+                        total += nbytes
+                        self.metrics.add(f"stored_chunks_{tier}")
+                    else:
+                        ok = False  # the index will find the miss at load time and recompute
+                        self.metrics.add(f"store_failed_{tier}")
+        return ok, total
+
+    def _load(self, items: Sequence[ChunkItem], spec: GPULoadStoreSpec) -> tuple[bool, int]:
+        placement = self._placement(spec, items)
+        if placement is None:
+            return False, 0
+        total = 0
+        staged = []
+        for g, placed in placement:
+            nbytes = self.ctx.plan.groups[g].chunk_bytes
+            buf = self._staging(len(placed), nbytes)
+            for k, (item, _) in enumerate(placed):
+                tier, slot = item.places[0]
+                if not self.tiers[tier].read(g, slot, self._header(item), buf[k]):
+                    # a miss or a corrupt payload (the tier counted and dropped it): nothing of
+                    # this job is reported as loaded; vLLM recomputes the request
+                    self.metrics.add(f"load_miss_{tier}")
+                    return False, 0
+                self.metrics.add(f"loaded_chunks_{tier}")
+            staged.append((g, placed, buf))
+            total += nbytes * len(placed)
+        blocks = 0
+        for g, placed, buf in staged:
+            ci, pos, bids = _index(placed)
+            for ref in self.refs[g]:
+                view = buf[:, ref.offset:ref.offset + ref.page_bytes * self.bpc]
+                view = view.view(len(placed), self.bpc, ref.page_bytes)
+                rows = view[ci, pos].to(ref.tensor.device, non_blocking=self._pin)
+                ref.tensor[bids.to(ref.tensor.device), :ref.page_bytes] = rows
+            blocks += len(bids)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+        self.metrics.add("loaded_blocks", blocks)
+        return True, total
+
+
+def _index(placed: list[tuple[ChunkItem, list[tuple[int, int]]]]):
+    ci, pos, bids = [], [], []
+    for k, (_, blocks) in enumerate(placed):
+        for b, p in blocks:
+            ci.append(k)
+            pos.append(p)
+            bids.append(b)
+    return torch.tensor(ci), torch.tensor(pos), torch.tensor(bids)
+
+
+def _make_tier(name: str, layout: TierLayout, ctx: SpecContext) -> Tier:
+    if name == "cpu":
+        from kvtier.tiers.cpu import CpuTier
+
+        return CpuTier(layout)
+    if name == "disk":
+        from kvtier.tiers.disk import DiskTier
+
+        root = ctx.disk_root
+        assert root is not None
+        root.mkdir(parents=True, exist_ok=True)
+        return DiskTier(root, layout, ctx.namespace.id)
+    raise ConfigError(f"tier {name!r} is not available in the vLLM worker")
