@@ -1,0 +1,205 @@
+"""`kvtier replay TRACE --geometry G`: hit rates, bytes moved and prefill time saved on a trace."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from kvtier.errors import ConfigError
+
+HELP = "replay a request trace through the tiered index: hit rates, bytes, time saved, vs MIN"
+
+DEFAULT_SWEEP = "1%,2%,5%,10%,25%,50%,100%"
+
+EPILOG = """\
+conventions:
+  Trace: JSON Lines, one request a line. Mooncake traces: {"timestamp", "input_length",
+  "output_length", "hash_ids"}; each hash id names one 512-token block (--trace-block-tokens)
+  and its whole prefix; the last id of a request counts as a full chunk. Generic traces: the
+  same with "hash_ids", or "token_ids" (hashed with kvtier's own chained keys; only full chunks
+  count, a hit is at most prompt length - 1). "timestamp" and "input_length" are optional.
+  Blocks to chunks: with chunk_tokens a multiple k of the block size, chunk i is named by block
+  (i+1)k-1 and a trailing partial chunk is dropped; with the block size a multiple m of
+  chunk_tokens, each block is m chunks.
+  Requests replay in timestamp order (ties in file order). A request's hit is the longest
+  prefix of its chunks that every cacheable group can restore (the plan's hybrid rules) before
+  any of its own chunks are stored; then its chunks are stored or touched in prefix order
+  (full/mla groups first, only what plan.store_chunks says a hit can read), cpu evictions are
+  demoted to the next tier (write-back), lower-tier hits are promoted to the first tier.
+  Hit rate = hit chunks / all chunks. Token hit rate = hit tokens (capped at input_length) /
+  input tokens. MIN (Belady: evict the farthest next use, never store a chunk without one) is
+  always added as the reference row.
+  SIZE: bytes, plain or with K/M/G/T (powers of 1000) or KiB/MiB/GiB/TiB, or N% of the trace's
+  footprint (every unique chunk of every cacheable group).
+  Prefill time saved = hit tokens * 2 * active params / FLOP/s - loaded bytes / tier bandwidth.
+"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.epilog = EPILOG
+    p.add_argument("trace", metavar="TRACE", help="a Mooncake or generic JSONL trace")
+    p.add_argument("--geometry", required=True, metavar="G",
+                   help="geometry JSON, Hugging Face config.json, or a shipped name "
+                        "(e.g. gpt-oss-120b-fp8kv, gemma-3-27b)")
+    p.add_argument("--tier", action="append", metavar="NAME=SIZE",
+                   help="a tier and its capacity, fastest first (repeat); default cpu=10%%")
+    p.add_argument("--policy", action="append", metavar="P",
+                   help="eviction policy (repeat): lru, fifo, arc, s3fifo; default lru")
+    p.add_argument("--admission", action="append", metavar="A",
+                   help="admission policy (repeat; 'all' = none); see docs/admission.md")
+    p.add_argument("--chunk-tokens", type=int, metavar="N",
+                   help="tokens per chunk (default: the trace's block size when the plan allows)")
+    p.add_argument("--trace-block-tokens", type=int, default=512, metavar="N",
+                   help="tokens per trace hash id (default 512, Mooncake)")
+    p.add_argument("--share", default="proportional", choices=("proportional", "equal"),
+                   help="how a tier's bytes are shared among groups (default proportional)")
+    p.add_argument("--compare-accounting", action="store_true",
+                   help="also replay with row-per-key accounting (every key reserves all groups' "
+                        "bytes, as vLLM's native offloading does)")
+    p.add_argument("--sweep", nargs="?", const=DEFAULT_SWEEP, metavar="SIZES",
+                   help=f"capacities of the first tier, comma-separated (default {DEFAULT_SWEEP})")
+    p.add_argument("--plot", metavar="OUT.png", help="write the hit-rate curve (implies --sweep)")
+    p.add_argument("--limit", type=int, metavar="N", help="replay only the first N requests")
+    p.add_argument("--active-params", type=float, default=8e9, metavar="N",
+                   help="active parameters per token for the cost model (default 8e9)")
+    p.add_argument("--prefill-tflops", type=float, default=400.0, metavar="F",
+                   help="sustained prefill TFLOP/s (default 400)")
+    p.add_argument("--bandwidth", action="append", metavar="TIER=RATE",
+                   help="load bandwidth of a tier in bytes/s, e.g. disk=3GB (defaults: cpu=25GB, "
+                        "disk=5GB, redis=1.25GB)")
+    p.add_argument("--dtype", help="KV dtype for a config.json")
+    p.add_argument("--block-size", type=int, metavar="N", help="engine tokens per block for a config.json")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def resolve_geometry(text: str) -> Path:
+    path = Path(text)
+    if path.exists():
+        return path
+    data = Path(__file__).resolve().parent.parent / "data"
+    for folder in ("geometries", "configs"):
+        for name in (text, f"{text}.json"):
+            candidate = data / folder / name
+            if candidate.is_file():
+                return candidate
+    shipped = sorted(p.stem for folder in ("geometries", "configs") for p in (data / folder).glob("*.json"))
+    raise ConfigError(
+        f"geometry {text!r} is neither a file nor a shipped geometry; shipped: {', '.join(shipped)}"
+    )
+
+
+def _pairs(values: list[str] | None, what: str) -> list[tuple[str, str]]:
+    out = []
+    for v in values or []:
+        name, sep, rest = v.partition("=")
+        if not sep or not name.strip() or not rest.strip():
+            raise ConfigError(f"{what} {v!r} is not NAME=VALUE")
+        out.append((name.strip(), rest.strip()))
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvtier.geometry import load_geometry
+    from kvtier.plan import make_plan
+    from kvtier.policies import POLICIES
+    from kvtier.replay import DEFAULT_BANDWIDTH, CostModel, footprint_bytes, parse_size, run_all
+    from kvtier.replay_trace import load_trace
+
+    geometry = load_geometry(resolve_geometry(args.geometry), dtype=args.dtype, block_size=args.block_size)
+    chunk_tokens = args.chunk_tokens
+    if chunk_tokens is None:
+        try:
+            plan = make_plan(geometry, chunk_tokens=args.trace_block_tokens)
+        except ConfigError:
+            plan = make_plan(geometry)
+    else:
+        plan = make_plan(geometry, chunk_tokens=chunk_tokens)
+    policies = args.policy or ["lru"]
+    for pol in policies:
+        if pol not in POLICIES:
+            raise ConfigError(f"unknown eviction policy {pol!r}; use one of: {', '.join(POLICIES)}")
+    admissions = _admissions(args.admission)
+    if args.limit is not None and args.limit <= 0:
+        raise ConfigError(f"--limit {args.limit} must be a positive number of requests")
+    trace = load_trace(args.trace, plan, block_tokens=args.trace_block_tokens, limit=args.limit)
+    footprint = footprint_bytes(plan, trace)
+    tiers = _pairs(args.tier, "--tier") or [("cpu", "10%")]
+    names = [t for t, _ in tiers]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"--tier names {names} repeat; give each tier once")
+    bandwidth = dict(DEFAULT_BANDWIDTH)
+    for tier, rate in _pairs(args.bandwidth, "--bandwidth"):
+        bandwidth[tier] = float(parse_size(rate.removesuffix("/s")))
+    cost = CostModel(active_params=args.active_params, flops=args.prefill_tflops * 1e12,
+                     bandwidth=bandwidth)
+    base = {t: parse_size(s, footprint) for t, s in tiers}
+    sweep = args.sweep or (DEFAULT_SWEEP if args.plot else None)
+    points = [dict(base)]
+    if sweep:
+        points = [{**base, names[0]: parse_size(s, footprint)} for s in sweep.split(",") if s.strip()]
+    shares = [args.share] + (["row-per-key"] if args.compare_accounting else [])
+    runs = len(points) * len(shares) * (len(policies) * len(admissions) + 1)
+    bar = _progress(runs * len(trace.requests), args.json)
+    rows = []
+    try:
+        for caps in points:
+            for res in run_all(plan, trace, caps, policies, admissions, shares, cost,
+                               bar.update if bar else None):
+                rows.append((caps, res))
+    finally:
+        if bar:
+            bar.close()
+    doc = {
+        "trace": trace.name,
+        "requests": len(trace.requests),
+        "unique_chunks": trace.unique_chunks,
+        "total_chunks": trace.total_chunks,
+        "footprint_bytes": footprint,
+        "geometry": geometry.name or str(args.geometry),
+        "chunk_tokens": plan.chunk_tokens,
+        "groups": {gp.name: gp.chunk_bytes for gp in plan.cacheable_groups},
+        "cost_model": {"active_params": cost.active_params, "flops": cost.flops,
+                       "bandwidth": dict(cost.bandwidth)},
+        "policies": [{"tiers": caps, **res.to_dict()} for caps, res in rows],
+    }
+    if args.plot:
+        from kvtier.replay_plot import plot_sweep
+
+        plot_sweep(rows, names[0], footprint, args.plot,
+                   title=f"{trace.name} on {geometry.name or args.geometry} (chunk {plan.chunk_tokens})")
+        doc["plot"] = args.plot
+    if args.json:
+        print(json.dumps(doc))
+    else:
+        from kvtier.replay_plot import render_table
+
+        print(render_table(doc, plan, rows))
+        if args.plot:
+            print(f"plot written to {args.plot}")
+    return 0
+
+
+def _admissions(values: list[str] | None) -> list[tuple[str, object]]:
+    names = values or ["all"]
+    out: list[tuple[str, object]] = []
+    for name in names:
+        if name in ("all", "none"):
+            out.append(("all", None))
+            continue
+        from kvtier.admission import make_admission
+
+        make_admission(name)  # unknown names fail before any replay
+        out.append((name, lambda name=name: make_admission(name)))
+    return out
+
+
+def _progress(total: int, quiet: bool):
+    if quiet or not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, file=sys.stderr, unit="req", unit_scale=True, leave=False,
+                desc="replay")

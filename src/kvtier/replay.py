@@ -1,0 +1,364 @@
+"""Trace replay: the real index, policies and admission, no payloads.
+
+`replay(plan, trace, capacities, policy, ...)` drives `kvtier.index.Index` exactly as the store
+(`kvtier.store`) does, minus the bytes:
+1. requests in timestamp order; per request, `Index.lookup(chunks, P)` before anything of the
+   request is stored: the hit is the largest T every cacheable group restores (plan rules);
+   the loaded chunks are touched. A chunk loaded from a lower tier is promoted (put into the
+   first tier, evicting there as a save would).
+2. admission (optional) says how many leading chunks may be stored: `admit(chunks)`.
+3. save: for every admitted chunk in prefix order, anchor groups (full/mla) first, the groups'
+   `plan.store_chunks`: a chunk already held is touched in every tier; a new one is put into the
+   first tier; an entry evicted there is demoted to the next tier unless it is dead or already
+   there (write-back), and so on down.
+Hit rate = hit chunks / all chunks (full chunks of every request).
+
+Belady's MIN ("min") is the reference row: on every pool, evict the entry whose next use (the
+next request that contains its hash) is farthest; and it does not store a chunk no later request
+contains (bypass: an optimal offline cache never spends a slot on a chunk that is never read
+again; a request's chunks with a later use are always a prefix, because hashes are chained).
+
+Cost model (`CostModel`): prefill compute saved = hit tokens * flops_per_token / flops; load time
+= bytes loaded per tier / that tier's bandwidth; saved = compute saved - load time, summed over
+requests. flops_per_token = 2 * active parameters (the dense matmuls; attention's quadratic
+term is ignored, so savings on long prompts are underestimated).
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+from kvtier.errors import ConfigError
+from kvtier.index import ChunkHash, Index
+from kvtier.plan import Plan
+from kvtier.policies import POLICIES, Evictable, EvictionPolicy
+from kvtier.replay_trace import Trace
+
+NEVER = float("inf")
+DEFAULT_BANDWIDTH = {"cpu": 25e9, "disk": 5e9, "redis": 1.25e9}  # bytes/s: PCIe, NVMe, 10 GbE
+
+
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    active_params: float = 8e9  # parameters used per token (MoE: the active ones)
+    flops: float = 400e12  # sustained prefill FLOP/s of the accelerator
+    bandwidth: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_BANDWIDTH))
+
+    def __post_init__(self) -> None:
+        if self.active_params <= 0 or self.flops <= 0:
+            raise ConfigError("cost model: active parameters and FLOP/s must be positive")
+        if any(v <= 0 for v in self.bandwidth.values()):
+            raise ConfigError(f"cost model: bandwidths {dict(self.bandwidth)} must be positive")
+
+    @property
+    def seconds_per_token(self) -> float:
+        return 2.0 * self.active_params / self.flops
+
+    def load_seconds(self, tier: str, num_bytes: int) -> float:
+        bw = self.bandwidth.get(tier)
+        if bw is None:
+            raise ConfigError(f"cost model has no bandwidth for tier {tier!r}; give --bandwidth {tier}=RATE")
+        return num_bytes / bw
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    policy: str
+    admission: str
+    share: str
+    hit_chunks: int
+    total_chunks: int
+    hit_tokens: int
+    total_tokens: int
+    hit_requests: int
+    requests: int
+    loads: dict[str, dict[str, int]]  # tier -> group name -> chunks loaded
+    loaded_bytes: dict[str, dict[str, int]]
+    written_bytes: dict[str, dict[str, int]]  # saves + promotions + demotions
+    evictions: dict[str, dict[str, int]]
+    dead_evictions: dict[str, dict[str, int]]
+    prefill_seconds_saved: float  # compute saved minus load time
+    compute_seconds_saved: float
+    load_seconds: float
+    prefill_seconds_total: float  # compute of every prompt token with no cache
+    wall_seconds: float
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_chunks / self.total_chunks if self.total_chunks else 0.0
+
+    @property
+    def token_hit_rate(self) -> float:
+        return self.hit_tokens / self.total_tokens if self.total_tokens else 0.0
+
+    def to_dict(self) -> dict[str, object]:
+        d = {name: getattr(self, name) for name in self.__slots__}  # type: ignore[attr-defined]
+        d["hit_rate"] = self.hit_rate
+        d["token_hit_rate"] = self.token_hit_rate
+        d["written_bytes_total"] = sum(sum(v.values()) for v in self.written_bytes.values())
+        d["loaded_bytes_total"] = sum(sum(v.values()) for v in self.loaded_bytes.values())
+        return d
+
+
+class Belady:
+    """MIN on one pool: the victim is the resident key used farthest in the future.
+
+    `next_use` is shared by every pool of a run and updated by the replay before each request;
+    a key's next use only grows, so a heap entry is current iff it equals next_use[key].
+    """
+
+    name = "min"
+
+    def __init__(self, capacity: int, next_use: dict[ChunkHash, float]) -> None:
+        self.next_use = next_use
+        self.resident: set[ChunkHash] = set()
+        self.heap: list[tuple[float, int, ChunkHash]] = []
+        self.seq = 0
+
+    def _push(self, key: ChunkHash) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (-self.next_use.get(key, NEVER), self.seq, key))
+
+    def insert(self, key: ChunkHash) -> None:
+        self.resident.add(key)
+        self._push(key)
+
+    def touch(self, key: ChunkHash) -> None:
+        if key in self.resident:
+            self._push(key)
+
+    def remove(self, key: ChunkHash) -> None:
+        self.resident.discard(key)
+
+    def victim(self, evictable: Evictable) -> ChunkHash | None:
+        heap, skipped, found = self.heap, [], None
+        while heap:
+            neg, _, key = heap[0]
+            if key not in self.resident or -neg != self.next_use.get(key, NEVER):
+                heapq.heappop(heap)  # stale
+                continue
+            if evictable(key):
+                found = key
+                break
+            skipped.append(heapq.heappop(heap))
+        for item in skipped:
+            heapq.heappush(heap, item)
+        return found
+
+    def __len__(self) -> int:
+        return len(self.resident)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.resident
+
+
+def next_uses(trace: Trace) -> list[list[float]]:
+    """For request r and chunk position i: the index of the next request containing that hash."""
+    out: list[list[float]] = [[] for _ in trace.requests]
+    last: dict[ChunkHash, float] = {}
+    for r in range(len(trace.requests) - 1, -1, -1):
+        chunks = trace.requests[r].chunks
+        out[r] = [last.get(h, NEVER) for h in chunks]
+        for h in chunks:
+            last[h] = r
+    return out
+
+
+class _NoAdmission:
+    name = "all"
+
+    def admit(self, chunk_hashes: list[ChunkHash]) -> int:
+        return len(chunk_hashes)
+
+
+def replay(
+    plan: Plan,
+    trace: Trace,
+    capacities: Mapping[str, int],
+    policy: str = "lru",
+    *,
+    admission: object | None = None,
+    admission_name: str = "all",
+    share: str = "proportional",
+    cost: CostModel | None = None,
+    progress: Callable[[int], None] | None = None,
+    future: list[list[float]] | None = None,
+) -> Result:
+    """Replay `trace` through a fresh Index; `policy` is a POLICIES name or "min"."""
+    t_start = time.perf_counter()
+    cost = cost or CostModel()
+    for tier in capacities:
+        cost.load_seconds(tier, 0)  # every tier needs a bandwidth: fail before the replay
+    is_min = policy == "min"
+    if not is_min and policy not in POLICIES:
+        raise ConfigError(f"unknown eviction policy {policy!r}; use one of: {', '.join(POLICIES)}, min")
+    next_use: dict[ChunkHash, float] = {}
+    if is_min:
+        future = future if future is not None else next_uses(trace)
+        index = Index(plan, capacities, policy=lambda slots: Belady(slots, next_use), share=share)
+    else:
+        index = Index(plan, capacities, policy=policy, share=share)
+    adm = admission if admission is not None else _NoAdmission()
+    tiers = list(capacities)
+    first = tiers[0]
+    c = plan.chunk_tokens
+    cacheable = plan.cacheable_groups
+    order = sorted(cacheable, key=lambda gp: gp.kind not in ("full", "mla"))  # anchors first
+    names = {gp.index: gp.name for gp in cacheable}
+    chunk_bytes = {gp.index: gp.chunk_bytes for gp in cacheable}
+    zero = lambda: {t: {gp.name: 0 for gp in cacheable} for t in tiers}  # noqa: E731
+    loads, loaded, written = zero(), zero(), zero()
+    store_cache: dict[int, list[tuple[int, set[int] | None]]] = {}
+
+    def wanted(n: int) -> list[tuple[int, set[int] | None]]:
+        # per group (anchors first) the chunk indices worth storing; None = all of 0..n-1
+        got = store_cache.get(n)
+        if got is None:
+            got = []
+            for gp in order:
+                idx = plan.store_chunks(gp.index, n * c)
+                got.append((gp.index, None if idx == list(range(n)) else set(idx)))
+            store_cache[n] = got
+        return got
+
+    def put(h: ChunkHash, g: int, level: int) -> None:
+        tier = tiers[level]
+        r = index.put(h, g, tier)
+        if r.slot is None:
+            return
+        written[tier][names[g]] += chunk_bytes[g]
+        for ev in r.evicted:  # write-back demotion, cascading down the tiers
+            if ev.dead or level + 1 >= len(tiers) or index.contains(ev.chunk_hash, g, tiers[level + 1]):
+                continue
+            put(ev.chunk_hash, g, level + 1)
+
+    hit_chunks = hit_tokens = hit_requests = 0
+    compute_saved = load_secs = 0.0
+    spt = cost.seconds_per_token
+    contains, touch = index.contains, index.touch
+    for r, req in enumerate(trace.requests):
+        chunks = req.chunks
+        if is_min:
+            assert future is not None
+            fut = future[r]
+            for i, h in enumerate(chunks):
+                next_use[h] = fut[i]
+        hit = index.lookup(chunks, req.prompt_tokens)
+        if hit.tokens:
+            hit_requests += 1
+            n_hit = hit.tokens // c
+            hit_chunks += n_hit
+            tok = min(hit.tokens, req.input_tokens)
+            hit_tokens += tok
+            compute_saved += tok * spt
+            for g, group_loads in enumerate(hit.chunks):
+                for ld in group_loads:
+                    name = names[g]
+                    loads[ld.tier][name] += 1
+                    loaded[ld.tier][name] += chunk_bytes[g]
+                    load_secs += cost.load_seconds(ld.tier, chunk_bytes[g])
+                    if ld.tier != first and not contains(ld.chunk_hash, g, first):
+                        put(ld.chunk_hash, g, 0)  # promotion
+        n = len(chunks)
+        if is_min:
+            assert future is not None
+            k = 0
+            while k < n and future[r][k] != NEVER:
+                k += 1
+            n = k
+        admitted = adm.admit(list(chunks)) if n else 0  # type: ignore[attr-defined]
+        n = min(n, int(admitted))
+        if n:
+            for g, idx in wanted(n):
+                for i in range(n):
+                    if idx is not None and i not in idx:
+                        continue
+                    h = chunks[i]
+                    if contains(h, g):
+                        for t in tiers:
+                            touch(h, g, t)
+                    else:
+                        put(h, g, 0)
+        if progress is not None:
+            progress(1)
+    evictions = {t: {names[g]: index.counters(g, t)["evictions"] for g in names} for t in tiers}
+    dead = {t: {names[g]: index.counters(g, t)["dead_evictions"] for g in names} for t in tiers}
+    return Result(
+        policy=policy,
+        admission=admission_name if not is_min else "oracle",
+        share=share,
+        hit_chunks=hit_chunks,
+        total_chunks=trace.total_chunks,
+        hit_tokens=hit_tokens,
+        total_tokens=trace.total_input_tokens,
+        hit_requests=hit_requests,
+        requests=len(trace.requests),
+        loads=loads,
+        loaded_bytes=loaded,
+        written_bytes=written,
+        evictions=evictions,
+        dead_evictions=dead,
+        prefill_seconds_saved=compute_saved - load_secs,
+        compute_seconds_saved=compute_saved,
+        load_seconds=load_secs,
+        prefill_seconds_total=trace.total_input_tokens * spt,
+        wall_seconds=time.perf_counter() - t_start,
+    )
+
+
+def footprint_bytes(plan: Plan, trace: Trace) -> int:
+    """Bytes to hold every unique chunk of the trace in every cacheable group."""
+    return trace.unique_chunks * plan.chunk_bytes_all_groups
+
+
+def parse_size(text: str, footprint: int | None = None) -> int:
+    """`1234`, `64K`, `8MiB`, `2G`, `1.5GB`; or `10%` of `footprint` (the trace's unique chunks)."""
+    s = text.strip()
+    if s.endswith("%"):
+        if footprint is None:
+            raise ConfigError(f"size {text!r} is a percentage, but there is nothing to take it of")
+        try:
+            pct = float(s[:-1])
+        except ValueError:
+            raise ConfigError(f"size {text!r} is not a number followed by %") from None
+        if pct <= 0:
+            raise ConfigError(f"size {text!r} must be > 0%")
+        return max(1, int(footprint * pct / 100))
+    units = {"": 1, "B": 1, "K": 1000, "KB": 1000, "KIB": 1024, "M": 1000**2, "MB": 1000**2,
+             "MIB": 1024**2, "G": 1000**3, "GB": 1000**3, "GIB": 1024**3, "T": 1000**4,
+             "TB": 1000**4, "TIB": 1024**4}
+    i = len(s)
+    while i > 0 and s[i - 1].isalpha():
+        i -= 1
+    num, unit = s[:i].strip(), s[i:].upper()
+    try:
+        value = float(num)
+    except ValueError:
+        raise ConfigError(f"size {text!r} is not a byte count like 64GiB, 500M, 1234 or 10%") from None
+    if unit not in units:
+        raise ConfigError(f"size {text!r} has unknown unit {s[i:]!r}; use K, M, G, T, KiB, MiB, GiB, TiB or %")
+    if value <= 0:
+        raise ConfigError(f"size {text!r} must be positive")
+    return int(value * units[unit])
+
+
+def run_all(plan: Plan, trace: Trace, capacities: Mapping[str, int], policies: Iterable[str],
+            admissions: Iterable[tuple[str, Callable[[], object] | None]] = (("all", None),),
+            shares: Iterable[str] = ("proportional",), cost: CostModel | None = None,
+            progress: Callable[[int], None] | None = None) -> list[Result]:
+    """Every (share, admission, policy), then MIN per share; MIN's future is computed once."""
+    out: list[Result] = []
+    future = next_uses(trace)
+    admissions = list(admissions)
+    for share in shares:
+        for adm_name, make in admissions:
+            for pol in policies:
+                out.append(replay(plan, trace, capacities, pol, admission=make() if make else None,
+                                  admission_name=adm_name, share=share, cost=cost,
+                                  progress=progress))
+        out.append(replay(plan, trace, capacities, "min", share=share, cost=cost,
+                          progress=progress, future=future))
+    return out

@@ -1,0 +1,99 @@
+"""`kvtier replay` end to end on small traces: JSON shape, table, sweep plot, errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvtier.cli import main
+
+GEOM = {"name": "toy", "tokens_per_hash": 16, "groups": [
+    {"name": "full", "kind": "full", "num_layers": 1, "tokens_per_block": 16,
+     "bytes_per_token_per_layer": 2},
+    {"name": "swa", "kind": "sliding", "window": 128, "num_layers": 1, "tokens_per_block": 16,
+     "bytes_per_token_per_layer": 2}]}
+
+
+@pytest.fixture
+def files(tmp_path):
+    geom = tmp_path / "g.json"
+    geom.write_text(json.dumps(GEOM))
+    trace = tmp_path / "t.jsonl"
+    rows = [[1, 2], [1, 2, 3], [1, 4], [1, 2]]
+    trace.write_text("\n".join(json.dumps({"timestamp": i, "input_length": 512 * len(h),
+                                           "output_length": 9, "hash_ids": h})
+                               for i, h in enumerate(rows)))
+    return str(trace), str(geom)
+
+
+def test_json_rows_with_min(files, capsys):
+    trace, geom = files
+    # 2 chunks of both groups = 2 * 2048 bytes: the hand-derived run of test_replay (LRU 3/9)
+    rc = main(["replay", trace, "--geometry", geom, "--tier", "cpu=4096", "--policy", "lru",
+               "--policy", "fifo", "--json"])
+    assert rc == 0
+    doc = json.loads(capsys.readouterr().out)
+    rows = {r["policy"]: r for r in doc["policies"]}
+    assert list(rows) == ["lru", "fifo", "min"]
+    assert (rows["lru"]["hit_chunks"], rows["lru"]["total_chunks"]) == (3, 9)
+    assert rows["lru"]["hit_rate"] == pytest.approx(3 / 9)
+    assert rows["min"]["hit_chunks"] == 5
+    assert doc["chunk_tokens"] == 512 and doc["unique_chunks"] == 4
+    assert rows["lru"]["tiers"] == {"cpu": 4096}
+
+
+def test_table_and_compare_accounting(files, capsys):
+    trace, geom = files
+    rc = main(["replay", trace, "--geometry", geom, "--tier", "cpu=50%", "--compare-accounting"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "MIN" in out and "row-per-key" in out and "proportional" in out
+    # 50% of 4 unique chunks of both groups = 2 rows: per-group gets 2 slots per group,
+    # row-per-key 1 slot per group
+    lines = [ln for ln in out.splitlines() if " lru " in f" {ln} "]
+    assert len(lines) == 2
+
+
+def test_sweep_plot_writes_png(files, tmp_path, capsys):
+    trace, geom = files
+    png = tmp_path / "curve.png"
+    rc = main(["replay", trace, "--geometry", geom, "--sweep", "25%,50%,100%", "--plot", str(png),
+               "--json"])
+    assert rc == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert len(doc["policies"]) == 6  # 3 capacities x (lru + min)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    full = [r for r in doc["policies"] if r["tiers"]["cpu"] == doc["footprint_bytes"]]
+    assert {r["hit_chunks"] for r in full} == {5}  # everything fits: every reuse hits
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--policy", "mru"], "unknown eviction policy 'mru'"),
+    (["--tier", "cpu"], "--tier 'cpu' is not NAME=VALUE"),
+    (["--tier", "cpu=1"], "less than one chunk"),
+    (["--tier", "cpu=1XB"], "unknown unit"),
+    (["--chunk-tokens", "768"], "do not nest"),
+    (["--tier", "nvme=1G"], "no bandwidth for tier 'nvme'"),
+])
+def test_errors_are_one_line_exit_2(files, capsys, argv, msg):
+    trace, geom = files
+    rc = main(["replay", trace, "--geometry", geom, *argv])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.startswith("error: ") and msg in err and err.count("\n") == 1
+
+
+def test_console_script_and_shipped_geometry(files):
+    trace, _ = files
+    out = subprocess.run([sys.executable, "-m", "kvtier", "replay", trace, "--geometry",
+                          "gpt-oss-120b-fp8kv", "--tier", "cpu=50%", "--json"], capture_output=True,
+                         text=True)
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["groups"] == {"sliding": 18 * 1024 * 512, "full": 18 * 1024 * 512}
+    bad = subprocess.run([sys.executable, "-m", "kvtier", "replay", trace, "--geometry", "nope"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: geometry 'nope'")
