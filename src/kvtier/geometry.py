@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kvtier.errors import ConfigError
@@ -351,7 +351,11 @@ def load_geometry(
     if isinstance(data, dict) and ("model_type" in data or "architectures" in data):
         from kvtier.hf_config import geometry_from_hf_config
 
-        return geometry_from_hf_config(data, dtype=dtype, block_size=block_size)
+        geometry = geometry_from_hf_config(data, dtype=dtype, block_size=block_size)
+        if not data.get("_name_or_path"):  # name it after the model directory or the file
+            name = p.parent.name if p.name == "config.json" else p.stem
+            geometry = replace(geometry, name=name or geometry.name)
+        return geometry
     raise ConfigError(
         f"{str(path)!r} is neither a geometry JSON (it has no 'groups') nor a Hugging Face "
         "config.json (it has no 'model_type'); see docs/geometry.md for the geometry format"
