@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from kvtier.errors import ConfigError
@@ -206,6 +207,8 @@ def render(plan: Plan, hit_tokens: int | None) -> str:
 
 def run(args: argparse.Namespace) -> int:
     if args.engine == "vllm":
+        # vLLM logs to stdout by default; stdout is this command's output (one object with --json)
+        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
         try:
             from kvtier.integrations.vllm.geometry import geometry_from_vllm
         except ImportError as exc:
