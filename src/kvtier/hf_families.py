@@ -35,8 +35,9 @@ class Cfg:
         self.data, self.model_type, self.defaults = data, model_type, defaults
 
     def get(self, key: str) -> object:
-        value = self.data.get(key)
-        return self.defaults.get(key) if value is None else value
+        # The class default applies only when the key is absent, as in transformers: an explicit
+        # null (Mistral v0.3's "sliding_window": null) means "none", not "the default".
+        return self.data[key] if key in self.data else self.defaults.get(key)
 
     def int(self, key: str, fallback: int | None = None) -> int:
         value = self.get(key)
@@ -113,7 +114,7 @@ def read_llama(cfg: Cfg, d: int) -> list[tuple[int, Spec]]:
 def _all_sliding_if_window(cfg: Cfg, d: int) -> list[tuple[int, Spec]]:
     """Mistral / Mixtral / Qwen3-MoE: `sliding_window` (when set) applies to every layer."""
     if cfg.model_type == "qwen3_moe" and not cfg.get("use_sliding_window"):
-        cfg = Cfg({**cfg.data, "sliding_window": None}, cfg.model_type, {})
+        cfg = Cfg({**cfg.data, "sliding_window": None}, cfg.model_type, cfg.defaults)
     sliding = cfg.get("sliding_window") is not None
     return _sliding_or_full(cfg, d, lambda i: "sliding_attention" if sliding else "full_attention")
 
@@ -121,7 +122,7 @@ def _all_sliding_if_window(cfg: Cfg, d: int) -> list[tuple[int, Spec]]:
 def _qwen2(cfg: Cfg, d: int) -> list[tuple[int, Spec]]:
     """Qwen2/Qwen3: sliding only with `use_sliding_window`, on layers >= `max_window_layers`."""
     if not cfg.get("use_sliding_window"):
-        cfg = Cfg({**cfg.data, "sliding_window": None}, cfg.model_type, {})
+        cfg = Cfg({**cfg.data, "sliding_window": None}, cfg.model_type, cfg.defaults)
     first = cfg.int("max_window_layers") if cfg.get("use_sliding_window") else 0
     sliding = cfg.get("sliding_window") is not None
     return _sliding_or_full(
@@ -279,7 +280,7 @@ FAMILIES: dict[str, tuple[Reader, dict[str, object]]] = {
     "qwen2_moe": (_qwen2, {"max_window_layers": 28, "sliding_window": 4096}),
     "qwen3": (_qwen2, {"max_window_layers": 28, "sliding_window": 4096, "head_dim": 128}),
     "qwen3_moe": (_all_sliding_if_window, {"sliding_window": 4096}),
-    "mistral": (_all_sliding_if_window, {}),
+    "mistral": (_all_sliding_if_window, {"sliding_window": 4096}),
     "mixtral": (_all_sliding_if_window, {}),
     "gemma2": (_every_nth_full("sliding_window_pattern", 2),
                {"num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,

@@ -247,3 +247,17 @@ def test_pretrained_config_reads_the_same_geometry(hf_config, name) -> None:
     assert _groups(a) == _groups(b)
     assert [x.layers for x in a.groups] == [x.layers for x in b.groups]
     assert a.fingerprint() == b.fingerprint()
+
+
+def test_class_defaults_apply_only_to_absent_keys(hf_config) -> None:
+    mistral = hf_config("mistral-7b-v0.1")
+    # Mistral v0.3 writes "sliding_window": null: every layer is full attention
+    assert _groups(geometry_from_hf_config(mistral | {"sliding_window": None})) == [
+        ("full", "full", 32, 4096, None)]
+    # an absent key takes transformers' MistralConfig default, 4096
+    del mistral["sliding_window"]
+    assert _groups(geometry_from_hf_config(mistral))[0][4] == 4096
+    # Qwen3's class default head_dim is 128 whatever hidden_size / heads is (here 64)
+    qwen3 = {"model_type": "qwen3", "num_hidden_layers": 2, "hidden_size": 1024,
+             "num_attention_heads": 16, "num_key_value_heads": 2}
+    assert _groups(geometry_from_hf_config(qwen3)) == [("full", "full", 2, 2 * 2 * 128 * 2, None)]
