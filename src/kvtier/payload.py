@@ -33,7 +33,7 @@ from __future__ import annotations
 import struct
 import time
 import zlib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from kvtier.errors import ConfigError
 
@@ -133,10 +133,13 @@ def make_header(
 def as_bytes_view(data: object) -> memoryview:
     """A flat byte view of `data` (bytes, bytearray, memoryview, numpy array, CPU torch tensor)
     without copying. A torch tensor must be contiguous and on the CPU."""
-    numpy = getattr(data, "numpy", None)
-    if numpy is not None and not isinstance(data, memoryview):  # torch.Tensor
-        data = numpy()
-    view = memoryview(data)  # type: ignore[arg-type]
+    if isinstance(data, memoryview):
+        view = data
+    else:
+        numpy = getattr(data, "numpy", None)
+        if numpy is not None:  # torch.Tensor
+            data = numpy()
+        view = memoryview(data)  # type: ignore[arg-type]
     if view.format != "B" or view.ndim != 1:
         view = view.cast("B")
     return view
@@ -155,9 +158,10 @@ def checksum(data: object, kind: int = DEFAULT_CHECKSUM) -> int:
 
 def seal(header: ChunkHeader, data: object, kind: int = DEFAULT_CHECKSUM) -> ChunkHeader:
     """`header` with the checksum of `data` and the creation time filled in."""
-    return replace(
-        header, checksum=checksum(data, kind), checksum_kind=kind, created_ns=time.time_ns()
-    )
+    h = header  # a direct constructor call: dataclasses.replace costs ~10 us on the hot path
+    return ChunkHeader(h.namespace_id, h.chunk_hash, h.group, h.token_start, h.token_end,
+                       h.payload_bytes, h.dtype, checksum(data, kind), kind, time.time_ns(),
+                       h.format_version)
 
 
 def encode_header(header: ChunkHeader) -> bytes:

@@ -124,6 +124,7 @@ class Store:
         self.write_through = write_through
         self.promote = promote
         self._lock = threading.RLock()
+        self._chunk_bytes = [gp.chunk_bytes for gp in plan.groups]
         self._dtypes = [gp.group.dtype if gp.group.dtype in DTYPE_CODES else "uint8" for gp in plan.groups]
         self.rebuilt = self._rebuild()
 
@@ -135,9 +136,13 @@ class Store:
         return TierLayout(slot_bytes=sizes, num_slots=slots)
 
     def header(self, chunk_hash: bytes, group: int, chunk_index: int) -> ChunkHeader:
+        """The header a (chunk, group) payload of this store carries (unsealed)."""
         c = self.plan.chunk_tokens
-        return make_header(self.ns_id, chunk_hash, group, chunk_index * c, (chunk_index + 1) * c,
-                           self.plan.groups[group].chunk_bytes, self._dtypes[group])
+        if len(chunk_hash) != HASH_BYTES:  # kvtier.keys gives 32 bytes; others go the checked way
+            return make_header(self.ns_id, chunk_hash, group, chunk_index * c, (chunk_index + 1) * c,
+                               self.plan.groups[group].chunk_bytes, self._dtypes[group])
+        return ChunkHeader(self.ns_id, chunk_hash, group, chunk_index * c, (chunk_index + 1) * c,
+                           self._chunk_bytes[group], self._dtypes[group])
 
     def _rebuild(self) -> int:
         """Feed what persistent slot tiers hold to the index; free what it refuses."""

@@ -22,6 +22,8 @@ from kvtier.tiers.base import SlotTier, TierLayout
 
 def as_u8(t: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of a contiguous tensor (no copy)."""
+    if t.dtype == torch.uint8 and t.dim() == 1:
+        return t  # the common case, without a reshape dispatch
     flat = t.reshape(-1)
     return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
 

@@ -6,8 +6,9 @@ header (`kvtier.payload`) followed by the payload. The slot size is in the file 
 restart with another plan (another chunk size) never reads a slab with the wrong stride, and
 `kvtier inspect`/`check` read a directory without knowing the plan.
 
-Write then publish: the payload is written first, then (fsync="always": after an fdatasync)
-the header, whose checksum covers the payload; `free` zeroes the header. A crash at any point
+Write then publish: the payload is written first, then the header, whose checksum covers the
+payload (fsync="always": one fdatasync after both, so a write is durable when it returns);
+`free` zeroes the header. A crash at any point
 leaves each slot either with its old header (whose checksum no longer matches a half-written
 payload: a counted miss), with no header (a plain miss), or complete. Nothing reads back valid
 but wrong; fsync only decides what survives a power loss, not what a process kill can do.
@@ -131,10 +132,10 @@ class DiskTier(SlotTier):
         sealed = seal(header, src)
         try:
             _pwrite_all(fd, src, off + HEADER_BYTES)
-            if self.fsync == "always":
-                os.fdatasync(fd)
             os.pwrite(fd, encode_header(sealed), off)  # publish
             if self.fsync == "always":
+                # one flush, not one per write: until it returns, a power loss may persist the
+                # header without the payload, which the checksum turns into a miss
                 os.fdatasync(fd)
         except OSError as exc:
             try:  # best effort: never leave an old header over a half-new payload

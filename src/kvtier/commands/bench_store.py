@@ -1,0 +1,254 @@
+"""`kvtier bench store`: the store's save/load throughput against plain copies of the same bytes.
+
+Measured side by side in one run, interleaved round by round (the order alternates), on a
+4-group hybrid geometry (full, sliding, MLA, state): for each round the ratio
+plain_seconds / kvtier_seconds is taken, and the median over rounds is reported (1.0 = as
+fast as the plain copy).
+
+- cpu: `Store.save` / `Store.load` through a cpu-only store (index, headers, slab slots) vs a
+  plain `torch` copy of exactly the same payloads into / out of preallocated tensors.
+- disk: the same through a disk-only store (pwrite/preadv of slab slots, a header and an
+  xxh3/crc32 checksum per chunk, checksum verified on every load) vs a plain sequential
+  write / read of the same bytes to one preexisting file (fdatasync after each payload when the
+  tier uses fsync="always"). Both run against the page cache (warm), as a cache re-read is.
+- lookup: `Store.lookup` of a 131072-token prompt fully cached on the 4-group geometry
+  (512 chunks): `lookup_chunks_per_s` = prompt chunks / median lookup time; chunk hashing
+  (kvtier.keys) is reported apart (`hash_ms_128k`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+HELP = "store save/load vs plain torch copy and plain file I/O, as ratios; lookup throughput"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rounds", type=int, default=7, help="rounds per measurement (median; default 7)")
+    p.add_argument("--chunks", type=int, default=4, help="prompt chunks per round (default 4: 90 MiB saved, 58 MiB loaded)")
+    p.add_argument("--fsync", choices=("never", "always"), default="never",
+                   help="disk tier fsync policy; the plain baseline fsyncs alike")
+    p.add_argument("--dir", help="directory for the disk files (default: a temporary one)")
+    p.add_argument("--cold", action="store_true",
+                   help="disk loads from storage: flush and drop both sides' files from the page "
+                        "cache (posix_fadvise DONTNEED) before every load round")
+    p.add_argument("--torch-threads", type=int, default=1, metavar="N",
+                   help="torch intra-op threads for both sides (default 1: on a busy host torch's "
+                        "thread pool makes a 2 MiB copy several times slower)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def bench_geometry(small: bool = False):  # type: ignore[no-untyped-def]
+    """4 groups: full, sliding (W=512), MLA, state. `small`: same layout, 64x fewer bytes (for
+    the lookup bench: lookup never touches payloads, and its slabs then stay small)."""
+    from kvtier.geometry import Geometry, Group
+
+    d = 64 if small else 1
+    return Geometry(
+        name="bench-4-group",
+        groups=(
+            # bf16 with 4 KV heads of 128: 2 KiB per token per layer -> 8 MiB chunks of 256 tokens
+            Group("full", "full", num_layers=16, tokens_per_block=16, bytes_per_token_per_layer=2048 // d),
+            Group("local", "sliding", num_layers=16, tokens_per_block=16, bytes_per_token_per_layer=2048 // d,
+                  window=512),
+            Group("mla", "mla", num_layers=8, tokens_per_block=64, bytes_per_token_per_layer=1152 // d),
+            Group("ssm", "state", num_layers=4, tokens_per_block=16, state_bytes_per_layer=1024 * 1024 // d),
+        ),
+        tokens_per_hash=16,
+    )
+
+
+def _drop_cache(fds: list[int]) -> None:
+    for fd in fds:
+        os.fsync(fd)  # DONTNEED drops clean pages only
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def _median_ratio(plain: list[float], ours: list[float]) -> float:
+    return statistics.median(p / o for p, o in zip(plain, ours))
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from kvtier.errors import ConfigError
+    from kvtier.keys import Namespace
+    from kvtier.plan import make_plan
+    from kvtier.store import Store
+
+    if args.rounds < 1 or args.chunks < 1 or args.torch_threads < 1:
+        raise ConfigError(f"--rounds {args.rounds}, --chunks {args.chunks} and --torch-threads "
+                          f"{args.torch_threads} must be >= 1")
+    torch.set_num_threads(args.torch_threads)
+    geom = bench_geometry()
+    plan = make_plan(geom, chunk_tokens=256)
+    ns = Namespace("bench", geom.fingerprint(), "bfloat16")
+    C, n = plan.chunk_tokens, args.chunks
+    row = plan.chunk_bytes_all_groups
+    gen = torch.Generator().manual_seed(0)
+
+    def prompt(k: int) -> list[int]:
+        return [(k * 7919 + 31 * i) % 50000 for i in range(n * C + 1)]
+
+    def payloads(keys: list[tuple[int, int]]) -> dict[tuple[int, int], torch.Tensor]:
+        return {k: torch.randint(0, 256, (plan.groups[k[0]].chunk_bytes,), dtype=torch.uint8, generator=gen)
+                for k in keys}
+
+    save_keys = [(gp.index, i) for gp in plan.cacheable_groups for i in plan.store_chunks(gp.index, n * C)]
+    src = payloads(save_keys)
+    save_bytes = sum(t.numel() for t in src.values())
+    rounds = args.rounds
+    out: dict[str, object] = {"geometry": geom.name, "chunk_tokens": C, "prompt_chunks": n,
+                              "rounds": rounds, "save_bytes_per_round": save_bytes, "fsync": args.fsync,
+                              "torch_threads": args.torch_threads,
+                              "disk_cache": "cold" if args.cold else "warm"}
+    tmp = tempfile.TemporaryDirectory(dir=args.dir, prefix="kvtier-bench-")
+
+    def timed(f) -> float:  # type: ignore[no-untyped-def]
+        t0 = time.perf_counter()
+        f()
+        return time.perf_counter() - t0
+
+    for tier in ("cpu", "disk"):
+        # room for one prompt: from round 1 on every save evicts the previous round's chunk
+        # and reuses its slot (the steady state of a full cache; no first-touch page faults)
+        kw = ({"cpu_bytes": n * row} if tier == "cpu" else
+              {"disk_dir": os.path.join(tmp.name, "tier"), "disk_bytes": n * row, "fsync": args.fsync})
+        store = Store(plan, ns, **kw)  # type: ignore[arg-type]
+        plain_file = os.path.join(tmp.name, "plain.bin")
+        with open(plain_file, "wb") as f:  # preexisting, as the tier's slab files are after round 0
+            f.truncate(save_bytes)
+        dst = {k: torch.empty_like(v) for k, v in src.items()}  # the plain cpu copy's destination
+        t_plain_s, t_ours_s, t_plain_l, t_ours_l = [], [], [], []
+        for r in range(rounds + 1):  # round 0 warms up (first touch of slabs and files)
+            hashes = store.hashes(prompt(r))
+            hit_keys: list[tuple[int, int]] = []
+
+            def ours_save() -> None:
+                assert store.save(hashes, src, n * C + 1) == len(save_keys)
+
+            def plain_save() -> None:
+                if tier == "cpu":
+                    for k, v in src.items():
+                        dst[k].copy_(v)
+                    return
+                fd = os.open(plain_file, os.O_WRONLY)
+                try:
+                    for v in src.values():
+                        os.write(fd, v.numpy())
+                        if args.fsync == "always":
+                            os.fdatasync(fd)
+                finally:
+                    os.close(fd)
+
+            a, b = (plain_save, ours_save) if r % 2 else (ours_save, plain_save)
+            ta, tb = timed(a), timed(b)
+            tp, to = (ta, tb) if r % 2 else (tb, ta)
+            hit = store.lookup(hashes, n * C + 1)
+            hit_keys = hit.buffers_needed()
+            bufs = {k: torch.empty_like(src[k]) for k in hit_keys}
+
+            def ours_load() -> None:
+                assert store.load(hit, bufs) == n * C
+
+            def plain_load() -> None:
+                if tier == "cpu":
+                    for k in hit_keys:
+                        bufs[k].copy_(dst[k])
+                    return
+                fd = os.open(plain_file, os.O_RDONLY)
+                try:
+                    for k in hit_keys:
+                        os.readv(fd, [bufs[k].numpy()])
+                finally:
+                    os.close(fd)
+
+            if tier == "disk" and args.cold:
+                _drop_cache([fd for fd in store.slot_tiers["disk"]._fds if fd is not None])  # type: ignore[attr-defined]
+                pfd = os.open(plain_file, os.O_RDONLY)
+                _drop_cache([pfd])
+                os.close(pfd)
+            a, b = (plain_load, ours_load) if r % 2 else (ours_load, plain_load)
+            ta, tb = timed(a), timed(b)
+            lp, lo = (ta, tb) if r % 2 else (tb, ta)
+            if r:
+                t_plain_s.append(tp)
+                t_ours_s.append(to)
+                t_plain_l.append(lp)
+                t_ours_l.append(lo)
+        load_bytes = sum(src[k].numel() for k in hit_keys)
+        m = store.metrics()
+        store.close()
+        if m["corrupt_dropped"] or m["failed_saves"]:
+            print(f"error: the {tier} bench saw {m['corrupt_dropped']} corrupt payloads and "
+                  f"{m['failed_saves']} failed saves", file=sys.stderr)
+            return 1
+        out[f"{tier}_save_ratio"] = round(_median_ratio(t_plain_s, t_ours_s), 3)
+        out[f"{tier}_load_ratio"] = round(_median_ratio(t_plain_l, t_ours_l), 3)
+        out[f"{tier}_save_gbps"] = round(save_bytes / statistics.median(t_ours_s) / 1e9, 2)
+        out[f"{tier}_plain_save_gbps"] = round(save_bytes / statistics.median(t_plain_s) / 1e9, 2)
+        out[f"{tier}_load_gbps"] = round(load_bytes / statistics.median(t_ours_l) / 1e9, 2)
+        out[f"{tier}_plain_load_gbps"] = round(load_bytes / statistics.median(t_plain_l) / 1e9, 2)
+    out["load_bytes_per_round"] = load_bytes
+    tmp.cleanup()
+    out.update(_lookup_bench(rounds))
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    print(f"kvtier bench store: {geom.name}, chunk_tokens {C}, {n} chunks a prompt, "
+          f"{save_bytes / 2**20:.0f} MiB saved / {load_bytes / 2**20:.0f} MiB loaded a round, "
+          f"median of {rounds} rounds, fsync={args.fsync}, disk loads {out['disk_cache']}")
+    print(f"{'':6} {'save ratio':>10} {'load ratio':>10}   (kvtier GB/s vs plain GB/s)")
+    for tier, what in (("cpu", "torch copy"), ("disk", "file I/O")):
+        print(f"{tier:6} {out[f'{tier}_save_ratio']:>10} {out[f'{tier}_load_ratio']:>10}   "
+              f"save {out[f'{tier}_save_gbps']} vs {out[f'{tier}_plain_save_gbps']}, load "
+              f"{out[f'{tier}_load_gbps']} vs {out[f'{tier}_plain_load_gbps']} (plain {what})")
+    print(f"lookup of a 131072-token prompt ({out['lookup_prompt_chunks']} chunks x 4 groups): "
+          f"{out['lookup_ms_128k']} ms, {out['lookup_chunks_per_s']:.0f} chunks/s; "
+          f"hashing it: {out['hash_ms_128k']} ms")
+    return 0
+
+
+def _lookup_bench(rounds: int) -> dict[str, object]:
+    """Lookup of a fully cached 128k-token prompt; payloads are tiny (lookup never reads them)."""
+    from kvtier.keys import Namespace, chunk_hashes
+    from kvtier.plan import make_plan
+    from kvtier.store import Store
+
+    geom = bench_geometry(small=True)
+    plan = make_plan(geom, chunk_tokens=256)
+    ns = Namespace("bench-lookup", geom.fingerprint(), "bfloat16")
+    tokens = [(31 * i) % 50000 for i in range(131072)]
+    hash_times = []
+    hashes: list[bytes] = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        hashes = chunk_hashes(plan, ns, tokens)
+        hash_times.append(time.perf_counter() - t0)
+    nchunks = len(hashes)
+    # an index-sized store: capacity for every chunk of every group, no slab traffic measured
+    store = Store(plan, ns, cpu_bytes=(nchunks + 1) * plan.chunk_bytes_all_groups, pin_memory=False)
+    assert store.index is not None
+    for gp in plan.cacheable_groups:
+        for i in plan.store_chunks(gp.index, len(tokens)):
+            store.index.put(hashes[i], gp.index, "cpu")
+    times = []
+    for _ in range(max(rounds, 5)):
+        t0 = time.perf_counter()
+        hit = store.lookup(hashes, len(tokens) + 1)
+        times.append(time.perf_counter() - t0)
+        assert hit.tokens == nchunks * plan.chunk_tokens
+    med = statistics.median(times)
+    store.close()
+    return {
+        "lookup_prompt_chunks": nchunks,
+        "lookup_ms_128k": round(med * 1e3, 3),
+        "lookup_chunks_per_s": round(nchunks / med),
+        "hash_ms_128k": round(statistics.median(hash_times) * 1e3, 2),
+    }

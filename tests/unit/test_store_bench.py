@@ -1,0 +1,21 @@
+"""`kvtier bench store --json` runs end to end and reports every ratio the issue names."""
+
+from __future__ import annotations
+
+import json
+
+from kvtier.cli import main
+
+
+def test_bench_store_json_has_the_ratios(capsys, tmp_path) -> None:
+    code = main(["bench", "store", "--json", "--rounds", "1", "--chunks", "1", "--dir", str(tmp_path)])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0
+    for key in ("cpu_save_ratio", "cpu_load_ratio", "disk_save_ratio", "disk_load_ratio"):
+        assert isinstance(out[key], float) and out[key] > 0, key
+    assert out["lookup_prompt_chunks"] == 131072 // 256
+    assert out["lookup_chunks_per_s"] > 0
+    # one chunk of 256 tokens of each of the 4 groups: full/local 16 layers x 2 KiB x 256,
+    # mla 8 x 1152 x 256, state 4 x 1 MiB
+    assert out["save_bytes_per_round"] == 2 * 16 * 2048 * 256 + 8 * 1152 * 256 + 4 * 2**20
+    assert list(tmp_path.iterdir()) == []  # the temporary files are gone
