@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvtier.errors import ConfigError
 from kvtier.geometry import Geometry, Group, load_geometry
@@ -207,3 +209,24 @@ def test_every_shipped_geometry_loads(geometry_path) -> None:
     for p in paths:
         g = load_geometry(p)
         assert g.groups and g.fingerprint()
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-3, 3000) | st.floats(allow_nan=False) | st.text(max_size=4),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=3),
+    max_leaves=6,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(group=st.integers(0, 3), field=st.sampled_from(sorted(
+    {"name", "kind", "num_layers", "tokens_per_block", "bytes_per_token_per_layer",
+     "state_bytes_per_layer", "window", "attention_chunk", "dtype", "cacheable", "reason",
+     "layers"})), value=_JSON)
+def test_any_json_value_in_any_field_is_a_geometry_or_a_config_error(group, field, value) -> None:
+    doc = json.loads(json.dumps(ISSUE_EXAMPLE))
+    doc["groups"][group][field] = value
+    try:
+        Geometry.from_dict(doc)
+    except ConfigError as exc:
+        assert "\n" not in str(exc)
