@@ -12,6 +12,7 @@ Usable from any test:
     with redis_server() as srv:        srv.url  -> "redis://127.0.0.1:PORT/0"
     with redis_server(tls=True, password="pw") as srv:   srv.url -> "rediss://...", srv.tls.ca
     with redis_cluster() as cl:        cl.url   -> "redis+cluster://127.0.0.1:PORT"
+    with redis_sentinel() as st:       st.url   -> "redis+sentinel://127.0.0.1:PORT/kvtier"
 
 Test files outside tests/ import it after `sys.path.insert(0, str(Path(__file__).parents[1]))`.
 """
@@ -271,6 +272,71 @@ class RedisClusterServers:
             n.stop()
 
 
+class RedisSentinelServers:
+    """A master, one replica, and one Sentinel watching them (quorum 1, down after 1 s), so a
+    killed master fails over to the replica in a few seconds. `url` is a `redis+sentinel://`."""
+
+    SERVICE = "kvtier"
+
+    def __init__(self, directory: Path) -> None:
+        self.master = RedisServer(directory / "master")
+        self.replica = RedisServer(directory / "replica",
+                                   extra_args=("--replicaof", "127.0.0.1", str(self.master.port)))
+        self.sentinel_dir = directory / "sentinel"
+        self.sentinel_port = free_port()
+        self.sentinel: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis+sentinel://127.0.0.1:{self.sentinel_port}/{self.SERVICE}"
+
+    def master_port(self) -> int:
+        """The port Sentinel currently names as the master."""
+        out = cli(self.sentinel_port, "sentinel", "get-master-addr-by-name", self.SERVICE)
+        return int(out.split()[1])
+
+    def start(self, timeout_s: float = 20.0) -> RedisSentinelServers:
+        try:
+            self.master.start()
+            self.replica.start()
+            self.sentinel_dir.mkdir(parents=True, exist_ok=True)
+            conf = self.sentinel_dir / "sentinel.conf"  # Sentinel rewrites its config file
+            conf.write_text("\n".join([
+                f"port {self.sentinel_port}", "bind 127.0.0.1", "protected-mode no",
+                "daemonize no", f"dir {self.sentinel_dir}",
+                f"logfile {self.sentinel_dir / 'sentinel.log'}",
+                f"sentinel monitor {self.SERVICE} 127.0.0.1 {self.master.port} 1",
+                f"sentinel down-after-milliseconds {self.SERVICE} 1000",
+                f"sentinel failover-timeout {self.SERVICE} 4000",
+            ]) + "\n")
+            self.sentinel = subprocess.Popen(["redis-server", str(conf), "--sentinel"],
+                                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            _LIVE.add(self.sentinel)
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline:
+                if (_ping(self.sentinel_port) and "master_link_status:up"
+                        in self.replica.cli("info", "replication")):
+                    return self
+                time.sleep(0.05)
+            raise RuntimeError("sentinel or replica did not come up")
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        proc, self.sentinel = self.sentinel, None
+        if proc is not None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)
+            _LIVE.discard(proc)
+        self.replica.stop()
+        self.master.stop()
+
+
 @contextlib.contextmanager
 def redis_server(*extra_args: str, tls: bool = False,
                  password: str | None = None) -> Iterator[RedisServer]:
@@ -295,3 +361,14 @@ def redis_cluster(masters: int = 3) -> Iterator[RedisClusterServers]:
             yield cl
         finally:
             cl.stop()
+
+
+@contextlib.contextmanager
+def redis_sentinel() -> Iterator[RedisSentinelServers]:
+    """A master + replica + Sentinel in a temp dir; all stopped and removed on exit."""
+    with tempfile.TemporaryDirectory(prefix="kvtier-rsentinel-") as d:
+        st = RedisSentinelServers(Path(d)).start()
+        try:
+            yield st
+        finally:
+            st.stop()

@@ -1,4 +1,4 @@
-"""The `redis` tier: chunk payloads in a shared Redis / Valkey (standalone or Cluster).
+"""The `redis` tier: chunk payloads in a shared Redis / Valkey (standalone, Sentinel, Cluster).
 
 Key-addressed (`shared = True`): many processes on many hosts read and write one namespace, so
 the key is the address and there are no slots. A payload is kvtier's 128-byte header followed by
@@ -53,8 +53,9 @@ from kvtier.payload import (
 )
 from kvtier.tiers.base import Tier
 from kvtier.tiers.redis_conn import (
-    RedisOptions,
     Breaker,
+    RedisOptions,
+    WriteBudget,
     LogOnce,
     build_client,
     is_connection_error,
@@ -66,7 +67,6 @@ log = logging.getLogger("kvtier.tiers.redis")
 __all__ = ["RedisOptions", "RedisTier"]
 
 SLOT_MEMORY = 4096  # (group, slot) -> last header written, for free(group, slot)
-BUDGET_BUCKETS = 4  # a ttl window in 4 buckets: a write counts for 1 to 1.25 ttl windows
 
 
 # beyond the Tier base counters (reads, misses, writes, failed_writes, corrupt_dropped, bytes)
@@ -90,7 +90,8 @@ class RedisTier(Tier):
                               "(keys.Namespace.id)")
         self.namespace_id = namespace_id  # restricts `list()`; None: every kvtier namespace
         self.options = options or RedisOptions()
-        self._wall = wall_clock
+        self._budget = (WriteBudget(self.options, wall_clock)
+                        if self.options.budget_bytes is not None else None)
         self._breaker = Breaker(log, self.options.backoff_initial_s, self.options.backoff_max_s,
                                 clock, describe=redact(self.options.url))
         self._log = LogOnce(log, clock)
@@ -100,13 +101,15 @@ class RedisTier(Tier):
         self._arena_lock = threading.Lock()
         self._slot_headers: OrderedDict[tuple[int, int], ChunkHeader] = OrderedDict()
         self._client: object | None = None  # built lazily: Redis may be down at start
+        self._client_lock = threading.Lock()
         self._ttl_ms = int(self.options.ttl_s * 1000) if self.options.ttl_s is not None else None
 
     @classmethod
     def from_url(cls, url: str, *, namespace_id: str | None = None,
                  **options: object) -> RedisTier:
         """`redis://[user:pass@]host:port/db`, `rediss://...` (TLS), `redis+cluster://host:port`
-        (any node of a cluster), plus any `RedisOptions` field as a keyword."""
+        (any node of a cluster), `redis+sentinel://host:port[,host:port]/SERVICE[/DB]`, plus
+        any `RedisOptions` field as a keyword."""
         return cls(RedisOptions(url=url, **options), namespace_id=namespace_id)  # type: ignore[arg-type]
 
     # -- keys ---------------------------------------------------------------------------------
@@ -114,9 +117,6 @@ class RedisTier(Tier):
     def key(self, header: ChunkHeader) -> str:
         hexhash = header.chunk_hash.ljust(HASH_BYTES, b"\0").hex()
         return f"{self.options.key_prefix}:{header.namespace_id}:{{{hexhash}}}:{header.group}"
-
-    def _budget_key(self, namespace_id: str, bucket: int) -> str:
-        return f"{self.options.key_prefix}:{namespace_id}:budget:{bucket}"
 
     # -- counters -----------------------------------------------------------------------------
 
@@ -144,9 +144,10 @@ class RedisTier(Tier):
     # -- the client and the breaker -----------------------------------------------------------
 
     def _get_client(self) -> object:
-        if self._client is None:
-            self._client = build_client(self.options)
-        return self._client
+        with self._client_lock:
+            if self._client is None:
+                self._client = build_client(self.options)
+            return self._client
 
     def _run(self, build: Callable[[object], object], skipped: str, n: int) -> list[object] | None:
         """Run one pipeline built by `build(pipe)`; None (and `n` counted as `skipped`) when the
@@ -186,7 +187,8 @@ class RedisTier(Tier):
         self.close()
 
     def close(self) -> None:
-        client, self._client = self._client, None
+        with self._client_lock:
+            client, self._client = self._client, None
         if client is not None:
             try:
                 client.close()  # type: ignore[attr-defined]
@@ -368,10 +370,8 @@ class RedisTier(Tier):
         def build(p: object) -> None:
             for _, k, v in batch:
                 p.set(k, v, px=ttl)  # type: ignore[attr-defined]
-            if self.options.budget_bytes is not None:
-                bk = self._budget_key(ns, self._bucket())
-                p.incrby(bk, total)  # type: ignore[attr-defined]
-                p.pexpire(bk, self._bucket_ms() * (BUDGET_BUCKETS + 2))  # type: ignore[attr-defined]
+            if self._budget is not None:
+                self._budget.charge(p, ns, total)
 
         res = self._run(build, "skipped_saves", len(batch))
         if res is None:
@@ -436,35 +436,19 @@ class RedisTier(Tier):
             if res2 is not None:
                 self._count("deleted", sum(1 for r in res2 if r == 1))
 
-    def _bucket_ms(self) -> int:
-        assert self.options.ttl_s is not None
-        return max(1000, int(self.options.ttl_s * 1000) // BUDGET_BUCKETS)
-
-    def _bucket(self) -> int:
-        return int(self._wall() * 1000) // self._bucket_ms()
-
     def _budget_allows(self, ns: str, sizes: list[int]) -> int | None:
         """How many leading items fit the namespace's write budget (all, without a budget);
         None when Redis cannot be asked."""
-        budget = self.options.budget_bytes
-        if budget is None:
+        if self._budget is None:
             return len(sizes)
-        # a payload written in bucket b expires by (b + 1 + BUCKETS) * width: buckets
-        # c - BUCKETS .. c can still hold live bytes
-        c = self._bucket()
-        names = [self._budget_key(ns, b) for b in range(c - BUDGET_BUCKETS, c + 1)]
+        names = self._budget.live_keys(ns)
         res = self._run(lambda p: [p.get(k) for k in names], "skipped_saves", len(sizes))
         if res is None:
             return None
-        used = sum(int(r) for r in res if isinstance(r, bytes))
-        n = 0
-        for size in sizes:
-            used += size + HEADER_BYTES
-            if used > budget:
-                self._log.warn("budget", f"redis tier namespace {ns} is at its budget of "
-                                         f"{budget} bytes; skipping saves")
-                break
-            n += 1
+        n = self._budget.fits([r for r in res if isinstance(r, bytes)], sizes)
+        if n < len(sizes):
+            self._log.warn("budget", f"redis tier namespace {ns} is at its budget of "
+                                     f"{self._budget.budget_bytes} bytes; skipping saves")
         return n
 
 

@@ -15,8 +15,11 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit, urlunsplit
 
 from kvtier.errors import ConfigError
+from kvtier.payload import HEADER_BYTES
 
-SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster", "unix")
+SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster", "redis+sentinel",
+           "rediss+sentinel", "unix")
+BUDGET_BUCKETS = 4  # a ttl window in 4 buckets: a write counts for 1 to 1.25 ttl windows
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,8 +50,11 @@ class RedisOptions:
         if scheme not in SCHEMES:
             raise ConfigError(f"redis url {redact(self.url)!r} has scheme {scheme!r}; use one of "
                               f"{', '.join(s + '://' for s in SCHEMES)}")
-        if self.cluster and scheme == "unix":
-            raise ConfigError("a Redis Cluster is reached over TCP; use redis+cluster://host:port")
+        if self.cluster and scheme in ("unix", "redis+sentinel", "rediss+sentinel"):
+            raise ConfigError(f"cluster=True with a {scheme}:// url; a Redis Cluster is reached "
+                              "with redis+cluster://host:port")
+        if "+sentinel" in scheme:
+            sentinel_parts(self.url)  # raises on a malformed sentinel url
         if self.budget_bytes is not None:
             if self.budget_bytes <= 0:
                 raise ConfigError(f"budget_bytes={self.budget_bytes} must be > 0 (or None: no budget)")
@@ -75,6 +81,10 @@ class RedisOptions:
     @property
     def is_cluster(self) -> bool:
         return self.cluster or "+cluster" in urlsplit(self.url).scheme
+
+    @property
+    def is_sentinel(self) -> bool:
+        return "+sentinel" in urlsplit(self.url).scheme
 
     @property
     def touch(self) -> bool:
@@ -127,6 +137,8 @@ def build_client(opts: RedisOptions) -> object:
             kwargs["ssl_certfile"] = opts.tls_cert_path
         if opts.tls_key_path is not None:
             kwargs["ssl_keyfile"] = opts.tls_key_path
+    if opts.is_sentinel:
+        return _sentinel_client(opts, kwargs, tls)
     if opts.is_cluster:
         from redis.cluster import RedisCluster
 
@@ -134,6 +146,38 @@ def build_client(opts: RedisOptions) -> object:
             raise ConfigError("a Redis Cluster is reached over TCP; use redis+cluster://host:port")
         return RedisCluster.from_url(url, **kwargs)
     return redis.Redis.from_url(url, **kwargs)
+
+
+def sentinel_parts(url: str) -> tuple[list[tuple[str, int]], str, int]:
+    """`redis+sentinel://h1:26379,h2:26379/SERVICE[/DB]` -> (sentinels, service, db)."""
+    parts = urlsplit(url)
+    netloc = parts.netloc.rsplit("@", 1)[-1]
+    try:
+        sentinels = [(h.strip("[]"), int(p)) for h, p in (a.rsplit(":", 1) for a in netloc.split(","))]
+    except ValueError:
+        sentinels = []
+    path = [p for p in parts.path.split("/") if p]
+    if not sentinels or not path or len(path) > 2 or (len(path) == 2 and not path[1].isdigit()):
+        raise ConfigError(f"sentinel url {redact(url)!r} must look like "
+                          "redis+sentinel://host:port[,host:port...]/SERVICE[/DB]")
+    return sentinels, path[0], int(path[1]) if len(path) == 2 else 0
+
+
+def _sentinel_client(opts: RedisOptions, kwargs: dict[str, object], tls: bool) -> object:
+    """A client of the master Sentinel names for the service. The master is looked up when a
+    connection is made; after a failover the tier's breaker drops the client and the next one
+    asks the sentinels again. Username/password/TLS apply to the data nodes; the sentinels are
+    asked with the timeouts only (their own AUTH is a separate setting, not supported here)."""
+    from redis.sentinel import Sentinel
+
+    sentinels, service, db = sentinel_parts(opts.url)
+    manager = Sentinel(sentinels, sentinel_kwargs={
+        "socket_timeout": opts.socket_timeout_s,
+        "socket_connect_timeout": opts.connect_timeout_s,
+    })
+    if tls:
+        kwargs["ssl"] = True
+    return manager.master_for(service, db=db, **kwargs)
 
 
 def is_connection_error(exc: BaseException) -> bool:
@@ -241,6 +285,51 @@ def redact(url: str) -> str:
         host += f":{parts.port}"
     user = f"{parts.username}:***@" if parts.username else ":***@"
     return urlunsplit((parts.scheme, user + host, parts.path, parts.query, parts.fragment))
+
+
+class WriteBudget:
+    """A per-namespace write budget kept in Redis itself, shared by every process.
+
+    Writes add their bytes to a counter per time bucket (a quarter of `ttl_s`, at least 1 s):
+    `kvtier:<ns>:budget:<bucket>`. A payload written in bucket b expires by the end of bucket
+    b + BUCKETS, so the buckets c - BUCKETS .. c bound the namespace's live bytes at bucket c.
+    Bucket keys expire by themselves once they can no longer matter.
+    """
+
+    def __init__(self, opts: RedisOptions, wall_clock: Callable[[], float]) -> None:
+        assert opts.budget_bytes is not None and opts.ttl_s is not None
+        self.budget_bytes = opts.budget_bytes
+        self._prefix = opts.key_prefix
+        ttl_ms = int(opts.ttl_s * 1000)
+        self._width_ms = max(1000, -(-ttl_ms // BUDGET_BUCKETS))  # ceil: BUCKETS widths >= ttl
+        self._wall = wall_clock
+
+    def _bucket(self) -> int:
+        return int(self._wall() * 1000) // self._width_ms
+
+    def _key(self, ns: str, bucket: int) -> str:
+        return f"{self._prefix}:{ns}:budget:{bucket}"
+
+    def live_keys(self, ns: str) -> list[str]:
+        c = self._bucket()
+        return [self._key(ns, b) for b in range(c - BUDGET_BUCKETS, c + 1)]
+
+    def fits(self, counters: list[bytes], sizes: list[int]) -> int:
+        """How many leading payloads of `sizes` fit, given the live counters' values."""
+        used = sum(int(v) for v in counters)
+        n = 0
+        for size in sizes:
+            used += size + HEADER_BYTES  # the header travels with every payload
+            if used > self.budget_bytes:
+                break
+            n += 1
+        return n
+
+    def charge(self, pipe: object, ns: str, total_bytes: int) -> None:
+        """Add a batch's bytes to the current bucket (queued on the batch's own pipeline)."""
+        key = self._key(ns, self._bucket())
+        pipe.incrby(key, total_bytes)  # type: ignore[attr-defined]
+        pipe.pexpire(key, self._width_ms * (BUDGET_BUCKETS + 2))  # type: ignore[attr-defined]
 
 
 def options_from_mapping(values: Mapping[str, object], where: str = "redis option") -> RedisOptions:
