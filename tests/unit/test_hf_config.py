@@ -6,11 +6,20 @@ KV dtype. Attention bytes per token per layer = 2 (K and V) * kv * hd * d.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvtier.errors import ConfigError, UnsupportedModelError
 from kvtier.geometry import Geometry, load_geometry
 from kvtier.hf_config import SUPPORTED_MODEL_TYPES, geometry_from_hf_config
+
+import kvtier
+
+DATA = Path(kvtier.__file__).parent / "data"
 
 
 def _groups(g: Geometry) -> list[tuple]:
@@ -261,3 +270,26 @@ def test_class_defaults_apply_only_to_absent_keys(hf_config) -> None:
     qwen3 = {"model_type": "qwen3", "num_hidden_layers": 2, "hidden_size": 1024,
              "num_attention_heads": 16, "num_key_value_heads": 2}
     assert _groups(geometry_from_hf_config(qwen3)) == [("full", "full", 2, 2 * 2 * 128 * 2, None)]
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-3, 300) | st.floats(allow_nan=False) | st.text(max_size=4),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=3), inner, max_size=3),
+    max_leaves=6,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(name=st.sampled_from(SHIPPED), data=st.data(), value=_JSON)
+def test_any_value_in_any_config_field_is_a_geometry_or_a_config_error(name, data, value) -> None:
+    cfg = json.loads(json.dumps(_SHIPPED_DATA[name]))
+    target = cfg["text_config"] if "text_config" in cfg and data.draw(st.booleans()) else cfg
+    key = data.draw(st.sampled_from(sorted(target)))
+    target[key] = value
+    try:
+        geometry_from_hf_config(cfg)
+    except ConfigError as exc:
+        assert "\n" not in str(exc)
+
+
+_SHIPPED_DATA = {n: json.loads((DATA / "configs" / f"{n}.json").read_text()) for n in SHIPPED}
