@@ -24,7 +24,7 @@ KVTIER = str(Path(sys.executable).parent / "kvtier")
 @pytest.mark.parametrize(("opts", "match"), [
     ({"url": "http://127.0.0.1:6379"}, "scheme 'http'"),
     ({"url": "unix:///tmp/r.sock", "cluster": True}, "cluster=True with a unix:"),
-    ({"url": "redis+sentinel://h:1/svc", "cluster": True}, "redis+cluster://host:port"),
+    ({"url": "redis+sentinel://h:1/svc", "cluster": True}, "reached with redis.cluster"),
     ({"budget_bytes": 1 << 20}, "budget_bytes needs ttl_s"),
     ({"budget_bytes": 0, "ttl_s": 5.0}, "budget_bytes=0"),
     ({"budget_bytes": 100, "ttl_s": 5.0, "touch_on_hit": True}, "outlive the budget"),
