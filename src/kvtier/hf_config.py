@@ -92,7 +92,7 @@ def geometry_from_hf_config(
         layers = reader(Cfg(text, model_type, defaults), d)
     except ConfigError:
         raise
-    except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, ArithmeticError) as exc:
         # A field of the wrong shape (a string where a list belongs, a list too short) is the
         # caller's file, not a kvtier bug: one line naming it beats a traceback. The readers
         # check the fields that matter one by one; this is the net for the rest.

@@ -135,7 +135,8 @@ def _every_nth_full(n_key: str, fallback: int) -> Callable[[Cfg, int], list[tupl
 
     def read(cfg: Cfg, d: int) -> list[tuple[int, Spec]]:
         _refuse_bidirectional(cfg)
-        pattern = cfg.data.get(n_key) or cfg.data.get("_" + n_key) or fallback
+        key = n_key if n_key in cfg.data else "_" + n_key
+        pattern = cfg.int(key, fallback=fallback)
         return _sliding_or_full(
             cfg, d, lambda i: "sliding_attention" if (i + 1) % pattern else "full_attention"
         )
@@ -202,7 +203,7 @@ def _gated_deltanet(cfg: Cfg, d: int) -> list[tuple[int, Spec]]:
     nv, dv = cfg.int("linear_num_value_heads"), cfg.int("linear_value_head_dim")
     conv = (2 * nk * dk + nv * dv) * cfg.int("linear_conv_kernel_dim") * d
     state = conv + nv * dk * dv * STATE_FP32_BYTES
-    every = cfg.data.get("full_attention_interval") or 4
+    every = cfg.int("full_attention_interval", fallback=4)
     types = _layer_types(cfg, lambda i: "full_attention" if (i + 1) % every == 0 else "linear_attention")
     specs = {
         "full_attention": Spec("full", "full", _attn_bytes(cfg, d)),

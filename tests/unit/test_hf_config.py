@@ -293,3 +293,13 @@ def test_any_value_in_any_config_field_is_a_geometry_or_a_config_error(name, dat
 
 
 _SHIPPED_DATA = {n: json.loads((DATA / "configs" / f"{n}.json").read_text()) for n in SHIPPED}
+
+
+@pytest.mark.parametrize("name, key", [("qwen3-next-80b-a3b", "full_attention_interval"),
+                                       ("gemma-3-270m", "_sliding_window_pattern")])
+@pytest.mark.parametrize("value", [0, -2, "6"])
+def test_layer_patterns_must_be_positive_integers(hf_config, name, key, value) -> None:
+    cfg = hf_config(name)
+    cfg.pop("layer_types", None)
+    with pytest.raises(ConfigError, match=key):
+        geometry_from_hf_config(cfg | {key: value})
