@@ -160,6 +160,11 @@ def _gemma4(cfg: Cfg, d: int) -> list[tuple[int, Spec]]:
     if not cfg.get("attention_k_eq_v") or global_kv is None:
         global_kv = kv
     shared = cfg.data.get("num_kv_shared_layers") or 0
+    if isinstance(shared, bool) or not isinstance(shared, int) or not 0 <= shared < n:
+        raise ConfigError(
+            f"config.json of model_type {cfg.model_type!r} has num_kv_shared_layers={shared!r}; "
+            f"it must be an integer from 0 to {n - 1}"
+        )
     out = []
     for i, t in enumerate(types[: n - shared]):
         heads, dim = kv, hd
