@@ -39,7 +39,7 @@ from kvtier.errors import ConfigError
 from kvtier.index import Index, Load
 from kvtier.keys import Namespace, chunk_hashes as _chunk_hashes
 from kvtier.metrics import StoreMetrics, metrics_dict, register_prometheus
-from kvtier.payload import DTYPE_CODES, HASH_BYTES, ChunkHeader, make_header
+from kvtier.payload import DTYPE_CODES, HASH_BYTES, ChunkHeader, as_bytes_view, make_header
 from kvtier.plan import Plan
 from kvtier.tiers.base import Tier, TierLayout
 from kvtier.tiers.cpu import CpuTier, as_u8
@@ -244,32 +244,46 @@ class Store:
         if hit.tokens == 0:
             return 0
         get = _getter(buffers)
-        plan = self.plan
         ok: set[tuple[int, int]] = set()
         bad: set[tuple[int, int]] = set()
         with self._lock:
-            tokens = hit.tokens
-            for _ in range(4 * len(plan.groups) + 4):  # each round loads or drops something
-                for gp in plan.cacheable_groups:
-                    for i in plan.chunks_for_hit(gp.index, tokens):
-                        if (gp.index, i) in ok or (gp.index, i) in bad:
-                            continue
-                        if self._load_one(hit.chunk_hashes, gp.index, i, get):
-                            ok.add((gp.index, i))
-                        else:
-                            bad.add((gp.index, i))
-                got = plan.best_hit(tokens + 1, lambda g, i: (g, i) in ok)
-                if got == tokens:
-                    break
-                # something was bad: the best hit below `tokens` from what is still available
-                tokens = plan.best_hit(
-                    tokens + 1,
-                    lambda g, i: (g, i) in ok or ((g, i) not in bad and self._available(hit, g, i, get)),
-                )
-            else:  # pragma: no cover - bounded by construction
-                tokens = plan.best_hit(tokens + 1, lambda g, i: (g, i) in ok)
+            # pin what the hit names, so a promotion's eviction cannot push out a chunk this
+            # same load still has to read
+            pinned = [(ld.chunk_hash, g, ld.tier) for g, loads in enumerate(hit.chunks) for ld in loads
+                      if ld.tier in self.slot_tiers and self.index is not None
+                      and self.index.pin(ld.chunk_hash, g, ld.tier)]
+            try:
+                tokens = self._load_locked(hit, get, ok, bad)
+            finally:
+                for key in pinned:
+                    self.index.unpin(*key)  # type: ignore[union-attr]
             self.m.add("restored_tokens", tokens)
             return tokens
+
+    def _load_locked(self, hit: Hit, get: Callable[[tuple[int, int]], object],
+                     ok: set[tuple[int, int]], bad: set[tuple[int, int]]) -> int:
+        plan = self.plan
+        tokens = hit.tokens
+        for _ in range(4 * len(plan.groups) + 4):  # each round loads or drops something
+            for gp in plan.cacheable_groups:
+                for i in plan.chunks_for_hit(gp.index, tokens):
+                    if (gp.index, i) in ok or (gp.index, i) in bad:
+                        continue
+                    if self._load_one(hit.chunk_hashes, gp.index, i, get):
+                        ok.add((gp.index, i))
+                    else:
+                        bad.add((gp.index, i))
+            got = plan.best_hit(tokens + 1, lambda g, i: (g, i) in ok)
+            if got == tokens:
+                break
+            # something was bad: the best hit below `tokens` from what is still available
+            tokens = plan.best_hit(
+                tokens + 1,
+                lambda g, i: (g, i) in ok or ((g, i) not in bad and self._available(hit, g, i, get)),
+            )
+        else:  # pragma: no cover - bounded by construction
+            tokens = plan.best_hit(tokens + 1, lambda g, i: (g, i) in ok)
+        return tokens
 
     def load_tokens(self, token_ids: Sequence[int], buffers: Buffers, extra_keys: Sequence[object] = ()) -> int:
         return self.load(self.lookup_tokens(token_ids, extra_keys), buffers)
@@ -332,7 +346,7 @@ class Store:
         first = next(iter(self.slot_tiers), None)
         if first is None or self.index is None or self.index.contains(h, g, first):
             return
-        if self._store_in(first, h, g, header, data):
+        if self._store_in(first, h, g, header, data, counted=False):
             self.m.add("promotions")
 
     # -- save -----------------------------------------------------------------------------
@@ -360,14 +374,17 @@ class Store:
                     data = get((g, i))
                     if data is None:
                         continue
-                    data = as_u8(data) if isinstance(data, torch.Tensor) else data
+                    data = as_u8(data) if isinstance(data, torch.Tensor) else as_bytes_view(data)
                     header = self.header(h, g, i)
-                    if data.numel() != header.payload_bytes:  # type: ignore[attr-defined]
+                    size = data.numel() if isinstance(data, torch.Tensor) else len(data)
+                    if size != header.payload_bytes:
                         raise ConfigError(
-                            f"payload of group {g} chunk {i} has {data.numel()} bytes; the plan "  # type: ignore[attr-defined]
+                            f"payload of group {g} chunk {i} has {size} bytes; the plan "
                             f"says {header.payload_bytes} (plan.groups[{g}].chunk_bytes)")
-                    stored += self._save_one(h, g, header, data)
-                    if self.shared:
+                    wrote = self._save_one(h, g, header, data)
+                    stored += wrote
+                    # a chunk a slot tier already held was shared when it was first saved
+                    if self.shared and (wrote or self.index is None):
                         shared_batch.append((g, SHARED_SLOT, header, data))
             for tier in self.shared:
                 if shared_batch:
@@ -388,12 +405,14 @@ class Store:
         targets = list(self.slot_tiers) if self.write_through else list(self.slot_tiers)[:1]
         return sum(self._store_in(t, h, g, header, data) for t in targets)
 
-    def _store_in(self, tier_name: str, h: bytes, g: int, header: ChunkHeader, data: object) -> int:
-        """reserve -> demote the evicted -> write -> commit/abort; 1 if written."""
+    def _store_in(self, tier_name: str, h: bytes, g: int, header: ChunkHeader, data: object,
+                  counted: bool = True) -> int:
+        """reserve -> demote the evicted -> write -> commit/abort; 1 if written. A promotion
+        that finds every slot pinned (`counted=False`) is not a failed save."""
         assert self.index is not None
         res = self.index.reserve(h, g, tier_name)
         if res.slot is None:
-            if res.status != "present":
+            if res.status != "present" and counted:
                 self.m.add("failed_saves")
                 self.m.tg(tier_name, g)["save_failures"] += 1
             return 0
@@ -438,16 +457,22 @@ class Store:
             self.m.add("demotions")
 
     def _shared_write(self, tier: Tier, batch: list[tuple[int, int, ChunkHeader, object]]) -> int:
+        """Write what the shared tier lacks (one exists_many, then one write_many)."""
         t0 = time.perf_counter()
         try:
-            results = tier.write_many(batch)
+            present = tier.exists_many([item[2] for item in batch])
+            skipped = sum(present)
+            if skipped:
+                self.m.add("skipped_saves", skipped)
+                batch = [item for item, yes in zip(batch, present) if not yes]
+            results = tier.write_many(batch) if batch else []
         except Exception as exc:  # a shared tier going away is a counted failure
             log.warning("shared tier %s: write failed: %s", tier.name, exc)
             results = [False] * len(batch)
         dt = time.perf_counter() - t0
         for (g, _, header, _), good in zip(batch, results):
             d = self.m.tg(tier.name, g)
-            d["save_seconds"] += dt / len(batch)
+            d["save_seconds"] += dt / max(1, len(batch))
             if good:
                 d["save_chunks"] += 1
                 d["save_bytes"] += header.payload_bytes

@@ -110,7 +110,14 @@ def test_write_back_demotes_cpu_evictions_and_promotes_disk_hits(tmp_path) -> No
     assert m["demotions"] == 9  # 3 chunks per group pushed out of cpu, written to disk once
     assert m["tiers"]["cpu"]["full"]["evictions"] == 3
     assert roundtrip(s, toks, seed=5) == (160, 160)
-    assert s.metrics()["promotions"] > 0
+    assert s.metrics()["promotions"] == 0  # cpu held only chunks of this hit: pinned, kept
+    short = toks[: 2 * C + 1]  # its first 2 chunks live on disk only
+    hit = s.lookup_tokens(short)
+    assert {ld.tier for loads in hit.chunks for ld in loads} == {"disk"}
+    assert roundtrip(s, short, seed=5) == (64, 64)
+    # full 0, 1 + sliding 0, 1 (W=40 at T=64 needs tokens 25..63) + state 1 copied up to cpu
+    assert s.metrics()["promotions"] == 5
+    assert {ld.tier for loads in s.lookup_tokens(short).chunks for ld in loads} == {"cpu"}
 
 
 def test_write_through_writes_every_tier(tmp_path) -> None:
