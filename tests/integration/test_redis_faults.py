@@ -251,6 +251,27 @@ def test_ttl_and_touch_on_hit(server: RedisServer, clock: FakeClock) -> None:
     tier.close()
 
 
+def test_ttl_renewal_without_getex(tmp_path: Path, clock: FakeClock,
+                                   caplog: pytest.LogCaptureFixture) -> None:
+    # a server without GETEX (Redis < 6.2), made by renaming the command away
+    srv = RedisServer(tmp_path / "old", extra_args=("--rename-command", "GETEX", "")).start()
+    try:
+        tier = make(srv.url, clock, ttl_s=30.0)
+        write(tier, range(2))
+        r = redis.Redis.from_url(srv.url)
+        r.pexpire(tier.key(hdr(0)), 5_000)
+        for _ in range(2):  # the first read finds out, the second goes straight to GET+PEXPIRE
+            ok, outs = read(tier, range(2))
+            assert ok == [True, True] and torch.equal(outs[0], data(0))
+        assert r.pttl(tier.key(hdr(0))) > 25_000
+        assert sum("no GETEX" in m for m in warnings(caplog)) == 1
+        assert tier.metrics()["errors"] == 0 and tier.misses == 0
+        r.close()
+        tier.close()
+    finally:
+        srv.stop()
+
+
 def test_budget_bounds_bytes_per_ttl_window(server: RedisServer, clock: FakeClock) -> None:
     wall = FakeClock()
     budget = 3 * (4096 + 128)  # three payloads with their headers

@@ -102,6 +102,7 @@ class RedisTier(Tier):
         self._slot_headers: OrderedDict[tuple[int, int], ChunkHeader] = OrderedDict()
         self._client: object | None = None  # built lazily: Redis may be down at start
         self._client_lock = threading.Lock()
+        self._getex = True  # GETEX reads and renews the TTL in one command (Redis >= 6.2)
         self._ttl_ms = int(self.options.ttl_s * 1000) if self.options.ttl_s is not None else None
 
     @classmethod
@@ -396,15 +397,23 @@ class RedisTier(Tier):
 
         def build(p: object) -> None:
             for k in names:
-                if ttl is not None:
+                if ttl is not None and self._getex:
                     p.getex(k, px=ttl)  # type: ignore[attr-defined]
                 else:
                     p.get(k)  # type: ignore[attr-defined]
+            if ttl is not None and not self._getex:  # servers before Redis 6.2: GET + PEXPIRE
+                for k in names:
+                    p.pexpire(k, ttl)  # type: ignore[attr-defined]
 
         res = self._run(build, "skipped_reads", end - start)
+        if res is not None and self._getex and ttl is not None and _unknown_command(res):
+            self._getex = False  # GETEX is Redis >= 6.2 / Valkey; ask once more without it
+            log.warning("redis tier: the server has no GETEX; renewing TTLs with PEXPIRE")
+            res = self._run(build, "skipped_reads", end - start)
         if res is None:
             self._count("misses", end - start)
             return
+        res = res[:end - start]  # the PEXPIRE replies, if any, follow the reads
         bad: list[str] = []
         for j, raw in enumerate(res):
             _, _, header, out = items[start + j]
@@ -450,6 +459,10 @@ class RedisTier(Tier):
             self._log.warn("budget", f"redis tier namespace {ns} is at its budget of "
                                      f"{self._budget.budget_bytes} bytes; skipping saves")
         return n
+
+
+def _unknown_command(results: list[object]) -> bool:
+    return any(isinstance(r, Exception) and "unknown command" in str(r).lower() for r in results)
 
 
 def _check_payload(expected: ChunkHeader, raw: bytes) -> str | None:
