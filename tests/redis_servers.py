@@ -25,9 +25,9 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import tempfile
-import ssl
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -108,8 +108,8 @@ def make_tls_files(directory: Path) -> TlsFiles:
     def ossl(*args: str) -> None:
         subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
 
-    ossl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=kvtier-test-ca",
-         "-keyout", str(ca_key), "-out", str(ca))
+    ossl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
+         "-subj", "/CN=kvtier-test-ca", "-keyout", str(ca_key), "-out", str(ca))
     ossl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1",
          "-keyout", str(key), "-out", str(csr))
     ossl("x509", "-req", "-in", str(csr), "-CA", str(ca), "-CAkey", str(ca_key),

@@ -69,7 +69,8 @@ def test_a_prefix_spreads_over_every_node_and_loads_bit_exact(
     assert sum(per_node) == 2 * n and all(c > 0 for c in per_node), per_node
     # one chunk's groups sit on one node (the hash tag is the chunk hash)
     for i in range(n):
-        slots = {int(cli(cluster.ports[0], "cluster", "keyslot", tier.key(hdr(i, g)))) for g in (0, 1)}
+        slots = {int(cli(cluster.ports[0], "cluster", "keyslot", tier.key(hdr(i, g))))
+                 for g in (0, 1)}
         assert len(slots) == 1
     assert tier.exists_many([hdr(i, g) for i in range(n + 2) for g in (0, 1)]) == \
         [True] * (2 * n) + [False] * 4
@@ -105,7 +106,7 @@ def test_a_master_killed_mid_run_is_a_miss_then_recovers(
     assert tier.up
     on_victim = {tier.key(hdr(i, g)) for i in range(n) for g in (0, 1)
                  if _owner(cluster, tier.key(hdr(i, g))) == victim.port}
-    for (g, _, h, d), o, good in zip(items(n), outs, ok):
+    for (_, _, h, d), o, good in zip(items(n), outs, ok):
         if good:
             assert torch.equal(o, d)
         else:

@@ -107,9 +107,8 @@ def test_a_second_process_restores_the_first_ones_prefix_bit_exact() -> None:
 
 def test_the_store_goes_on_when_redis_is_down() -> None:
     sys.path.insert(0, str(Path(__file__).parents[1]))
-    from redis_servers import free_port
-
     import torch
+    from redis_servers import free_port
 
     store, plan, tokens = _setup(f"redis://127.0.0.1:{free_port()}/0")
     n = PROMPT_TOKENS // CHUNK_TOKENS

@@ -38,25 +38,14 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from kvtier.errors import ConfigError
-from kvtier.payload import (
-    CHECKSUM_NONE,
-    HASH_BYTES,
-    HEADER_BYTES,
-    ChunkHeader,
-    Rejected,
-    as_bytes_view,
-    decode_header,
-    encode_header,
-    mismatch,
-    seal,
-    verify,
-)
+from kvtier.payload import HASH_BYTES, HEADER_BYTES, ChunkHeader, decode_header
 from kvtier.tiers.base import Tier
+from kvtier.tiers.redis_codec import Arena, check_payload, u8_view, unknown_command
 from kvtier.tiers.redis_conn import (
     Breaker,
+    LogOnce,
     RedisOptions,
     WriteBudget,
-    LogOnce,
     build_client,
     is_connection_error,
     redact,
@@ -97,7 +86,7 @@ class RedisTier(Tier):
         self._log = LogOnce(log, clock)
         self._lock = threading.Lock()
         self._extra = dict.fromkeys(_EXTRA, 0)
-        self._arena = bytearray()  # reused encode buffer of write batches (see _encode)
+        self._arena = Arena()  # reused encode buffer of write batches
         self._arena_lock = threading.Lock()
         self._slot_headers: OrderedDict[tuple[int, int], ChunkHeader] = OrderedDict()
         self._client: object | None = None  # built lazily: Redis may be down at start
@@ -286,7 +275,7 @@ class RedisTier(Tier):
         names = self._scan(f"{self.options.key_prefix}:{ns}:{{*")
         for i in range(0, len(names), 512):
             part = names[i:i + 512]
-            res = self._run(lambda p: [p.getrange(k, 0, HEADER_BYTES - 1) for k in part],
+            res = self._run(lambda p, part=part: [p.getrange(k, 0, HEADER_BYTES - 1) for k in part],
                             "skipped_reads", 0)
             if res is None:
                 return
@@ -321,7 +310,7 @@ class RedisTier(Tier):
 
     def _write_namespace(self, ns: str, items: list[tuple[int, ChunkHeader, object]],
                          ok: list[bool]) -> None:
-        views = [_u8_view(d) for _, _, d in items]
+        views = [u8_view(d) for _, _, d in items]
         for (_, h, _), v in zip(items, views):
             self._check_write(h, v)
         allowed = self._budget_allows(ns, [h.payload_bytes for _, h, _ in items])
@@ -337,31 +326,10 @@ class RedisTier(Tier):
                 size += HEADER_BYTES + items[end][1].payload_bytes
                 end += 1
             with self._arena_lock:
-                batch = self._encode(items[start:end], views[start:end], size)
+                values = self._arena.encode([h for _, h, _ in items[start:end]], views[start:end])
+                batch = [(i, self.key(h), v) for (i, _, _), (h, v) in zip(items[start:end], values)]
                 self._write_batch(ns, batch, ok)
             start = end
-
-    def _encode(self, items: list[tuple[int, ChunkHeader, object]], views: list[memoryview],
-                size: int) -> list[tuple[int, str, memoryview]]:
-        """Header + payload of each item as one value, laid out in a reused arena: the one copy
-        on the save path. One value per chunk because one SET is atomic, while a header key
-        beside a payload key could be evicted apart. The arena (as large as the largest batch,
-        at most pipeline_bytes) is reused because fresh 100 KB+ buffers cost a page fault per
-        4 KiB, which measured slower than the network on loopback; redis-py sends memoryview
-        slices of it without copying them again."""
-        if len(self._arena) < size:
-            self._arena = bytearray(size)
-        arena = memoryview(self._arena)
-        out, off = [], 0
-        for (i, header, _), view in zip(items, views):
-            if header.checksum_kind == CHECKSUM_NONE:
-                header = seal(header, view)
-            n = header.payload_bytes
-            arena[off:off + HEADER_BYTES] = encode_header(header)
-            arena[off + HEADER_BYTES:off + HEADER_BYTES + n] = view
-            out.append((i, self.key(header), arena[off:off + HEADER_BYTES + n]))
-            off += HEADER_BYTES + n
-        return out
 
     def _write_batch(self, ns: str, batch: list[tuple[int, str, memoryview]],
                      ok: list[bool]) -> None:
@@ -406,7 +374,7 @@ class RedisTier(Tier):
                     p.pexpire(k, ttl)  # type: ignore[attr-defined]
 
         res = self._run(build, "skipped_reads", end - start)
-        if res is not None and self._getex and ttl is not None and _unknown_command(res):
+        if res is not None and self._getex and ttl is not None and unknown_command(res):
             self._getex = False  # GETEX is Redis >= 6.2 / Valkey; ask once more without it
             log.warning("redis tier: the server has no GETEX; renewing TTLs with PEXPIRE")
             res = self._run(build, "skipped_reads", end - start)
@@ -425,14 +393,14 @@ class RedisTier(Tier):
                 self._count("errors")
                 self._count("misses")
                 continue
-            reason = _check_payload(header, raw)
+            reason = check_payload(header, raw)
             if reason is not None:
                 self._count("corrupt_dropped")
                 self._count("misses")
                 self._log.warn("corrupt", f"redis tier dropped a bad payload ({reason})")
                 bad.append(names[j])
                 continue
-            dst = _u8_view(out)
+            dst = u8_view(out)
             n = header.payload_bytes
             if len(dst) < n:
                 raise ConfigError(f"read buffer of {len(dst)} bytes for a payload of {n}; "
@@ -459,31 +427,6 @@ class RedisTier(Tier):
             self._log.warn("budget", f"redis tier namespace {ns} is at its budget of "
                                      f"{self._budget.budget_bytes} bytes; skipping saves")
         return n
-
-
-def _unknown_command(results: list[object]) -> bool:
-    return any(isinstance(r, Exception) and "unknown command" in str(r).lower() for r in results)
-
-
-def _check_payload(expected: ChunkHeader, raw: bytes) -> str | None:
-    stored = decode_header(memoryview(raw)[:HEADER_BYTES])
-    if isinstance(stored, Rejected):
-        return stored.reason
-    why = mismatch(stored, expected)
-    if why is not None:
-        return why
-    return verify(stored, memoryview(raw)[HEADER_BYTES:])
-
-
-def _u8_view(data: object) -> memoryview:
-    """A flat writable-if-possible byte view of a tensor of any dtype, or of a buffer; no copy."""
-    if hasattr(data, "untyped_storage"):  # a torch.Tensor: bfloat16 has no numpy dtype
-        import torch
-
-        if data.dtype != torch.uint8 or data.dim() != 1:  # type: ignore[attr-defined]
-            data = data.reshape(-1).view(torch.uint8)  # type: ignore[attr-defined]
-        return memoryview(data.numpy())  # type: ignore[attr-defined]
-    return as_bytes_view(data)
 
 
 def _check_group(group: int, header: ChunkHeader) -> None:

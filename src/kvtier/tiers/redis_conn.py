@@ -57,7 +57,8 @@ class RedisOptions:
             sentinel_parts(self.url)  # raises on a malformed sentinel url
         if self.budget_bytes is not None:
             if self.budget_bytes <= 0:
-                raise ConfigError(f"budget_bytes={self.budget_bytes} must be > 0 (or None: no budget)")
+                raise ConfigError(
+                    f"budget_bytes={self.budget_bytes} must be > 0 (or None: no budget)")
             if self.ttl_s is None:
                 raise ConfigError(
                     "budget_bytes needs ttl_s (the budget counts bytes written per ttl window); "
@@ -76,7 +77,8 @@ class RedisOptions:
         if self.pipeline_bytes <= 0:
             raise ConfigError(f"pipeline_bytes={self.pipeline_bytes} must be > 0")
         if ":" in self.key_prefix or "{" in self.key_prefix or not self.key_prefix:
-            raise ConfigError(f"key_prefix {self.key_prefix!r} must be non-empty without ':' or '{{'")
+            raise ConfigError(
+                f"key_prefix {self.key_prefix!r} must be non-empty without ':' or '{{'")
 
     @property
     def is_cluster(self) -> bool:
@@ -153,7 +155,8 @@ def sentinel_parts(url: str) -> tuple[list[tuple[str, int]], str, int]:
     parts = urlsplit(url)
     netloc = parts.netloc.rsplit("@", 1)[-1]
     try:
-        sentinels = [(h.strip("[]"), int(p)) for h, p in (a.rsplit(":", 1) for a in netloc.split(","))]
+        pairs = (a.rsplit(":", 1) for a in netloc.split(","))
+        sentinels = [(h.strip("[]"), int(p)) for h, p in pairs]
     except ValueError:
         sentinels = []
     path = [p for p in parts.path.split("/") if p]
@@ -357,5 +360,6 @@ def options_from_mapping(values: Mapping[str, object], where: str = "redis optio
             else:
                 out[key] = str(value)
         except ValueError:
-            raise ConfigError(f"{where} {key}={value!r} is not a {kind.replace(' | None', '')}") from None
+            kind = kind.replace(" | None", "")
+            raise ConfigError(f"{where} {key}={value!r} is not a {kind}") from None
     return RedisOptions(**out)  # type: ignore[arg-type]
