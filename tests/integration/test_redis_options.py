@@ -4,6 +4,7 @@ and `kvtier bench redis` runs end to end (own server, given server, dead server,
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -71,9 +72,19 @@ def _bench(*args: str) -> subprocess.CompletedProcess[str]:
                           timeout=120)
 
 
-def _servers_in(prefix: str) -> list[str]:
-    out = subprocess.run(["pgrep", "-af", "redis-server"], capture_output=True, text=True).stdout
-    return [line for line in out.splitlines() if prefix in line]
+def _servers_in(prefix: str) -> list[int]:
+    """redis-server processes whose working directory (their --dir) starts with `prefix`
+    (redis-server rewrites its command line, so the directory is the way to find them)."""
+    out = subprocess.run(["pgrep", "-x", "redis-server"], capture_output=True, text=True).stdout
+    found = []
+    for pid in map(int, out.split()):
+        try:
+            cwd = os.readlink(f"/proc/{pid}/cwd")
+        except OSError:
+            continue
+        if os.path.basename(cwd).startswith(prefix):
+            found.append(pid)
+    return found
 
 
 def test_bench_starts_and_stops_its_own_server() -> None:
