@@ -30,7 +30,7 @@ HELP = "store save/load vs plain torch copy and plain file I/O, as ratios; looku
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--rounds", type=int, default=7, help="rounds per measurement (median; default 7)")
+    p.add_argument("--rounds", type=int, default=11, help="rounds per measurement (median; default 11)")
     p.add_argument("--chunks", type=int, default=4, help="prompt chunks per round (default 4: 90 MiB saved, 58 MiB loaded)")
     p.add_argument("--fsync", choices=("never", "always"), default="never",
                    help="disk tier fsync policy; the plain baseline fsyncs alike")
@@ -110,10 +110,10 @@ def run(args: argparse.Namespace) -> int:
                               "disk_cache": "cold" if args.cold else "warm"}
     tmp = tempfile.TemporaryDirectory(dir=args.dir, prefix="kvtier-bench-")
 
-    def timed(f) -> float:  # type: ignore[no-untyped-def]
-        t0 = time.perf_counter()
+    def timed(f) -> tuple[float, float]:  # type: ignore[no-untyped-def]
+        c0, t0 = time.thread_time(), time.perf_counter()
         f()
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, time.thread_time() - c0
 
     for tier in ("cpu", "disk"):
         # room for one prompt: from round 1 on every save evicts the previous round's chunk
@@ -124,8 +124,12 @@ def run(args: argparse.Namespace) -> int:
         plain_file = os.path.join(tmp.name, "plain.bin")
         with open(plain_file, "wb") as f:  # preexisting, as the tier's slab files are after round 0
             f.truncate(save_bytes)
-        dst = {k: torch.empty_like(v) for k, v in src.items()}  # the plain cpu copy's destination
-        t_plain_s, t_ours_s, t_plain_l, t_ours_l = [], [], [], []
+        # destinations allocated and touched once: a fresh tensor per round would charge
+        # first-touch page faults to whichever side runs first
+        dst = {k: v.clone() for k, v in src.items()}  # the plain cpu copy's destination
+        bufs = {k: v.clone() for k, v in src.items()}  # both sides' load buffers
+        t_plain_s, t_ours_s, t_plain_l, t_ours_l = [], [], [], []  # wall seconds
+        c_plain_s, c_ours_s, c_plain_l, c_ours_l = [], [], [], []  # this thread's CPU seconds
         for r in range(rounds + 1):  # round 0 warms up (first touch of slabs and files)
             hashes = store.hashes(prompt(r))
             hit_keys: list[tuple[int, int]] = []
@@ -152,7 +156,6 @@ def run(args: argparse.Namespace) -> int:
             tp, to = (ta, tb) if r % 2 else (tb, ta)
             hit = store.lookup(hashes, n * C + 1)
             hit_keys = hit.buffers_needed()
-            bufs = {k: torch.empty_like(src[k]) for k in hit_keys}
 
             def ours_load() -> None:
                 assert store.load(hit, bufs) == n * C
@@ -178,10 +181,14 @@ def run(args: argparse.Namespace) -> int:
             ta, tb = timed(a), timed(b)
             lp, lo = (ta, tb) if r % 2 else (tb, ta)
             if r:
-                t_plain_s.append(tp)
-                t_ours_s.append(to)
-                t_plain_l.append(lp)
-                t_ours_l.append(lo)
+                t_plain_s.append(tp[0])
+                t_ours_s.append(to[0])
+                t_plain_l.append(lp[0])
+                t_ours_l.append(lo[0])
+                c_plain_s.append(tp[1])
+                c_ours_s.append(to[1])
+                c_plain_l.append(lp[1])
+                c_ours_l.append(lo[1])
         load_bytes = sum(src[k].numel() for k in hit_keys)
         m = store.metrics()
         store.close()
@@ -191,6 +198,9 @@ def run(args: argparse.Namespace) -> int:
             return 1
         out[f"{tier}_save_ratio"] = round(_median_ratio(t_plain_s, t_ours_s), 3)
         out[f"{tier}_load_ratio"] = round(_median_ratio(t_plain_l, t_ours_l), 3)
+        if tier == "cpu" or not args.cold:  # a cold read waits for the device, not the CPU
+            out[f"{tier}_save_cpu_time_ratio"] = round(_median_ratio(c_plain_s, c_ours_s), 3)
+            out[f"{tier}_load_cpu_time_ratio"] = round(_median_ratio(c_plain_l, c_ours_l), 3)
         out[f"{tier}_save_gbps"] = round(save_bytes / statistics.median(t_ours_s) / 1e9, 2)
         out[f"{tier}_plain_save_gbps"] = round(save_bytes / statistics.median(t_plain_s) / 1e9, 2)
         out[f"{tier}_load_gbps"] = round(load_bytes / statistics.median(t_ours_l) / 1e9, 2)
@@ -206,9 +216,11 @@ def run(args: argparse.Namespace) -> int:
           f"median of {rounds} rounds, fsync={args.fsync}, disk loads {out['disk_cache']}")
     print(f"{'':6} {'save ratio':>10} {'load ratio':>10}   (kvtier GB/s vs plain GB/s)")
     for tier, what in (("cpu", "torch copy"), ("disk", "file I/O")):
+        cpu_t = (f"; CPU-time ratios save {out[f'{tier}_save_cpu_time_ratio']}, load "
+                 f"{out[f'{tier}_load_cpu_time_ratio']}") if f"{tier}_save_cpu_time_ratio" in out else ""
         print(f"{tier:6} {out[f'{tier}_save_ratio']:>10} {out[f'{tier}_load_ratio']:>10}   "
               f"save {out[f'{tier}_save_gbps']} vs {out[f'{tier}_plain_save_gbps']}, load "
-              f"{out[f'{tier}_load_gbps']} vs {out[f'{tier}_plain_load_gbps']} (plain {what})")
+              f"{out[f'{tier}_load_gbps']} vs {out[f'{tier}_plain_load_gbps']} (plain {what}){cpu_t}")
     print(f"lookup of a 131072-token prompt ({out['lookup_prompt_chunks']} chunks x 4 groups): "
           f"{out['lookup_ms_128k']} ms, {out['lookup_chunks_per_s']:.0f} chunks/s; "
           f"hashing it: {out['hash_ms_128k']} ms")
