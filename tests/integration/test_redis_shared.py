@@ -124,5 +124,35 @@ def test_the_store_goes_on_when_redis_is_down() -> None:
     store.close()
 
 
+def test_a_chunk_evicted_between_lookup_and_load_shrinks_the_hit() -> None:
+    sys.path.insert(0, str(Path(__file__).parents[1]))
+    import torch
+    from redis_servers import redis_server
+
+    from kvtier.store import Store
+
+    with redis_server() as srv:
+        writer, plan, tokens = _setup(srv.url)
+        n = PROMPT_TOKENS // CHUNK_TOKENS
+        payloads = {(g, i): _payload(plan, g, i) for g in range(len(plan.groups)) for i in range(n)}
+        writer.save_tokens(tokens, payloads)
+        tier = writer.shared[0]
+        reader = Store(plan, writer.namespace, shared=[tier])  # nothing local: all from Redis
+        hit = reader.lookup_tokens(tokens)
+        assert hit.tokens == EXPECTED_HIT
+        # Redis evicts chunk 3 of the full-attention group after the lookup
+        gone = tier.key(reader.header(hit.chunk_hashes[3], 0, 3))  # type: ignore[attr-defined]
+        srv.cli("del", gone)
+        buffers = {k: torch.zeros_like(v) for k, v in payloads.items()}
+        # the full group now restores chunks 0-2 only: T = 96; the sliding group (W = 64)
+        # needs tokens [33, 96) = its chunks 1 and 2, which are there
+        assert reader.load(hit, buffers) == 96
+        for g, i in ((0, 0), (0, 1), (0, 2), (1, 1), (1, 2)):
+            assert torch.equal(buffers[(g, i)], payloads[(g, i)])
+        assert tier.metrics()["vanished"] == 1  # type: ignore[attr-defined]
+        reader.close()
+        writer.close()
+
+
 if __name__ == "__main__":
     print(json.dumps(child(sys.argv[1], sys.argv[2])))
