@@ -55,6 +55,7 @@ def metrics_dict(
         d["evictions"] = evictions.get((tier, g), 0)
         tiers.setdefault(tier, {})[group_names[g]] = d
     out: dict[str, object] = dict(m.totals)
+    out["miss_lookups"] = m.totals["lookups"] - m.totals["hit_lookups"]
     out["evictions"] = sum(evictions.values())
     out["tiers"] = tiers
     return out

@@ -81,6 +81,9 @@ def test_prompt_of_exactly_four_chunks_keeps_one_chunk_to_compute() -> None:
     toks = tokens(128)
     s.save_tokens(toks, payloads(128))
     assert s.lookup_tokens(toks).tokens == 96
+    assert s.lookup_tokens(tokens(128, seed=1)).tokens == 0  # another prompt: a miss
+    m = s.metrics()
+    assert (m["lookups"], m["hit_lookups"], m["miss_lookups"], m["lookup_tokens"]) == (2, 1, 1, 256)
 
 
 def test_admission_limits_the_stored_prefix() -> None:

@@ -116,7 +116,6 @@ class DiskTier(SlotTier):
                 self._fds.append(None)
                 continue
             self._fds.append(os.open(path, flags, 0o644))
-        self._hbuf = bytearray(HEADER_BYTES)
 
     # -- contract ------------------------------------------------------------------------
     def write(self, group: int, slot: int, header: ChunkHeader, data: object) -> bool:
@@ -156,14 +155,15 @@ class DiskTier(SlotTier):
         if fd is None:
             self.misses += 1
             return False
+        hbuf = bytearray(HEADER_BYTES)  # per call: reads from several threads stay independent
         try:
-            got = os.preadv(fd, [self._hbuf, dst], slot * self.strides[group])
+            got = os.preadv(fd, [hbuf, dst], slot * self.strides[group])
         except OSError as exc:
             return self._drop_corrupt(group, slot, f"read error: {exc.strerror}")
         if got == 0:
             self.misses += 1
             return False
-        stored = decode_header(self._hbuf if got >= HEADER_BYTES else self._hbuf[:got])
+        stored = decode_header(hbuf if got >= HEADER_BYTES else hbuf[:got])
         if isinstance(stored, Rejected):
             if stored.reason.startswith("empty slot"):
                 self.misses += 1
