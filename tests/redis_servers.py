@@ -33,6 +33,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+# The binaries: Redis by default; KVTIER_REDIS_SERVER / KVTIER_REDIS_CLI run the same tests
+# against another server speaking the protocol (valkey-server / valkey-cli).
+SERVER = os.environ.get("KVTIER_REDIS_SERVER", "redis-server")
+CLI = os.environ.get("KVTIER_REDIS_CLI", "redis-cli")
+
 _LIVE: set[subprocess.Popen[bytes]] = set()
 
 
@@ -50,7 +55,7 @@ atexit.register(_reap_all)
 
 
 def have_redis() -> bool:
-    return shutil.which("redis-server") is not None and shutil.which("redis-cli") is not None
+    return shutil.which(SERVER) is not None and shutil.which(CLI) is not None
 
 
 def free_port() -> int:
@@ -120,7 +125,7 @@ def make_tls_files(directory: Path) -> TlsFiles:
 def cli(port: int, *args: str, timeout_s: float = 10.0) -> str:
     """Run `redis-cli -p PORT ARGS...` and return its stdout (raises on a non-zero exit)."""
     out = subprocess.run(
-        ["redis-cli", "-h", "127.0.0.1", "-p", str(port), *args],
+        [CLI, "-h", "127.0.0.1", "-p", str(port), *args],
         capture_output=True, text=True, timeout=timeout_s, check=True,
     )
     return out.stdout
@@ -159,7 +164,7 @@ class RedisServer:
         if self.password is not None:
             ports += ["--requirepass", self.password]
         args = [
-            "redis-server", *ports, "--bind", "127.0.0.1",
+            SERVER, *ports, "--bind", "127.0.0.1",
             "--dir", str(self.directory), "--save", "", "--appendonly", "no",
             "--daemonize", "no", "--protected-mode", "no",
             "--logfile", str(self.directory / "redis.log"),
@@ -252,7 +257,7 @@ class RedisClusterServers:
             for n in self.nodes:
                 n.start()
             subprocess.run(
-                ["redis-cli", "--cluster", "create",
+                [CLI, "--cluster", "create",
                  *[f"127.0.0.1:{p}" for p in self.ports],
                  "--cluster-replicas", "0", "--cluster-yes"],
                 capture_output=True, text=True, timeout=timeout_s, check=True,
@@ -309,7 +314,7 @@ class RedisSentinelServers:
                 f"sentinel down-after-milliseconds {self.SERVICE} 1000",
                 f"sentinel failover-timeout {self.SERVICE} 4000",
             ]) + "\n")
-            self.sentinel = subprocess.Popen(["redis-server", str(conf), "--sentinel"],
+            self.sentinel = subprocess.Popen([SERVER, str(conf), "--sentinel"],
                                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             _LIVE.add(self.sentinel)
             deadline = time.monotonic() + timeout_s
