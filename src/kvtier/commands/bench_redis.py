@@ -32,7 +32,8 @@ KEY_PREFIX = "kvtier-bench"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", help="a running Redis (redis://, rediss://, redis+cluster://); "
+    p.add_argument("--url", help="a running Redis (redis://, rediss://, redis+cluster://, "
+                                 "redis+sentinel://); "
                                  "default: start a redis-server on a free loopback port")
     p.add_argument("--chunk-bytes", type=int, default=256 << 10, metavar="N",
                    help="bytes per chunk payload (default 256 KiB)")
