@@ -208,6 +208,7 @@ def run(args: argparse.Namespace) -> int:
     out["load_bytes_per_round"] = load_bytes
     tmp.cleanup()
     out.update(_lookup_bench(rounds))
+    out.update(_checksum_bound())
     if args.json:
         print(json.dumps(out))
         return 0
@@ -221,10 +222,44 @@ def run(args: argparse.Namespace) -> int:
         print(f"{tier:6} {out[f'{tier}_save_ratio']:>10} {out[f'{tier}_load_ratio']:>10}   "
               f"save {out[f'{tier}_save_gbps']} vs {out[f'{tier}_plain_save_gbps']}, load "
               f"{out[f'{tier}_load_gbps']} vs {out[f'{tier}_plain_load_gbps']} (plain {what}){cpu_t}")
+    print(f"checksum {out['checksum']}: {out['host_checksum_gbps']} GB/s, memcpy {out['host_memcpy_gbps']} "
+          f"GB/s on this host: a verified warm disk load can reach at most ~{out['disk_load_ratio_bound']} "
+          "of a plain read on one core")
     print(f"lookup of a 131072-token prompt ({out['lookup_prompt_chunks']} chunks x 4 groups): "
           f"{out['lookup_ms_128k']} ms, {out['lookup_chunks_per_s']:.0f} chunks/s; "
           f"hashing it: {out['hash_ms_128k']} ms")
     return 0
+
+
+def _checksum_bound() -> dict[str, object]:
+    """This host's memcpy and payload-checksum speeds (thread CPU time, 8 MiB buffers).
+
+    A warm disk load is one kernel memcpy (page cache -> buffer) plus one checksum pass over
+    the same bytes; the plain read is the memcpy alone. So memcpy / (memcpy + checksum time)
+    bounds what a verify-every-byte disk tier can reach on one core here."""
+    import numpy as np
+
+    from kvtier.payload import CHECKSUM_NAMES, DEFAULT_CHECKSUM, checksum
+
+    bufs = [np.random.default_rng(k).integers(0, 256, 8 << 20, dtype=np.uint8) for k in range(8)]
+    dst = np.empty(8 << 20, dtype=np.uint8)
+    copy_t, sum_t = [], []
+    for k in range(24):
+        b = bufs[k % len(bufs)]
+        c0 = time.thread_time()
+        np.copyto(dst, b)
+        c1 = time.thread_time()
+        checksum(b)
+        c2 = time.thread_time()
+        copy_t.append(c1 - c0)
+        sum_t.append(c2 - c1)
+    mc, ck = statistics.median(copy_t), statistics.median(sum_t)
+    return {
+        "checksum": CHECKSUM_NAMES[DEFAULT_CHECKSUM],
+        "host_memcpy_gbps": round((8 << 20) / mc / 1e9, 1),
+        "host_checksum_gbps": round((8 << 20) / ck / 1e9, 1),
+        "disk_load_ratio_bound": round(mc / (mc + ck), 2),
+    }
 
 
 def _lookup_bench(rounds: int) -> dict[str, object]:
