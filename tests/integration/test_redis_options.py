@@ -32,6 +32,7 @@ KVTIER = str(Path(sys.executable).parent / "kvtier")
     ({"ttl_s": -1.0}, "ttl_s=-1.0"),
     ({"socket_timeout_s": 0}, "socket_timeout_s=0"),
     ({"key_prefix": "a:b"}, "key_prefix"),
+    ({"max_connections": 0}, "max_connections=0"),
 ])
 def test_bad_options_raise_with_the_fix(opts: dict[str, object], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
@@ -45,6 +46,9 @@ def test_url_forms() -> None:
     assert not RedisOptions(url="rediss://h:1/0").is_cluster
     assert redact("redis://alice:s3cret@h:6379/0") == "redis://alice:***@h:6379/0"
     assert redact("redis://h:6379/0") == "redis://h:6379/0"
+    assert redact("redis://:pw@h:6379/0") == "redis://:***@h:6379/0"
+    assert redact("redis://alice@h:6379/0") == "redis://alice@h:6379/0"
+    assert redact("redis+sentinel://u:pw@a:1,b:2/svc") == "redis+sentinel://u:***@a:1,b:2/svc"
     with pytest.raises(ConfigError, match="16 lowercase hex"):
         RedisTier(namespace_id="not-a-namespace")
 
@@ -54,6 +58,8 @@ def test_options_from_a_string_mapping() -> None:
                               "cluster": "true", "socket_timeout_s": 2, "password": "pw"})
     assert (o.ttl_s, o.budget_bytes, o.cluster, o.socket_timeout_s) == (30.0, 1000, True, 2.0)
     assert "pw" not in repr(o)  # options get logged; the password must not be
+    in_url = options_from_mapping({"url": "redis://alice:hunter2@h:1/0"})
+    assert "hunter2" not in repr(in_url) and "alice:***@h:1" in repr(in_url)
     with pytest.raises(ConfigError, match="unknown redis option 'ttl'; valid: url"):
         options_from_mapping({"ttl": 1})
     with pytest.raises(ConfigError, match="ttl_s='x' is not a float"):

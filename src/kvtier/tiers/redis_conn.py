@@ -29,7 +29,7 @@ class RedisOptions:
     url: str = "redis://127.0.0.1:6379/0"
     cluster: bool = False  # or a `redis+cluster://` / `rediss+cluster://` url
     username: str | None = None
-    password: str | None = dataclasses.field(default=None, repr=False)  # never in logs
+    password: str | None = None  # never in logs (see __repr__)
     tls_ca_path: str | None = None  # TLS is on with `rediss://` or any tls_* path
     tls_cert_path: str | None = None
     tls_key_path: str | None = None
@@ -74,11 +74,18 @@ class RedisOptions:
         for name in ("socket_timeout_s", "connect_timeout_s", "backoff_initial_s", "backoff_max_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be > 0")
-        if self.pipeline_bytes <= 0:
-            raise ConfigError(f"pipeline_bytes={self.pipeline_bytes} must be > 0")
+        if self.pipeline_bytes <= 0 or self.max_connections <= 0:
+            raise ConfigError(f"pipeline_bytes={self.pipeline_bytes} and max_connections="
+                              f"{self.max_connections} must be > 0")
         if ":" in self.key_prefix or "{" in self.key_prefix or not self.key_prefix:
             raise ConfigError(
                 f"key_prefix {self.key_prefix!r} must be non-empty without ':' or '{{'")
+
+    def __repr__(self) -> str:  # options get logged: no password, from the url or the field
+        fields = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
+                           if f.name not in ("url", "password"))
+        pw = ", password='***'" if self.password is not None else ""
+        return f"RedisOptions(url={redact(self.url)!r}{pw}, {fields})"
 
     @property
     def is_cluster(self) -> bool:
@@ -279,15 +286,15 @@ class LogOnce:
 
 
 def redact(url: str) -> str:
-    """The url without its password, for log lines."""
+    """The url without its password, for log lines (string surgery on the userinfo, so a
+    sentinel url's `h1:p1,h2:p2` host list survives)."""
     parts = urlsplit(url)
-    if parts.password is None:
+    userinfo, at, hosts = parts.netloc.rpartition("@")
+    if not at or ":" not in userinfo:
         return url
-    host = parts.hostname or ""
-    if parts.port:
-        host += f":{parts.port}"
-    user = f"{parts.username}:***@" if parts.username else ":***@"
-    return urlunsplit((parts.scheme, user + host, parts.path, parts.query, parts.fragment))
+    user = userinfo.split(":", 1)[0]
+    return urlunsplit((parts.scheme, f"{user}:***@{hosts}", parts.path, parts.query,
+                       parts.fragment))
 
 
 class WriteBudget:
