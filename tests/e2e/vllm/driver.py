@@ -6,7 +6,7 @@ second one in the same process, and a subprocess is how a user runs vLLM anyway.
 
     {"model": DIR, "dtype": "float32", "kv": {...kv_transfer_config...},
      "prompts": [[token ids], ...], "max_tokens": 8, "passes": 2,
-     "between": ["reset"] | ["reset", "corrupt_disk"], "directory": DIR}
+     "between": ["reset"] | [["reset", "corrupt_disk"], ["reset"]], "directory": DIR}
 """
 
 from __future__ import annotations
@@ -55,7 +55,10 @@ def main() -> int:
     out: dict[str, object] = {"outputs": [], "seconds": [], "metrics": []}
     for i in range(sc.get("passes", 2)):
         if i:
-            for step in sc.get("between", ["reset"]):
+            between = sc.get("between", ["reset"])
+            if between and isinstance(between[0], list):  # one list of steps per later pass
+                between = between[i - 1]
+            for step in between:
                 if step == "reset":
                     assert llm.reset_prefix_cache()
                 elif step == "corrupt_disk":

@@ -86,6 +86,7 @@ class Metrics:
     role: str
     directory: str | None
     counts: dict[str, int] = field(default_factory=dict)
+    info: dict[str, int] = field(default_factory=dict)  # sizes, not summed across processes
     _last_write: float = 0.0
     _dirty: bool = False
 
@@ -101,7 +102,7 @@ class Metrics:
         path = out / f"{self.role}-{os.getpid()}.json"
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"role": self.role, "pid": os.getpid(), "time": time.time(),
-                                   "counts": self.counts}))
+                                   "counts": self.counts, "info": self.info}))
         os.replace(tmp, path)  # readers never see half a file
         self._dirty = False
         self._last_write = time.monotonic()
@@ -118,6 +119,15 @@ def read_metrics(directory: str | os.PathLike[str]) -> dict[str, int]:
         for k, v in data.get("counts", {}).items():
             total[k] = total.get(k, 0) + int(v)
     return total
+
+
+def read_info(directory: str | os.PathLike[str]) -> dict[str, int]:
+    """The size facts the sides recorded (vLLM's row bytes, kvtier's chunk bytes per group)."""
+    out: dict[str, int] = {}
+    root = Path(directory) / "metrics"
+    for path in sorted(root.glob("*.json")) if root.is_dir() else ():
+        out.update(json.loads(path.read_text()).get("info", {}))
+    return out
 
 
 def model_identity(model: str) -> str:

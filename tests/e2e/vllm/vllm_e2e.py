@@ -1,0 +1,94 @@
+"""Helpers for the vLLM end-to-end tests: model directories, the documented kv_transfer_config,
+and running one engine scenario in a subprocess (driver.py) that reports kvtier's counters.
+
+Not a conftest: the tests live in tests/e2e/ and import this by path (this folder is not a
+package, and must never become one: its name would shadow vLLM itself).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).parent
+DRIVER = HERE / "driver.py"
+ENGINE_TIMEOUT_S = 420
+
+
+def tiny_llama_dir() -> Path:
+    """A tiny random Llama vLLM's CPU backend can run, with the SmolLM2 tokenizer.
+
+    kvtier.models' tiny Llama has head_dim 16, which vLLM's CPU attention refuses (it supports
+    32, 64, 80, ...); this one has head_dim 32 and is built once under kvtier's cache."""
+    from kvtier.models import cache_root, is_complete, tokenizer_dir
+
+    target = cache_root() / "tiny" / "vllm-llama-h32-s0-float32"
+    if is_complete(target):
+        return target
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir()))
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                      head_dim=32, max_position_embeddings=4096, bos_token_id=tok.bos_token_id,
+                      eos_token_id=tok.eos_token_id, torch_dtype="float32")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to(torch.float32)
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    model.save_pretrained(str(tmp))
+    tok.save_pretrained(str(tmp))
+    (tmp / ".kvtier-complete").write_text("ok\n")  # kvtier.models.is_complete marker
+    try:
+        tmp.rename(target)
+    except OSError:  # another process finished first
+        pass
+    return target
+
+
+def kv_transfer_config(directory: str | Path, tiers: str = "cpu", cpu_bytes: int | str = "64MiB",
+                       disk_bytes: int | str = "64MiB", **extra: object) -> dict[str, object]:
+    """The kv_transfer_config docs/vllm.md documents, for the given tiers."""
+    cfg: dict[str, object] = {
+        "spec_name": "KvtierOffloadingSpec",
+        "spec_module_path": "kvtier.integrations.vllm.spec",
+        "kvtier.tiers": tiers,
+        "kvtier.directory": str(directory),
+    }
+    if "cpu" in tiers:
+        cfg["kvtier.cpu_bytes"] = cpu_bytes
+    if "disk" in tiers:
+        cfg["kvtier.disk_bytes"] = disk_bytes
+    cfg.update(extra)
+    return {
+        "kv_connector": "KvtierConnector",
+        "kv_connector_module_path": "kvtier.integrations.vllm.connector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": cfg,
+    }
+
+
+def prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 40000) for _ in range(length)] for _ in range(n)]
+
+
+def run_engine(scenario: dict[str, object], expect_failure: bool = False) -> dict:
+    """Run driver.py with `scenario`; its RESULT (or, when a failure is expected, the stderr)."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1",
+               TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run([sys.executable, str(DRIVER), json.dumps(scenario)], env=env,
+                          capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S)
+    if expect_failure:
+        assert proc.returncode != 0, "the engine started although its config is wrong"
+        return {"stderr": proc.stderr + proc.stdout}
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    tail = "\n".join((proc.stderr or "").splitlines()[-40:])
+    raise AssertionError(f"engine run failed (rc {proc.returncode}):\n{tail}")
