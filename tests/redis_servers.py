@@ -87,6 +87,7 @@ def _ping(port: int, timeout_s: float = 0.2, tls: TlsFiles | None = None) -> boo
             s: socket.socket = raw
             if tls is not None:
                 ctx = ssl.create_default_context(cafile=str(tls.ca))
+                ctx.load_cert_chain(str(tls.client_cert), str(tls.client_key))
                 s = ctx.wrap_socket(raw, server_hostname="127.0.0.1")
             s.sendall(b"*1\r\n$4\r\nPING\r\n")
             reply = s.recv(64)
@@ -100,6 +101,8 @@ class TlsFiles:
     ca: Path
     cert: Path
     key: Path
+    client_cert: Path  # signed by the same CA, for mutual TLS
+    client_key: Path
 
 
 def make_tls_files(directory: Path) -> TlsFiles:
@@ -119,7 +122,12 @@ def make_tls_files(directory: Path) -> TlsFiles:
          "-keyout", str(key), "-out", str(csr))
     ossl("x509", "-req", "-in", str(csr), "-CA", str(ca), "-CAkey", str(ca_key),
          "-CAcreateserial", "-days", "2", "-extfile", str(ext), "-out", str(cert))
-    return TlsFiles(ca=ca, cert=cert, key=key)
+    ccert, ckey, ccsr = directory / "client.crt", directory / "client.key", directory / "client.csr"
+    ossl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=kvtier-client",
+         "-keyout", str(ckey), "-out", str(ccsr))
+    ossl("x509", "-req", "-in", str(ccsr), "-CA", str(ca), "-CAkey", str(ca_key),
+         "-CAcreateserial", "-days", "2", "-out", str(ccert))
+    return TlsFiles(ca=ca, cert=cert, key=key, client_cert=ccert, client_key=ckey)
 
 
 def cli(port: int, *args: str, timeout_s: float = 10.0) -> str:
@@ -160,7 +168,9 @@ class RedisServer:
         if self.tls is not None:
             ports = ["--port", "0", "--tls-port", str(self.port),
                      "--tls-cert-file", str(self.tls.cert), "--tls-key-file", str(self.tls.key),
-                     "--tls-ca-cert-file", str(self.tls.ca), "--tls-auth-clients", "optional"]
+                     "--tls-ca-cert-file", str(self.tls.ca)]
+            if "--tls-auth-clients" not in self.extra_args:
+                ports += ["--tls-auth-clients", "optional"]
         if self.password is not None:
             ports += ["--requirepass", self.password]
         args = [
@@ -227,7 +237,8 @@ class RedisServer:
     def cli(self, *args: str) -> str:
         pre: list[str] = []
         if self.tls is not None:
-            pre = ["--tls", "--cacert", str(self.tls.ca)]
+            pre = ["--tls", "--cacert", str(self.tls.ca), "--cert", str(self.tls.client_cert),
+                   "--key", str(self.tls.client_key)]
         if self.password is not None:
             pre += ["--pass", self.password, "--no-auth-warning"]
         return cli(self.port, *pre, *args)
@@ -343,12 +354,14 @@ class RedisSentinelServers:
 
 
 @contextlib.contextmanager
-def redis_server(*extra_args: str, tls: bool = False,
+def redis_server(*extra_args: str, tls: bool = False, mutual_tls: bool = False,
                  password: str | None = None) -> Iterator[RedisServer]:
     """A running standalone server in a temp dir (TLS-only with a throwaway CA when `tls`,
     AUTH required when `password`); stopped and removed on exit."""
     with tempfile.TemporaryDirectory(prefix="kvtier-redis-") as d:
-        files = make_tls_files(Path(d) / "tls") if tls else None
+        files = make_tls_files(Path(d) / "tls") if tls or mutual_tls else None
+        if mutual_tls:  # clients must present a certificate signed by the test CA
+            extra_args = (*extra_args, "--tls-auth-clients", "yes")
         srv = RedisServer(Path(d), extra_args=tuple(extra_args), tls=files,
                           password=password).start()
         try:

@@ -310,6 +310,21 @@ def test_auth_and_tls(tmp_path: Path, clock: FakeClock) -> None:
         untrusted.close()
 
 
+def test_mutual_tls_needs_the_client_certificate(clock: FakeClock) -> None:
+    with redis_server(mutual_tls=True) as srv:
+        assert srv.tls is not None
+        tier = make(srv.url, clock, tls_ca_path=str(srv.tls.ca),
+                    tls_cert_path=str(srv.tls.client_cert), tls_key_path=str(srv.tls.client_key))
+        assert write(tier, range(2)) == [True, True]
+        ok, outs = read(tier, range(2))
+        assert ok == [True, True] and torch.equal(outs[0], data(0))
+        tier.close()
+        anonymous = make(srv.url, clock, tls_ca_path=str(srv.tls.ca))  # no client certificate
+        assert write(anonymous, range(1)) == [False] and anonymous.metrics()["up"] is False
+        anonymous.close()
+        assert int(srv.cli("dbsize")) == 2
+
+
 def test_nothing_listening_is_fast(clock: FakeClock) -> None:
     tier = make(f"redis://127.0.0.1:{free_port()}/0", clock)
     t0 = time.monotonic()
