@@ -68,14 +68,17 @@ class Prefill:
     cache: object
     logits: torch.Tensor | None
     stats: PrefillStats
-    _save: Callable[[], int] | None = None
+    _save: Callable[[Store | None], int] | None = None
 
-    def save(self) -> int:
-        """Store the new chunks (once); returns payloads written."""
+    def save(self, store: Store | None = None, *, keep: bool = False) -> int:
+        """Store the new chunks (in the PrefixCache's store, or `store` of the same namespace);
+        returns payloads written. The captured K/V are released unless `keep`."""
         if self._save is None:
             return 0
-        fn, self._save = self._save, None
-        return fn()
+        fn = self._save
+        if not keep:
+            self._save = None
+        return fn(store)
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,7 +210,7 @@ class PrefixCache:
             restore_seconds=t1 - t0, compute_seconds=t2 - t1, namespace_miss=not self.namespace_ok)
         save = None
         if self.namespace_ok and end // self.plan.chunk_tokens > restored // self.plan.chunk_tokens:
-            save = lambda: self._save(hashes, capture, snaps, restored, end)  # noqa: E731
+            save = lambda store=None: self._save(store, hashes, capture, snaps, restored, end)  # noqa: E731
         return Prefill(cache=cache, logits=out_logits, stats=stats, _save=save)
 
     # -- internals --------------------------------------------------------------------------------
@@ -322,8 +325,12 @@ class PrefixCache:
             return None, capture, snaps
         return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), capture, snaps
 
-    def _save(self, hashes: list[bytes], capture: cache_fill.Capture, snaps: dict[int, list],
-              start: int, end: int) -> int:
+    def _save(self, store: Store | None, hashes: list[bytes], capture: cache_fill.Capture,
+              snaps: dict[int, list], start: int, end: int) -> int:
+        store = self.store if store is None else store
+        if store.namespace != self.namespace or store.plan != self.plan:
+            self.namespace_misses += 1  # never write one model's KV into another's store
+            return 0
         c = self.plan.chunk_tokens
         new_chunks = list(range(start // c, end // c))
         payloads: dict[tuple[int, int], torch.Tensor] = {}
@@ -342,4 +349,4 @@ class PrefixCache:
             keys, values = zip(*(capture.joined(li) for li in layout.layers))
             for i, blob in lay.pack_attention(layout, list(keys), list(values), start, wanted, c).items():
                 payloads[(g, i)] = blob.cpu()
-        return self.store.save(hashes, payloads, end)
+        return store.save(hashes, payloads, end)

@@ -1,0 +1,193 @@
+"""The transformers integration on tiny random-weight models of every supported family.
+
+For a prompt of 90 tokens and a stored prefix of T=64 (chunks of 16 tokens):
+- the logits of a run that restores the prefix equal, bit for bit, those of plain transformers
+  computing the same split (prefix forward, then the suffix; state models split at the chunk
+  boundaries where kvtier takes its checkpoints);
+- they match one full forward pass within float32 tolerance;
+- greedy `generate` gives the same tokens as plain `model.generate`.
+Through the cpu tier, the disk tier and both.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier.errors import ConfigError, UnsupportedModelError
+from kvtier.integrations.transformers import PrefixCache, model_plan
+from kvtier.store import Store
+
+# the supported families (issue 4: Llama, Gemma 3, gpt-oss, Qwen3-Next or Qwen3.5, a Mamba-2
+# hybrid; Falcon-H1 runs attention and Mamba-2 side by side in every layer)
+FAMILIES = ("llama", "gemma3", "gpt_oss", "qwen3_5", "bamba", "falcon_h1")
+STATE_FAMILIES = ("qwen3_5", "qwen3_next", "bamba", "falcon_h1")
+C = 16  # chunk tokens
+T = 64  # the stored prefix
+
+
+def _store_kwargs(tiers: str, tmp_path) -> dict[str, object]:  # type: ignore[no-untyped-def]
+    kw: dict[str, object] = {}
+    if "cpu" in tiers:
+        kw["cpu_bytes"] = 8 << 20
+    if "disk" in tiers:
+        kw.update(disk_dir=str(tmp_path / "kv"), disk_bytes=8 << 20, write_through=True)
+    return kw
+
+
+def _cuts(family: str, start: int, end: int) -> list[int]:
+    """Where kvtier splits a prefill of [start, end): at chunk boundaries for state models."""
+    if family not in STATE_FAMILIES:
+        return [start, end]
+    return [start, *range((start // C + 1) * C, end, C), end]
+
+
+def plain_split_logits(model, ids: torch.Tensor, cuts_prefix: list[int], cuts_suffix: list[int]) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """Plain transformers, no kvtier: the prefix pieces, then the suffix pieces' logits."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    outs = []
+    with torch.inference_mode():
+        for cuts, keep in ((cuts_prefix, None), (cuts_suffix, 0)):
+            for a, b in zip(cuts, cuts[1:]):
+                out = model(input_ids=ids[:, a:b], position_ids=torch.arange(a, b)[None],
+                            past_key_values=cache, use_cache=True, logits_to_keep=1 if keep is None else 0)
+                if keep is not None:
+                    outs.append(out.logits)
+    return torch.cat(outs, dim=1)
+
+
+def full_pass_logits(model, ids: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    with torch.inference_mode():
+        return model(input_ids=ids).logits
+
+
+def plain_greedy(model, ids: torch.Tensor, n: int) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    with torch.inference_mode():
+        return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                              do_sample=False, pad_token_id=0)
+
+
+@pytest.mark.parametrize("tiers", ["cpu", "disk"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_restored_prefix_is_bit_exact(family: str, tiers: str, load_tiny, prompt, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    model = load_tiny(family)
+    pc = PrefixCache.for_model(model, chunk_tokens=C, **_store_kwargs(tiers, tmp_path))
+    p = prompt.shape[1]
+
+    # turn 1: a prompt of T+1 tokens; kvtier prefills [0, T) and stores chunks 0..T/C-1
+    first = pc.generate(prompt[:, :T + 1], max_new_tokens=2, do_sample=False, pad_token_id=0)
+    assert first.stats.restored_tokens == 0
+    assert first.stats.computed_tokens == T
+    assert first.saved_payloads > 0
+
+    # turn 2: the 90-token prompt restores T and computes the rest
+    logits, stats = pc.forward(prompt)
+    assert stats.restored_tokens == T
+    assert stats.computed_tokens == p - T
+    assert stats.restored_tokens_by_tier.get(tiers if tiers != "disk" else "disk", 0) == T
+    ref = plain_split_logits(model, prompt, _cuts(family, 0, T), _cuts(family, T, p))
+    assert torch.equal(logits, ref), f"max diff {(logits - ref).abs().max().item()}"
+    full = full_pass_logits(model, prompt)[:, T:]
+    torch.testing.assert_close(logits, full, atol=1e-4, rtol=1e-4)
+
+    # turn 3: greedy generate restores more (turn 2 stored up to 80) and answers the same
+    out = pc.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert out.stats.restored_tokens == (p - 1) // C * C
+    assert torch.equal(out.sequences, plain_greedy(model, prompt, 6))
+
+
+@pytest.mark.parametrize("family", ["gemma3", "bamba"])
+def test_cpu_and_disk_tiers_together(family: str, load_tiny, prompt, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    model = load_tiny(family)
+    kw = _store_kwargs("cpu+disk", tmp_path)
+    plan, ns = model_plan(model, chunk_tokens=C)
+    with Store(plan, ns, **kw) as store:  # type: ignore[arg-type]
+        PrefixCache(model, store).generate(prompt[:, :T + 1], max_new_tokens=1, pad_token_id=0)
+    # a new store over the same directory: cpu is empty, the prefix comes from disk
+    with Store(plan, ns, **kw) as store:  # type: ignore[arg-type]
+        pc = PrefixCache(model, store)
+        logits, stats = pc.forward(prompt, save=False)
+        assert stats.restored_tokens_by_tier == {"disk": T}
+        _, again = pc.forward(prompt, save=False)  # promoted to cpu by the first load
+        assert again.restored_tokens_by_tier == {"cpu": T}
+    ref = plain_split_logits(model, prompt, _cuts(family, 0, T), _cuts(family, T, prompt.shape[1]))
+    assert torch.equal(logits, ref)
+
+
+def _corrupt(store: Store, pc: PrefixCache, prompt: torch.Tensor, group: int, chunk: int) -> None:
+    from kvtier.tiers.disk import slab_name, slot_stride
+    from kvtier.payload import HEADER_BYTES
+
+    h = store.hashes(prompt[0].tolist())[chunk]
+    [(tier, slot)] = store.index.where(h, group)  # type: ignore[union-attr]
+    assert tier == "disk"
+    size = pc.plan.groups[group].chunk_bytes
+    path = store.slot_tiers["disk"].dir / slab_name(group, size)  # type: ignore[attr-defined]
+    with open(path, "r+b") as f:
+        f.seek(slot * slot_stride(size) + HEADER_BYTES + size // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def test_corrupt_chunk_on_disk_stops_the_hit_before_it(load_tiny, prompt, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    model = load_tiny("gemma3")
+    plan, ns = model_plan(model, chunk_tokens=C)
+    kw = dict(disk_dir=str(tmp_path / "kv"), disk_bytes=8 << 20)
+    with Store(plan, ns, **kw) as store:  # type: ignore[arg-type]
+        pc = PrefixCache(model, store)
+        pc.generate(prompt[:, :T + 1], max_new_tokens=1, pad_token_id=0)
+        full_group = next(gp.index for gp in plan.groups if gp.kind == "full")
+        _corrupt(store, pc, prompt, full_group, 2)
+        logits, stats = pc.forward(prompt, save=False)
+        assert stats.lookup_tokens == T
+        assert stats.restored_tokens == 2 * C  # the full group stops before chunk 2
+        assert store.metrics()["corrupt_dropped"] >= 1
+        torch.testing.assert_close(logits, full_pass_logits(model, prompt)[:, 2 * C:], atol=1e-4, rtol=1e-4)
+        out = pc.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0, save=False)
+        assert torch.equal(out.sequences, plain_greedy(model, prompt, 6))
+
+
+def test_store_of_another_model_is_a_namespace_miss(load_tiny, prompt) -> None:  # type: ignore[no-untyped-def]
+    model = load_tiny("llama")
+    plan, ns = model_plan(model, chunk_tokens=C, model_id="some-other-llama")
+    with Store(plan, ns, cpu_bytes=8 << 20) as other:
+        # the other model fills its store with this very prompt
+        PrefixCache(model, other, model_id="some-other-llama").forward(prompt)
+        writes = other.metrics()
+        pc = PrefixCache(model, other)  # this model's own identity: another namespace
+        assert not pc.namespace_ok
+        logits, stats = pc.forward(prompt)
+        assert stats.namespace_miss and stats.restored_tokens == 0
+        assert other.metrics()["lookups"] == writes["lookups"]  # not even asked
+        torch.testing.assert_close(logits, full_pass_logits(model, prompt), atol=1e-4, rtol=1e-4)
+
+
+def test_store_of_another_dtype_is_a_miss(load_tiny, prompt, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    kw = dict(disk_dir=str(tmp_path / "kv"), disk_bytes=8 << 20)
+    f32 = load_tiny("gemma3")
+    first = PrefixCache.for_model(f32, chunk_tokens=C, **kw)
+    first.forward(prompt)
+    first.store.close()
+    bf16 = load_tiny("gemma3", "bfloat16")
+    pc = PrefixCache.for_model(bf16, chunk_tokens=C, **kw)
+    assert pc.namespace.dtype == "bfloat16"
+    _, stats = pc.forward(prompt)
+    assert stats.restored_tokens == 0 and stats.lookup_tokens == 0
+
+
+def test_mamba1_is_refused(load_tiny) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(UnsupportedModelError, match="Mamba-1"):
+        model_plan(load_tiny("mamba"))
+
+
+def test_batch_and_padding_are_refused(load_tiny, prompt) -> None:  # type: ignore[no-untyped-def]
+    pc = PrefixCache.for_model(load_tiny("llama"), chunk_tokens=C, cpu_bytes=8 << 20)
+    with pytest.raises(ConfigError, match="batch size 2"):
+        pc.forward(prompt.repeat(2, 1))
+    mask = torch.ones_like(prompt)
+    mask[0, :3] = 0
+    with pytest.raises(ConfigError, match="padding"):
+        pc.generate(prompt, attention_mask=mask, max_new_tokens=1)
