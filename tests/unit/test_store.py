@@ -207,3 +207,33 @@ def test_prometheus_collector_exports_the_counters() -> None:
     s.register_prometheus(reg)
     assert reg.get_sample_value("kvtier_save_chunks_total", {"tier": "cpu", "group": "full"}) == 2
     assert reg.get_sample_value("kvtier_lookups_total") == 0
+
+
+def test_threads_sharing_one_store_restore_only_their_own_bytes(tmp_path) -> None:
+    import threading
+
+    s = Store(PLAN, NS, cpu_bytes=6 * ROW, disk_dir=tmp_path, disk_bytes=12 * ROW)
+    errors: list[str] = []
+
+    def worker(seed: int) -> None:
+        toks = tokens(130, seed=seed)
+        for _ in range(5):
+            s.save_tokens(toks, payloads(130, seed))
+            hit = s.lookup_tokens(toks)
+            bufs = buffers(hit)
+            got = s.load(hit, bufs)
+            want = payloads(130, seed)
+            for g, loads in enumerate(hit.chunks):
+                for ld in loads:
+                    if (ld.chunk_index + 1) * C <= got and not torch.equal(bufs[(g, ld.chunk_index)], want[(g, ld.chunk_index)]):
+                        errors.append(f"seed {seed}: group {g} chunk {ld.chunk_index} restored wrong bytes")
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    m = s.metrics()
+    assert m["corrupt_dropped"] == 0 and m["failed_saves"] == 0
+    assert m["demotions"] > 0  # 4 prompts x 4 chunks do not fit the cpu tier's 6
