@@ -45,6 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-dir", metavar="DIR",
                    help="directory of the disk tier (default: a temporary directory, removed at the end)")
     p.add_argument("--dtype", default="float32", help="model dtype: float32 (default), bfloat16, float16")
+    p.add_argument("--threads", type=int, metavar="N",
+                   help="torch CPU threads (default: torch's choice; 1 is steadier on a busy machine)")
 
 
 def document(tokenizer: object) -> str:
@@ -92,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     from kvtier.integrations.transformers import PrefixCache, model_plan
     from kvtier.store import Store
 
-    lm = load_model(args.model, args.dtype)
+    lm = load_model(args.model, args.dtype, threads=args.threads)
     model, tok = lm.model, lm.tokenizer
     plan, ns = model_plan(model, chunk_tokens=args.chunk_tokens, model_id=lm.model_id)
     tmp = None

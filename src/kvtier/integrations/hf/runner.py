@@ -29,7 +29,8 @@ class LoadedModel:
     load_seconds: float
 
 
-def load_model(path: str | None, dtype: str = "float32", progress: bool = True) -> LoadedModel:
+def load_model(path: str | None, dtype: str = "float32", progress: bool = True,
+               threads: int | None = None) -> LoadedModel:
     """`path` a local HF model directory, or None for the real Gemma 3 270M (built once)."""
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -37,6 +38,10 @@ def load_model(path: str | None, dtype: str = "float32", progress: bool = True) 
 
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype!r} unknown; use one of: {', '.join(DTYPES)}")
+    if threads is not None:
+        if threads < 1:
+            raise ConfigError(f"--threads {threads} must be >= 1")
+        torch.set_num_threads(threads)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()  # one kvtier bar instead of transformers' several
