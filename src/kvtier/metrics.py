@@ -23,7 +23,7 @@ PER_TIER_GROUP = (
 STORE_WIDE = (
     "lookups", "hit_lookups", "lookup_tokens", "hit_tokens", "restored_tokens",
     "corrupt_dropped", "failed_saves", "skipped_saves", "not_admitted", "promotions",
-    "demotions", "shared_exists_queries",
+    "demotions", "shared_exists_queries", "rebuild_refused",
 )
 
 

@@ -159,11 +159,11 @@ class Store:
                     bad.append((g, slot))
                     continue
                 entries.append((h.chunk_hash, g, name, slot))
-            refused = self.index.rebuild(entries)
-            bad.extend((e.group, e.slot) for e in refused)
-            for g, slot in bad:
-                tier.free(g, slot)
+            refused = self.index.rebuild(entries)  # e.g. a key found twice: keep the first
             self.m.add("corrupt_dropped", tier.corrupt_dropped + len(bad))
+            self.m.add("rebuild_refused", len(refused))
+            for g, slot in [*bad, *((e.group, e.slot) for e in refused)]:
+                tier.free(g, slot)
             count += len(entries) - len(refused)
         return count
 

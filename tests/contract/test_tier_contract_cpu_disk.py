@@ -90,3 +90,18 @@ def test_capacity_zero_and_unknown_fsync_raise_at_construction(tmp_path) -> None
         TierLayout(slot_bytes=(4096,), num_slots=(0,))
     with pytest.raises(ConfigError, match="fsync policy 'sometimes' unknown"):
         DiskTier(tmp_path, LAYOUT, NS, fsync="sometimes")
+
+
+def test_a_smaller_restart_drops_the_slots_past_its_capacity(tmp_path) -> None:
+    big = TierLayout(slot_bytes=(4096,), num_slots=(4,))
+    t = DiskTier(tmp_path, big, NS)
+    for s in range(4):
+        h = header(70 + s, 0)
+        assert t.write(0, s, h, payload(s, 4096))
+    t.close()
+    small = DiskTier(tmp_path, TierLayout(slot_bytes=(4096,), num_slots=(2,)), NS)
+    assert sorted(s for _, s, _ in small.list()) == [0, 1]
+    small.close()
+    again = DiskTier(tmp_path, big, NS)  # growing back does not resurrect them
+    assert sorted(s for _, s, _ in again.list()) == [0, 1]
+    again.close()

@@ -115,7 +115,10 @@ class DiskTier(SlotTier):
             if n == 0 or (self.read_only and not path.exists()):
                 self._fds.append(None)
                 continue
-            self._fds.append(os.open(path, flags, 0o644))
+            fd = os.open(path, flags, 0o644)
+            if not self.read_only and os.fstat(fd).st_size > n * self.strides[g]:
+                os.ftruncate(fd, n * self.strides[g])  # capacity shrank: slots past it are gone
+            self._fds.append(fd)
 
     # -- contract ------------------------------------------------------------------------
     def write(self, group: int, slot: int, header: ChunkHeader, data: object) -> bool:
