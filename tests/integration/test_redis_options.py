@@ -129,3 +129,12 @@ def test_bench_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert exc.value.code == 2 and "invalid int value" in capsys.readouterr().err
     assert main(["bench", "redis", "--chunks", "0"]) == 2
     assert capsys.readouterr().err.startswith("error: --chunks 0")
+
+
+def test_importing_the_tier_loads_neither_torch_nor_redis_py() -> None:
+    # the vLLM scheduler process builds a RedisTier for existence checks: it must stay light
+    code = ("import sys, kvtier.tiers.redis as r; r.RedisTier.from_url('redis://h:1/0'); "
+            "print('torch' in sys.modules, 'redis' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "False"]
