@@ -301,19 +301,18 @@ class Store:
         h = hashes[i]
         header = self.header(h, g, i)
         out_u8 = as_u8(out) if isinstance(out, torch.Tensor) else out
-        where = self._local(h, g)
-        if where is not None:
-            tier_name, slot = where
+        # every copy in tier order: a bad cpu copy falls back to the disk one (write-through)
+        for tier_name, slot in self.index.where(h, g) if self.index is not None else ():
             assert self.index is not None
             if not self.index.pin(h, g, tier_name):
-                return False
+                continue
             try:
                 good = self._timed_read(self.slot_tiers[tier_name], g, slot, header, out_u8)
             finally:
                 self.index.unpin(h, g, tier_name)
             if not good:
                 self.index.remove(h, g, tier_name)
-                return False
+                continue
             if tier_name != "cpu" and self.promote:
                 self._promote(h, g, header, out_u8)
             return True

@@ -237,3 +237,19 @@ def test_threads_sharing_one_store_restore_only_their_own_bytes(tmp_path) -> Non
     m = s.metrics()
     assert m["corrupt_dropped"] == 0 and m["failed_saves"] == 0
     assert m["demotions"] > 0  # 4 prompts x 4 chunks do not fit the cpu tier's 6
+
+
+def test_a_bad_cpu_copy_falls_back_to_the_disk_copy(tmp_path) -> None:
+    s = Store(PLAN, NS, cpu_bytes=4 * ROW, disk_dir=tmp_path, disk_bytes=4 * ROW, write_through=True)
+    toks = tokens(70, seed=4)
+    s.save_tokens(toks, payloads(70, 4))
+    hit = s.lookup_tokens(toks)
+    cpu = s.slot_tiers["cpu"]
+    ld = hit.chunks[0][1]  # full group, chunk 1, in cpu
+    assert ld.tier == "cpu"
+    # make the cpu slot claim another chunk: a foreign header there is dropped on read
+    cpu._headers[0][ld.slot] = s.header(b"\x01" * 32, 0, 1)
+    assert roundtrip(s, toks, seed=4) == (64, 64)
+    m = s.metrics()
+    assert m["corrupt_dropped"] == 1
+    assert m["tiers"]["disk"]["full"]["load_chunks"] == 1
