@@ -1,0 +1,337 @@
+"""Admission: which of a request's chunks are worth storing at all.
+
+One small interface, composable with every eviction policy and tier:
+`make_admission(name, **opts) -> Admission`; `admit(chunk_hashes) -> int` is called once per
+request (the store calls it once per save; replay once per request) with the request's chunk
+hashes in prefix order, and returns how many *leading* chunks may be stored. The answer is
+prefix-closed on purpose: a chunk without its predecessors can never be part of a hit.
+
+Every structure here is bounded; each class states its bytes. Hashes may be bytes (kvtier.keys:
+blake2b digests, already uniform) or ints (replay: trace ids, mixed with splitmix64).
+
+Policies (names in `ADMISSIONS`):
+- `all`: store everything (the default; LRU-without-admission).
+- `nth` (`nth:N`, N >= 2): store a chunk from its N-th sighting on, counted in a count-min sketch
+  (4 rows of 8-bit counters) that halves every `sample` sightings, so old counts fade.
+- `tinylfu`: a TinyLFU-style doorkeeper. First sightings only set a bit in a Bloom filter (the
+  doorkeeper); later sightings count in a count-min sketch. Frequency = sketch + doorkeeper bit.
+  Every `sample` sightings the sketch halves and the doorkeeper is cleared (aging). A chunk is
+  admitted when its frequency, this sighting included, reaches `threshold` (default 2).
+- `prefix`: kvtier's prefix-aware rule (see `PrefixAdmission`): the already-seen head of a
+  prompt is admitted eagerly; its new tail only when tails like it (same depth class and tail
+  length class, and separately the request's last chunk) have been reused often enough lately.
+  It learns online from the past only: it tracks sampled tails and sees which are asked again.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from kvtier.errors import ConfigError
+
+ChunkHash = bytes | int
+_MASK64 = (1 << 64) - 1
+_HALF = bytes(i >> 1 for i in range(256))
+
+
+class Admission(Protocol):
+    name: str
+
+    def admit(self, chunk_hashes: Sequence[ChunkHash]) -> int: ...
+
+    @property
+    def memory_bytes(self) -> int: ...
+
+
+def _h64(key: ChunkHash) -> int:
+    if isinstance(key, bytes):
+        if len(key) >= 8:
+            return int.from_bytes(key[:8], "little")
+        key = int.from_bytes(key, "little")
+    x = (key * 0x9E3779B97F4A7C15) & _MASK64  # splitmix64 finalizer
+    x ^= x >> 30
+    x = (x * 0xBF58476D1CE4E5B9) & _MASK64
+    x ^= x >> 27
+    x = (x * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def _positive(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"admission option {what}={value!r} must be a positive integer")
+    return value
+
+
+class AdmitAll:
+    name = "all"
+    memory_bytes = 0
+
+    def admit(self, chunk_hashes: Sequence[ChunkHash]) -> int:
+        return len(chunk_hashes)
+
+
+class CountMin:
+    """depth x width 8-bit saturating counters; halves all counters every `sample` adds."""
+
+    def __init__(self, width: int, sample: int, depth: int = 4) -> None:
+        self.width = 1 << max(4, (width - 1).bit_length())
+        self.depth = depth
+        self.sample = sample
+        self.table = bytearray(self.width * depth)
+        self.adds = 0
+
+    def _slots(self, x: int) -> list[int]:
+        w, h2 = self.width, (x >> 32) | 1
+        return [r * w + ((x + r * h2) & (w - 1)) for r in range(self.depth)]
+
+    def estimate(self, x: int) -> int:
+        t = self.table
+        return min(t[i] for i in self._slots(x))
+
+    def add(self, x: int) -> None:
+        t = self.table
+        slots = self._slots(x)
+        low = min(t[i] for i in slots)
+        if low < 255:
+            for i in slots:  # conservative update: only the smallest counters grow
+                if t[i] == low:
+                    t[i] = low + 1
+        self.adds += 1
+        if self.adds >= self.sample:
+            self.adds = 0
+            self.table = bytearray(self.table.translate(_HALF))
+
+    @property
+    def memory_bytes(self) -> int:
+        return len(self.table)
+
+
+class Bloom:
+    """m bits, k = 3 probes (double hashing)."""
+
+    def __init__(self, bits: int) -> None:
+        self.bits = 1 << max(6, (bits - 1).bit_length())
+        self.array = bytearray(self.bits // 8)
+
+    def _probes(self, x: int) -> tuple[int, int, int]:
+        m, h2 = self.bits - 1, (x >> 32) | 1
+        return (x & m, (x + h2) & m, (x + 2 * h2) & m)
+
+    def __contains__(self, x: int) -> bool:
+        a = self.array
+        return all(a[p >> 3] >> (p & 7) & 1 for p in self._probes(x))
+
+    def add(self, x: int) -> None:
+        a = self.array
+        for p in self._probes(x):
+            a[p >> 3] |= 1 << (p & 7)
+
+    def clear(self) -> None:
+        self.array = bytearray(len(self.array))
+
+    @property
+    def memory_bytes(self) -> int:
+        return len(self.array)
+
+
+class NthSighting:
+    """Store a chunk from its N-th sighting on. Memory: 4 * width bytes (default 1 MiB)."""
+
+    def __init__(self, n: int = 2, width: int = 1 << 18, sample: int = 1 << 20) -> None:
+        self.n = _positive(n, "n")
+        if self.n < 2:
+            raise ConfigError("nth admission needs n >= 2 (n=1 is 'all')")
+        self.name = f"nth:{self.n}"
+        self.sketch = CountMin(_positive(width, "width"), _positive(sample, "sample"))
+
+    def admit(self, chunk_hashes: Sequence[ChunkHash]) -> int:
+        sketch = self.sketch
+        keys = [_h64(h) for h in chunk_hashes]
+        k = 0
+        while k < len(keys) and sketch.estimate(keys[k]) + 1 >= self.n:
+            k += 1
+        for x in keys:
+            sketch.add(x)
+        return k
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.sketch.memory_bytes
+
+
+class TinyLFU:
+    """Doorkeeper Bloom filter + count-min sketch with aging.
+
+    Memory: doorkeeper `doorkeeper_bits` / 8 bytes + sketch 4 * width bytes (defaults:
+    128 KiB + 1 MiB).
+    """
+
+    name = "tinylfu"
+
+    def __init__(self, threshold: int = 2, width: int = 1 << 18, doorkeeper_bits: int = 1 << 20,
+                 sample: int = 1 << 20) -> None:
+        self.threshold = _positive(threshold, "threshold")
+        self.sample = _positive(sample, "sample")
+        self.sketch = CountMin(_positive(width, "width"), sample=1 << 62)  # aged here, below
+        self.doorkeeper = Bloom(_positive(doorkeeper_bits, "doorkeeper_bits"))
+        self.sightings = 0
+
+    def frequency(self, x: int) -> int:
+        return self.sketch.estimate(x) + (x in self.doorkeeper)
+
+    def admit(self, chunk_hashes: Sequence[ChunkHash]) -> int:
+        keys = [_h64(h) for h in chunk_hashes]
+        k = 0
+        while k < len(keys) and self.frequency(keys[k]) + 1 >= self.threshold:
+            k += 1
+        for x in keys:
+            if x in self.doorkeeper:
+                self.sketch.add(x)
+            else:
+                self.doorkeeper.add(x)
+            self.sightings += 1
+            if self.sightings >= self.sample:  # aging: the reset of TinyLFU
+                self.sightings = 0
+                self.sketch.table = bytearray(self.sketch.table.translate(_HALF))
+                self.doorkeeper.clear()
+        return k
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.sketch.memory_bytes + self.doorkeeper.memory_bytes
+
+
+def _klass(n: int) -> int:
+    return min(n, 255).bit_length()  # 0, 1, 2-3, 4-7, ... 128+
+
+
+class PrefixAdmission:
+    """Head eagerly, tail on evidence: prefix-aware admission that learns from the past.
+
+    For a request with chunks h_0..h_{n-1}, the *head* is its leading chunks seen before (two
+    generations of a Bloom filter: a chained hash seen before means that prefix was asked
+    before), the *tail* the rest. The head is always admitted: it was reused, by definition.
+    The tail's chunks other than the last, and the last chunk alone, each belong to a class:
+    (head length class, tail length class, last or not), classes of powers of two. Per class
+    the rule keeps a reuse estimate learned online: it tracks a sample of tails (their first
+    chunk, and the last chunk) for `horizon` later chunks; a tracked chunk asked again within
+    the horizon is a success, one that ages out a failure. A tail is admitted while its class
+    has too few outcomes (`warmup`) or its estimate is at least `ratio` times the running mean of
+    all classes; the last chunk likewise (Mooncake-style traces end a prompt with a partial
+    block whose hash the next turn does not repeat: the rule learns that by itself).
+    Memory: Bloom 2 * bloom_bits / 8 bytes + at most `track` tracked entries (~120 bytes each)
+    + 2 counters per class (<= 2 * 9 * 9 * 2); defaults: 256 KiB + ~1 MiB.
+    """
+
+    name = "prefix"
+
+    def __init__(self, horizon: int = 1 << 15, track: int = 8192, ratio: float = 1.0,
+                 warmup: int = 32, bloom_bits: int = 1 << 20, sample: int = 4) -> None:
+        self.horizon = _positive(horizon, "horizon")
+        self.track = _positive(track, "track")
+        self.warmup = _positive(warmup, "warmup")
+        self.sample = _positive(sample, "sample")
+        if not isinstance(ratio, (int, float)) or ratio <= 0:
+            raise ConfigError(f"admission option ratio={ratio!r} must be a number > 0")
+        self.ratio = float(ratio)
+        self.generation_size = _positive(bloom_bits, "bloom_bits") // 8  # keep false hits rare
+        self.seen = [Bloom(bloom_bits), Bloom(bloom_bits)]
+        self.in_current = 0
+        self.clock = 0  # chunks seen so far
+        self.tracked: OrderedDict[int, tuple[tuple[int, int, bool], int]] = OrderedDict()
+        self.stats: dict[tuple[int, int, bool], list[int]] = {}  # class -> [successes, trials]
+
+    def _seen(self, x: int) -> bool:
+        return x in self.seen[0] or x in self.seen[1]
+
+    def _remember(self, x: int) -> None:
+        self.seen[0].add(x)
+        self.in_current += 1
+        if self.in_current >= self.generation_size:  # rotate: forget the older generation
+            self.seen = [Bloom(self.seen[0].bits), self.seen[0]]
+            self.in_current = 0
+
+    def _outcome(self, klass: tuple[int, int, bool], success: bool) -> None:
+        s = self.stats.setdefault(klass, [0, 0])
+        s[0] += success
+        s[1] += 1
+
+    def _worth(self, klass: tuple[int, int, bool]) -> bool:
+        s = self.stats.get(klass)
+        if s is None or s[1] < self.warmup:
+            return True
+        total_s = sum(v[0] for v in self.stats.values())
+        total_t = sum(v[1] for v in self.stats.values())
+        mean = (total_s + 1) / (total_t + 2)
+        return (s[0] + 1) / (s[1] + 2) >= self.ratio * mean
+
+    def admit(self, chunk_hashes: Sequence[ChunkHash]) -> int:
+        keys = [_h64(h) for h in chunk_hashes]
+        n = len(keys)
+        tracked = self.tracked
+        for x in keys:  # outcomes: tracked chunks asked again
+            hit = tracked.pop(x, None)
+            if hit is not None:
+                self._outcome(hit[0], True)
+        self.clock += n
+        while tracked:  # outcomes: tracked chunks aged out
+            x, (klass, born) = next(iter(tracked.items()))
+            if self.clock - born <= self.horizon and len(tracked) <= self.track:
+                break
+            del tracked[x]
+            self._outcome(klass, False)
+        head = 0
+        while head < n and self._seen(keys[head]):
+            head += 1
+        for x in keys[head:]:
+            self._remember(x)
+        if head == n:
+            return n
+        tail = n - head
+        body = (_klass(head), _klass(tail), False)
+        last = (_klass(head), _klass(tail), True)
+        if tail > 1 and keys[head] % self.sample == 0:
+            tracked[keys[head]] = (body, self.clock)
+        if keys[-1] % self.sample == 0:
+            tracked[keys[-1]] = (last, self.clock)
+        if tail > 1 and not self._worth(body):
+            return head
+        return n if self._worth(last) else n - 1
+
+    @property
+    def memory_bytes(self) -> int:
+        return sum(b.memory_bytes for b in self.seen) + 120 * len(self.tracked) + 16 * len(self.stats)
+
+
+ADMISSIONS: dict[str, Callable[..., Admission]] = {
+    "all": AdmitAll,
+    "nth": NthSighting,
+    "tinylfu": TinyLFU,
+    "prefix": PrefixAdmission,
+}
+
+
+def make_admission(name: str, **opts: object) -> Admission:
+    """`name` or `name:N` (nth:3) or `name:key=value,key=value` (prefix:ratio=1.5)."""
+    base, _, rest = name.partition(":")
+    if base not in ADMISSIONS:
+        raise ConfigError(f"unknown admission policy {name!r}; use one of: {', '.join(ADMISSIONS)}")
+    kwargs: dict[str, object] = dict(opts)
+    for part in filter(None, rest.split(",")):
+        key, eq, value = part.partition("=")
+        if not eq:
+            if base != "nth":
+                raise ConfigError(f"admission option {part!r} in {name!r} is not key=value")
+            key, value = "n", part
+        try:
+            kwargs[key] = float(value) if "." in value else int(value)
+        except ValueError:
+            raise ConfigError(f"admission option {key}={value!r} in {name!r} is not a number") from None
+    if base == "all" and kwargs:
+        raise ConfigError("admission 'all' takes no options")
+    try:
+        return ADMISSIONS[base](**kwargs)
+    except TypeError as exc:
+        raise ConfigError(f"admission {name!r}: {exc}") from None
