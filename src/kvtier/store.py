@@ -86,7 +86,7 @@ class Store:
         shared: Sequence[Tier] = (),
         policy: str = "lru",
         share: str | Mapping[str, float] = "proportional",
-        admission: object | None = None,
+        admission: object | str | None = None,
         write_through: bool = False,
         promote: bool = True,
         fsync: str = "never",
@@ -107,6 +107,10 @@ class Store:
                 raise ConfigError(f"tier {t.name!r} is slot-addressed; pass cpu_bytes/disk_dir instead of shared=")
         if not capacities and not shared:
             raise ConfigError("the store has no tier; give cpu_bytes, disk_dir + disk_bytes, or shared=[...]")
+        if isinstance(admission, str):
+            from kvtier.admission import make_admission
+
+            admission = make_admission(admission)  # unknown names raise ConfigError here
         if admission is not None and not callable(getattr(admission, "admit", None)):
             raise ConfigError(f"admission {admission!r} has no admit(chunk_hashes) method; use kvtier.admission.make_admission")
         self.index: Index | None = Index(plan, capacities, policy=policy, share=share) if capacities else None

@@ -96,6 +96,17 @@ def test_admission_limits_the_stored_prefix() -> None:
     assert s.metrics()["not_admitted"] == 3
 
 
+def test_nth_sighting_admission_stores_on_the_second_sighting() -> None:
+    s = Store(PLAN, NS, cpu_bytes=10 * ROW, admission="nth:2")
+    toks = tokens(130, seed=2)
+    assert s.save_tokens(toks, payloads(130, 2)) == 0  # first sighting: nothing admitted
+    assert s.metrics()["not_admitted"] == 4
+    assert s.save_tokens(toks, payloads(130, 2)) == 12
+    assert roundtrip(s, toks, seed=2) == (128, 128)
+    with pytest.raises(ConfigError, match="unknown admission policy"):
+        Store(PLAN, NS, cpu_bytes=10 * ROW, admission="sometimes")
+
+
 def test_disk_store_survives_a_restart(tmp_path) -> None:
     toks = tokens(100, seed=3)
     with Store(PLAN, NS, disk_dir=tmp_path, disk_bytes=8 * ROW) as s:
