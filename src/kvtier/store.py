@@ -9,19 +9,22 @@ local index lacks.
   restore (plan rules), and per group the chunks to load, each from the first tier holding it.
 - load(hit, buffers) -> tokens restored. Each payload is read into the caller's buffer
   `buffers[(group, chunk_index)]` and checked (disk and redis: header + checksum). A missing or
-  bad payload is dropped from its tier and the index (counted) and the hit shrinks to the
-  largest T every group can still restore from what was read, so wrong KV is never used.
+  bad copy is dropped from its tier and the index (counted); the next tier's copy is tried, and
+  without one the hit shrinks to the largest T every group can still restore from what was
+  read, so wrong KV is never used.
   A chunk read from disk/redis is promoted (copied up to cpu) when a cpu tier exists.
 - save(chunk_hashes, payloads, num_tokens): stores only what `plan.store_chunks` says some hit
   reads, only the leading chunks the admission policy admits, skips chunks already held.
   Write-back (default): saves go to the first slot tier; cpu evictions are demoted (written to
   disk) before their slot is reused. Write-through: every slot tier gets the save. Shared tiers
-  are written at save time in one batch, so other processes see the chunk at once.
+  get the chunks they lack at save time, in one batch, so other processes see them at once.
   A failed write (ENOSPC, read-only directory, server down) is a counted failure, never an
   exception: inference goes on.
 
 Restart: a disk tier's slots are listed and fed to `Index.rebuild`, so a restarted process
-keeps its cache. One lock serializes the calls (the index is not thread-safe).
+keeps its cache. One lock serializes the calls, I/O included (the index is not thread-safe).
+Rejected: I/O outside the lock with pins held across it; the engines we serve call the store
+from one thread per process, and the single lock keeps demotion/promotion ordering simple.
 """
 
 from __future__ import annotations
