@@ -72,6 +72,10 @@ def run(args: argparse.Namespace) -> int:
     prefixes = _prefixes(args.prefixes)
     if args.rounds < 1 or args.suffix_tokens < 1:
         raise ConfigError("--rounds and --suffix-tokens must be >= 1")
+    for n in prefixes:  # checked before the model loads (seconds): a whole prefix must be restorable
+        if args.chunk_tokens < 1 or n % args.chunk_tokens:
+            raise ConfigError(f"prefix {n} is not a multiple of --chunk-tokens {args.chunk_tokens}; "
+                              "give prefixes that are, so the whole prefix is restorable")
     import copy
 
     import torch
@@ -85,10 +89,6 @@ def run(args: argparse.Namespace) -> int:
     lm = load_model(args.model, args.dtype, threads=args.threads)
     model = lm.model
     plan, ns = model_plan(model, chunk_tokens=args.chunk_tokens, model_id=lm.model_id)
-    for n in prefixes:
-        if n % plan.chunk_tokens:
-            raise ConfigError(f"prefix {n} is not a multiple of chunk_tokens={plan.chunk_tokens}; "
-                              "give prefixes that are, so the whole prefix is restorable")
     longest = max(prefixes) + args.suffix_tokens
     base = lm.tokenizer(document(lm.tokenizer)).input_ids  # type: ignore[operator]
     stream = (base * (longest // len(base) + 1))[:longest]
