@@ -96,6 +96,11 @@ class Reservation:
     evicted: tuple[Entry, ...] = ()
 
 
+_PRESENT = Reservation(None, "present")
+_BUSY = Reservation(None, "busy")
+_FULL = Reservation(None, "full")
+
+
 class _Rec:
     __slots__ = ("slot", "pins", "state")
 
@@ -183,6 +188,7 @@ class Index:
                 self._pools[(tier, gp.index)] = pool
                 self._by_group[gp.index].append(pool)
         self.anchors: tuple[int, ...] = tuple(gp.index for gp in cacheable if gp.kind in ("full", "mla"))
+        self._anchor_set = frozenset(self.anchors)
         self._dependents: tuple[int, ...] = (
             tuple(gp.index for gp in cacheable if gp.index not in self.anchors) if self.anchors else ()
         )
@@ -319,28 +325,32 @@ class Index:
 
     def reserve(self, chunk_hash: ChunkHash, group: int, tier: str) -> Reservation:
         """A slot for a payload about to be written; evicts one entry if the pool is full."""
-        pool = self._pool(group, tier)
-        recs = pool.recs
-        rec = recs.get(chunk_hash)
+        pool = self._pools.get((tier, group)) or self._pool(group, tier)
+        rec = pool.recs.get(chunk_hash)
         if rec is not None:  # held, or a removed copy a load still reads (its slot is not free)
-            return Reservation(None, "present" if rec.state != _DOOMED else "busy")
-        evicted: tuple[Entry, ...] = ()
-        slot = pool.alloc()
+            return _PRESENT if rec.state != _DOOMED else _BUSY
+        slot, evicted = self._free_slot(pool)
         if slot is None:
-            victim = pool.pick_victim()
-            if victim is None:
-                pool.counts["full"] += 1
-                return Reservation(None, "full")
-            vrec = recs[victim]
-            evicted = (Entry(victim, group, tier, vrec.slot, victim in pool.dead),)
-            pool.counts["dead_evictions" if evicted[0].dead else "evictions"] += 1
-            self._drop(pool, victim, vrec)
-            slot = pool.alloc()
-            assert slot is not None
-        recs[chunk_hash] = _Rec(slot, 1, _RESERVED)
-        if group in self.anchors:
+            return _FULL
+        pool.recs[chunk_hash] = _Rec(slot, 1, _RESERVED)
+        if group in self._anchor_set and self._dependents:
             self._maybe_revive(chunk_hash)
         return Reservation(slot, "reserved", evicted)
+
+    def _free_slot(self, pool: _Pool) -> tuple[int | None, tuple[Entry, ...]]:
+        slot = pool.alloc()
+        if slot is not None:
+            return slot, ()
+        victim = pool.pick_victim()
+        if victim is None:
+            pool.counts["full"] += 1
+            return None, ()
+        vrec = pool.recs[victim]
+        dead = victim in pool.dead
+        entry = Entry(victim, pool.group, pool.tier, vrec.slot, dead)
+        pool.counts["dead_evictions" if dead else "evictions"] += 1
+        self._drop(pool, victim, vrec)
+        return pool.alloc(), (entry,)
 
     def commit(self, chunk_hash: ChunkHash, group: int, tier: str) -> None:
         """The payload is written: the entry becomes visible to lookup and evictable."""
@@ -355,7 +365,7 @@ class Index:
         rec.pins -= 1
         pool.policy.insert(chunk_hash)
         pool.counts["commits"] += 1
-        if group in self._dependents and not self._anchored(chunk_hash):
+        if self._dependents and group not in self._anchor_set and not self._anchored(chunk_hash):
             pool.dead[chunk_hash] = None
 
     def abort(self, chunk_hash: ChunkHash, group: int, tier: str) -> None:
@@ -371,11 +381,34 @@ class Index:
         self._drop(pool, chunk_hash, rec)
 
     def put(self, chunk_hash: ChunkHash, group: int, tier: str) -> Reservation:
-        """reserve + commit, for callers with nothing to write in between (replay)."""
-        r = self.reserve(chunk_hash, group, tier)
-        if r.slot is not None:
-            self.commit(chunk_hash, group, tier)
-        return r
+        """reserve + commit in one step, for callers with nothing to write in between (replay)."""
+        pool = self._pools.get((tier, group)) or self._pool(group, tier)
+        recs = pool.recs
+        rec = recs.get(chunk_hash)
+        if rec is not None:
+            return _PRESENT if rec.state != _DOOMED else _BUSY
+        slot, evicted = self._free_slot(pool)
+        if slot is None:
+            return _FULL
+        recs[chunk_hash] = _Rec(slot, 0, _COMMITTED)
+        pool.policy.insert(chunk_hash)
+        pool.counts["commits"] += 1
+        if self._dependents:
+            if group in self._anchor_set:
+                self._maybe_revive(chunk_hash)
+            elif not self._anchored(chunk_hash):
+                pool.dead[chunk_hash] = None
+        return Reservation(slot, "reserved", evicted)
+
+    def touch_all(self, chunk_hash: ChunkHash, group: int) -> bool:
+        """Touch every committed copy of (chunk_hash, group); False if no tier holds one."""
+        found = False
+        for pool in self._by_group[group]:
+            rec = pool.recs.get(chunk_hash)
+            if rec is not None and rec.state == _COMMITTED:
+                pool.policy.touch(chunk_hash)
+                found = True
+        return found
 
     def remove(self, chunk_hash: ChunkHash, group: int, tier: str) -> bool:
         """Drop a committed entry (corrupt payload, tier error). Pinned: hidden now, freed at unpin."""
@@ -451,20 +484,19 @@ class Index:
         return all(self._held(chunk_hash, a) for a in self.anchors)
 
     def _after_anchor_loss(self, chunk_hash: ChunkHash, group: int) -> None:
-        if group not in self.anchors or not self._dependents or self._held(chunk_hash, group):
+        if not self._dependents or group not in self._anchor_set:
             return
-        for g in self._dependents:
-            for pool in self._by_group[g]:
-                rec = pool.recs.get(chunk_hash)
-                if rec is not None and rec.state == _COMMITTED:
-                    pool.dead[chunk_hash] = None
+        holders = [pool for g in self._dependents for pool in self._by_group[g]
+                   if (rec := pool.recs.get(chunk_hash)) is not None and rec.state == _COMMITTED]
+        if holders and not self._held(chunk_hash, group):
+            for pool in holders:
+                pool.dead[chunk_hash] = None
 
     def _maybe_revive(self, chunk_hash: ChunkHash) -> None:
-        if not self._dependents or not self._anchored(chunk_hash):
-            return
-        for g in self._dependents:
-            for pool in self._by_group[g]:
-                pool.dead.pop(chunk_hash, None)
+        dead_in = [pool for g in self._dependents for pool in self._by_group[g] if chunk_hash in pool.dead]
+        if dead_in and self._anchored(chunk_hash):
+            for pool in dead_in:
+                del pool.dead[chunk_hash]
 
     # -- accounting -----------------------------------------------------------------------------
 

@@ -238,7 +238,7 @@ def replay(
     hit_chunks = hit_tokens = hit_requests = 0
     compute_saved = load_secs = 0.0
     spt = cost.seconds_per_token
-    contains, touch = index.contains, index.touch
+    contains, touch_all = index.contains, index.touch_all
     for r, req in enumerate(trace.requests):
         chunks = req.chunks
         if is_min:
@@ -276,12 +276,8 @@ def replay(
                 for i in range(n):
                     if idx is not None and i not in idx:
                         continue
-                    h = chunks[i]
-                    if contains(h, g):
-                        for t in tiers:
-                            touch(h, g, t)
-                    else:
-                        put(h, g, 0)
+                    if not touch_all(chunks[i], g):
+                        put(chunks[i], g, 0)
         if progress is not None:
             progress(1)
     evictions = {t: {names[g]: index.counters(g, t)["evictions"] for g in names} for t in tiers}
