@@ -216,10 +216,11 @@ class PrefixAdmission:
     The tail's chunks other than the last, and the last chunk alone, each belong to a class:
     (head length class, tail length class, last or not), classes of powers of two. Per class
     the rule keeps a reuse estimate learned online: it tracks a sample of tails (their first
-    chunk, and the last chunk) for `horizon` later chunks; a tracked chunk asked again within
+    chunk, and the last chunk) for `horizon` later chunks (give the first tier's capacity in
+    chunks: a chunk not asked again within one cache turnover would be evicted anyway); a tracked chunk asked again within
     the horizon is a success, one that ages out a failure. A tail is admitted while its class
-    has too few outcomes (`warmup`) or its estimate is at least `ratio` times the running mean of
-    all classes; the last chunk likewise (Mooncake-style traces end a prompt with a partial
+    has too few outcomes (`warmup`) or its estimate is at least `ratio` (0.5) times the running
+    mean of all classes; the last chunk likewise (Mooncake-style traces end a prompt with a partial
     block whose hash the next turn does not repeat: the rule learns that by itself).
     Memory: Bloom 2 * bloom_bits / 8 bytes + at most `track` tracked entries (~120 bytes each)
     + 2 counters per class (<= 2 * 9 * 9 * 2); defaults: 256 KiB + ~1 MiB.
@@ -227,7 +228,7 @@ class PrefixAdmission:
 
     name = "prefix"
 
-    def __init__(self, horizon: int = 1 << 15, track: int = 8192, ratio: float = 1.0,
+    def __init__(self, horizon: int = 1 << 15, track: int = 8192, ratio: float = 0.5,
                  warmup: int = 32, bloom_bits: int = 1 << 20, sample: int = 4) -> None:
         self.horizon = _positive(horizon, "horizon")
         self.track = _positive(track, "track")

@@ -121,7 +121,6 @@ def run(args: argparse.Namespace) -> int:
     for pol in policies:
         if pol not in POLICIES:
             raise ConfigError(f"unknown eviction policy {pol!r}; use one of: {', '.join(POLICIES)}")
-    admissions = _admissions(args.admission)
     if args.limit is not None and args.limit <= 0:
         raise ConfigError(f"--limit {args.limit} must be a positive number of requests")
     trace = load_trace(args.trace, plan, block_tokens=args.trace_block_tokens, limit=args.limit)
@@ -141,11 +140,15 @@ def run(args: argparse.Namespace) -> int:
     if sweep:
         points = [{**base, names[0]: parse_size(s, footprint)} for s in sweep.split(",") if s.strip()]
     shares = [args.share] + (["row-per-key"] if args.compare_accounting else [])
-    runs = len(points) * len(shares) * (len(policies) * len(admissions) + 1)
+    _admissions(args.admission, 1)  # bad names fail before any replay
+    runs = len(points) * len(shares) * (len(policies) * len(args.admission or ["all"]) + 1)
     bar = _progress(runs * len(trace.requests), args.json)
     rows = []
     try:
         for caps in points:
+            # the first tier's capacity in chunks of every group: the admission's learning horizon
+            horizon = max(1, caps[names[0]] // plan.chunk_bytes_all_groups)
+            admissions = _admissions(args.admission, horizon)
             for res in run_all(plan, trace, caps, policies, admissions, shares, cost,
                                bar.update if bar else None):
                 rows.append((caps, res))
@@ -182,7 +185,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _admissions(values: list[str] | None) -> list[tuple[str, object]]:
+def _admissions(values: list[str] | None, horizon_chunks: int) -> list[tuple[str, object]]:
+    """(name, factory). `prefix` without a horizon learns over one first-tier turnover."""
     names = values or ["all"]
     out: list[tuple[str, object]] = []
     for name in names:
@@ -191,8 +195,9 @@ def _admissions(values: list[str] | None) -> list[tuple[str, object]]:
             continue
         from kvtier.admission import make_admission
 
-        make_admission(name)  # unknown names fail before any replay
-        out.append((name, lambda name=name: make_admission(name)))
+        opts = {"horizon": horizon_chunks} if name.startswith("prefix") and "horizon=" not in name else {}
+        make_admission(name, **opts)  # unknown names fail before any replay
+        out.append((name, lambda name=name, opts=opts: make_admission(name, **opts)))
     return out
 
 
