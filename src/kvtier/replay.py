@@ -167,6 +167,27 @@ def next_uses(trace: Trace) -> list[list[float]]:
     return out
 
 
+class OracleAdmission:
+    """Offline bound, not a policy: store the leading chunks whose next use is at most
+    `horizon` requests ahead (all with a next use when None). Needs the whole trace; replay
+    calls `admit` once per request in order, so the call count is the request index."""
+
+    def __init__(self, future: list[list[float]], horizon: int | None = None) -> None:
+        self.future = future
+        self.horizon = horizon
+        self.r = 0
+        self.name = "oracle" if horizon is None else f"oracle:{horizon}"
+
+    def admit(self, chunk_hashes: list[ChunkHash]) -> int:
+        fut, r = self.future[self.r], self.r
+        self.r += 1
+        limit = NEVER if self.horizon is None else r + self.horizon
+        k = 0
+        while k < len(chunk_hashes) and fut[k] <= limit and fut[k] != NEVER:
+            k += 1
+        return k
+
+
 class _NoAdmission:
     name = "all"
 
@@ -269,7 +290,7 @@ def replay(
             while k < n and future[r][k] != NEVER:
                 k += 1
             n = k
-        admitted = adm.admit(list(chunks)) if n else 0  # type: ignore[attr-defined]
+        admitted = adm.admit(list(chunks))  # type: ignore[attr-defined]  (every request: oracles count calls)
         n = min(n, int(admitted))
         if n:
             for g, idx in wanted(n):
@@ -344,10 +365,11 @@ def parse_size(text: str, footprint: int | None = None) -> int:
 def run_all(plan: Plan, trace: Trace, capacities: Mapping[str, int], policies: Iterable[str],
             admissions: Iterable[tuple[str, Callable[[], object] | None]] = (("all", None),),
             shares: Iterable[str] = ("proportional",), cost: CostModel | None = None,
-            progress: Callable[[int], None] | None = None) -> list[Result]:
+            progress: Callable[[int], None] | None = None,
+            future: list[list[float]] | None = None) -> list[Result]:
     """Every (share, admission, policy), then MIN per share; MIN's future is computed once."""
     out: list[Result] = []
-    future = next_uses(trace)
+    future = future if future is not None else next_uses(trace)
     admissions = list(admissions)
     for share in shares:
         for adm_name, make in admissions:

@@ -165,3 +165,20 @@ def test_footprint(tmp_path):
     plan = one_group()
     trace = load_trace(mooncake(tmp_path, [1, 2], [1, 3]), plan)
     assert footprint_bytes(plan, trace) == 3 * 1024
+
+
+def test_oracle_admission_bound(tmp_path):
+    from kvtier.replay import OracleAdmission
+
+    plan = one_group()
+    trace = load_trace(mooncake(tmp_path, [1, 2], [1, 2, 3], [1, 4], [1, 2]), plan)
+    cap = {"cpu": 2 * plan.chunk_bytes_all_groups}
+    # LRU storing only chunks with a next use: r1 stores 1 2 | r2 hits 2, stores nothing new
+    # (3 has no next use) | r3 hits 1 (4 not stored) | r4 hits 2 -> 5 of 9, like MIN here
+    r = replay(plan, trace, cap, "lru", admission=OracleAdmission(next_uses(trace)))
+    assert r.hit_chunks == 5
+    # next use within 1 request: r1 stores 1 2 (both used by r2) | r2 hits 2, admits only 1
+    # (2 is next used 2 requests on) | r3 hits 1, admits 1 | r4 hits 2 (2 was never evicted)
+    near = replay(plan, trace, cap, "lru", admission=OracleAdmission(next_uses(trace), 1))
+    assert near.hit_chunks == 2 + 1 + 2
+    assert near.written_bytes["cpu"]["full"] == 2 * plan.chunk_bytes_all_groups

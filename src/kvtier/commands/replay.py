@@ -49,7 +49,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", action="append", metavar="P",
                    help="eviction policy (repeat): lru, fifo, arc, s3fifo; default lru")
     p.add_argument("--admission", action="append", metavar="A",
-                   help="admission policy (repeat; 'all' = none); see docs/admission.md")
+                   help="admission policy (repeat): all (default), nth[:N], tinylfu, prefix; "
+                        "oracle[:D] is an offline bound (store only chunks used again [within D "
+                        "requests]); see docs/admission.md")
     p.add_argument("--chunk-tokens", type=int, metavar="N",
                    help="tokens per chunk (default: the trace's block size when the plan allows)")
     p.add_argument("--trace-block-tokens", type=int, default=512, metavar="N",
@@ -105,7 +107,8 @@ def run(args: argparse.Namespace) -> int:
     from kvtier.geometry import load_geometry
     from kvtier.plan import make_plan
     from kvtier.policies import POLICIES
-    from kvtier.replay import DEFAULT_BANDWIDTH, CostModel, footprint_bytes, parse_size, run_all
+    from kvtier.replay import (DEFAULT_BANDWIDTH, CostModel, footprint_bytes, next_uses, parse_size,
+                               run_all)
     from kvtier.replay_trace import load_trace
 
     geometry = load_geometry(resolve_geometry(args.geometry), dtype=args.dtype, block_size=args.block_size)
@@ -143,14 +146,16 @@ def run(args: argparse.Namespace) -> int:
     _admissions(args.admission, 1)  # bad names fail before any replay
     runs = len(points) * len(shares) * (len(policies) * len(args.admission or ["all"]) + 1)
     bar = _progress(runs * len(trace.requests), args.json)
+    future = next_uses(trace)
     rows = []
     try:
         for caps in points:
             # the first tier's capacity in chunks of every group: the admission's learning horizon
             horizon = max(1, caps[names[0]] // plan.chunk_bytes_all_groups)
-            admissions = _admissions(args.admission, horizon)
+            admissions = [(n, f if not n.startswith("oracle") else _oracle(n, future))
+                          for n, f in _admissions(args.admission, horizon)]
             for res in run_all(plan, trace, caps, policies, admissions, shares, cost,
-                               bar.update if bar else None):
+                               bar.update if bar else None, future):
                 rows.append((caps, res))
     finally:
         if bar:
@@ -193,12 +198,25 @@ def _admissions(values: list[str] | None, horizon_chunks: int) -> list[tuple[str
         if name in ("all", "none"):
             out.append(("all", None))
             continue
+        if name == "oracle" or name.startswith("oracle:"):
+            out.append((name, None))  # offline bound: built with the trace's future in run()
+            continue
         from kvtier.admission import make_admission
 
         opts = {"horizon": horizon_chunks} if name.startswith("prefix") and "horizon=" not in name else {}
         make_admission(name, **opts)  # unknown names fail before any replay
         out.append((name, lambda name=name, opts=opts: make_admission(name, **opts)))
     return out
+
+
+def _oracle(name: str, future: list[list[float]]):
+    from kvtier.replay import OracleAdmission
+
+    _, _, rest = name.partition(":")
+    if rest and (not rest.isdigit() or int(rest) <= 0):
+        raise ConfigError(f"admission {name!r}: oracle:D needs D, a positive number of requests")
+    horizon = int(rest) if rest else None
+    return lambda: OracleAdmission(future, horizon)
 
 
 def _progress(total: int, quiet: bool):
