@@ -498,8 +498,10 @@ class Store:
                         ev[(name, gp.index)] = c["evictions"] + c["dead_evictions"]
             return metrics_dict(self.m, [gp.name for gp in self.plan.groups], ev)
 
-    def register_prometheus(self, registry: object | None = None) -> object:
-        return register_prometheus(self.metrics, registry)
+    def register_prometheus(self, registry: object | None = None, prefix: str = "kvtier") -> object:
+        """One collector reading `metrics()` at scrape time; give each store in a process its
+        own `prefix` (or registry), since the collector does not declare names up front."""
+        return register_prometheus(self.metrics, registry, prefix)
 
     def close(self) -> None:
         for t in (*self.slot_tiers.values(), *self.shared):
