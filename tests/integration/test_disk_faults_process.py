@@ -167,3 +167,25 @@ def test_file_size_limit_is_a_counted_failed_save(tmp_path: Path) -> None:
     out = json.loads(r.stdout.strip().splitlines()[-1])
     # group 0 slots are 512 KiB + header: slot 0 fits under 600 000 bytes, slots 1 and 2 do not
     assert out == {"stored": 4, "failed": 2, "err": out["err"]} and "too large" in out["err"]
+
+
+def test_a_second_writer_process_is_refused_naming_the_holder(tmp_path: Path) -> None:
+    from kvtier.tiers.base import TierLayout
+    from kvtier.tiers.disk import DiskTier
+
+    layout = TierLayout(slot_bytes=(4096,), num_slots=(2,))
+    holder = DiskTier(tmp_path, layout, NS.id)
+    code = textwrap.dedent(f"""
+        from kvtier.errors import TierError
+        from kvtier.tiers.base import TierLayout
+        from kvtier.tiers.disk import DiskTier
+        try:
+            DiskTier({str(tmp_path)!r}, TierLayout(slot_bytes=(4096,), num_slots=(2,)), {NS.id!r})
+        except TierError as exc:
+            print(exc)
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert f"in use by another writer (pid {os.getpid()})" in r.stdout, r.stdout + r.stderr
+    holder.close()
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout == ""  # the lock is free once the holder closed
