@@ -14,7 +14,7 @@ import torch
 
 from kvtier.geometry import Geometry, Group
 from kvtier.keys import Namespace
-from kvtier.payload import HEADER_BYTES
+from kvtier.payload import HEADER_BYTES, make_header
 from kvtier.plan import make_plan
 from kvtier.store import Store
 from kvtier.tiers.disk import scan_dir, slab_name, slot_stride
@@ -137,3 +137,25 @@ def test_header_from_a_newer_format_version(tmp_path) -> None:
     assert problems == ["newer format version 2 (this kvtier reads 1)"]
     got, m, h = _restart_and_load(tmp_path)
     assert (h["hit"], got) == (0, 0)  # chunk 0 of the full group is gone: nothing restores
+
+
+def test_torn_overwrite_old_header_over_new_payload(tmp_path) -> None:
+    """A writer killed while overwriting a slot leaves the old header over a payload that is
+    partly (or wholly) the new chunk's: the old header's checksum rejects both."""
+    from kvtier.tiers.base import TierLayout
+    from kvtier.tiers.disk import DiskTier
+
+    n = 8192
+    layout = TierLayout(slot_bytes=(n,), num_slots=(1,))
+    t = DiskTier(tmp_path, layout, NS.id)
+    old = make_header(NS.id, b"\x01" * 32, 0, 0, C, n)
+    assert t.write(0, 0, old, torch.full((n,), 1, dtype=torch.uint8))
+    path = tmp_path / NS.id / slab_name(0, n)
+    for new_bytes in (n // 2, n):  # killed mid-payload; killed between payload and header
+        with open(path, "r+b") as f:
+            f.seek(HEADER_BYTES)
+            f.write(b"\x02" * new_bytes)
+        assert t.read(0, 0, old, bytearray(n)) is False
+        assert t.write(0, 0, old, torch.full((n,), 1, dtype=torch.uint8))  # restore for the next case
+    assert t.corrupt_dropped == 2
+    t.close()
