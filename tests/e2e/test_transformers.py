@@ -191,3 +191,12 @@ def test_batch_and_padding_are_refused(load_tiny, prompt) -> None:  # type: igno
     mask[0, :3] = 0
     with pytest.raises(ConfigError, match="padding"):
         pc.generate(prompt, attention_mask=mask, max_new_tokens=1)
+
+
+def test_prefill_to_an_earlier_end_restores_only_up_to_it(load_tiny, prompt) -> None:  # type: ignore[no-untyped-def]
+    model = load_tiny("gemma3")  # sliding W=24: a smaller hit needs other chunks than a larger one
+    pc = PrefixCache.for_model(model, chunk_tokens=C, cpu_bytes=8 << 20)
+    pc.forward(prompt)  # stores chunks 0..4 (tokens < 80)
+    pf = pc.prefill(prompt, end=40, logits="last")
+    assert pf.stats.restored_tokens == 32 and pf.stats.computed_tokens == 8
+    torch.testing.assert_close(pf.logits, full_pass_logits(model, prompt[:, :40])[:, -1:], atol=1e-4, rtol=1e-4)

@@ -234,7 +234,9 @@ class PrefixCache:
                  ) -> tuple[int, int, dict[str, int], int]:
         if not hashes:
             return 0, 0, {}, 0
-        hit = self.store.lookup(hashes, p)
+        # a hit never goes past `end` (the caller computes from T): asking as if the prompt ended
+        # at end+1 keeps T <= end, so every chunk the hit needs is one the store loads below
+        hit = self.store.lookup(hashes, min(p, end + 1))
         if hit.tokens == 0:
             return 0, 0, {}, 0
         c = self.plan.chunk_tokens
@@ -257,9 +259,9 @@ class PrefixCache:
             # a smaller hit after a bad payload may need chunks the lookup did not name
             return extra.setdefault((g, i), torch.empty(size, dtype=torch.uint8))
 
+        # `load` returns a T whose every needed chunk it read (smaller than the hit if one was bad)
         t = self.store.load(hit, buffer)
-        t = min(t, end)  # never more than the caller computes up to (t <= p-1 by the plan)
-        t -= t % c
+        assert t <= end and t % c == 0, (t, end)
         if t == 0:
             return 0, hit.tokens, {}, 0
         nbytes = 0
