@@ -1,0 +1,130 @@
+"""Moving payloads between the store's tiers, with the accounting: timed reads, promotion,
+reserve-write-commit with write-back demotion, batched writes to shared tiers.
+
+A mixin of `kvtier.store.Store` (split out to keep each module one concept): the facade decides
+*what* to move (plan rules, hits, admission); this part moves bytes and counts what happened.
+Every failure here is a value (False / 0) and a counter, never an exception into inference.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from kvtier.index import Index
+from kvtier.metrics import StoreMetrics
+from kvtier.payload import HASH_BYTES, ChunkHeader
+from kvtier.tiers.base import Tier
+from kvtier.tiers.cpu import CpuTier
+
+log = logging.getLogger("kvtier.store")
+
+
+class TierIO:
+    """Needs from the host class: index, slot_tiers (in tier order), promote, m."""
+
+    index: Index | None
+    slot_tiers: dict[str, Tier]
+    promote: bool
+    m: StoreMetrics
+
+    def _timed_read(self, tier: Tier, g: int, slot: int, header: ChunkHeader, out: object) -> bool:
+        before = tier.corrupt_dropped
+        t0 = time.perf_counter()
+        try:
+            good = tier.read(g, slot, header, out)
+        except OSError as exc:  # a tier that fails under us is a miss
+            log.warning("tier %s: read failed: %s", tier.name, exc)
+            good = False
+        d = self.m.tg(tier.name, g)
+        d["load_seconds"] += time.perf_counter() - t0
+        if good:
+            d["load_chunks"] += 1
+            d["load_bytes"] += header.payload_bytes
+        else:
+            d["load_misses"] += 1
+            self.m.add("corrupt_dropped", tier.corrupt_dropped - before)
+        return good
+
+    def _promote(self, h: bytes, g: int, header: ChunkHeader, data: object) -> None:
+        first = next(iter(self.slot_tiers), None)
+        if first is None or self.index is None or self.index.contains(h, g, first):
+            return
+        if self._store_in(first, h, g, header, data, counted=False):
+            self.m.add("promotions")
+
+    def _store_in(self, tier_name: str, h: bytes, g: int, header: ChunkHeader, data: object,
+                  counted: bool = True) -> int:
+        """reserve -> demote the evicted -> write -> commit/abort; 1 if written. A promotion
+        that finds every slot pinned (`counted=False`) is not a failed save."""
+        assert self.index is not None
+        res = self.index.reserve(h, g, tier_name)
+        if res.slot is None:
+            if res.status != "present" and counted:
+                self.m.add("failed_saves")
+                self.m.tg(tier_name, g)["save_failures"] += 1
+            return 0
+        tier = self.slot_tiers[tier_name]
+        for ev in res.evicted:
+            self._demote(tier_name, ev.chunk_hash, ev.group, ev.slot, ev.dead)
+        t0 = time.perf_counter()
+        try:
+            good = tier.write(g, res.slot, header, data)
+        except OSError as exc:
+            log.warning("tier %s: write failed: %s", tier_name, exc)
+            good = False
+        d = self.m.tg(tier_name, g)
+        d["save_seconds"] += time.perf_counter() - t0
+        if not good:
+            self.index.abort(h, g, tier_name)
+            self.m.add("failed_saves")
+            d["save_failures"] += 1
+            return 0
+        self.index.commit(h, g, tier_name)
+        d["save_chunks"] += 1
+        d["save_bytes"] += header.payload_bytes
+        return 1
+
+    def _demote(self, tier_name: str, h: object, g: int, slot: int, dead: bool) -> None:
+        """Copy an entry evicted from `tier_name` down to the next slot tier (write-back)."""
+        names = list(self.slot_tiers)
+        k = names.index(tier_name)
+        if dead or k + 1 >= len(names) or not isinstance(h, bytes):
+            return
+        assert self.index is not None
+        lower = names[k + 1]
+        if self.index.contains(h, g, lower):
+            return
+        src = self.slot_tiers[tier_name]
+        if not isinstance(src, CpuTier):
+            return
+        old = src.header(g, slot)
+        if old is None or old.key != (h.ljust(HASH_BYTES, b"\0"), g):
+            return
+        if self._store_in(lower, h, g, old, src.view(g, slot, old.payload_bytes)):
+            self.m.add("demotions")
+
+    def _shared_write(self, tier: Tier, batch: list[tuple[int, int, ChunkHeader, object]]) -> int:
+        """Write what the shared tier lacks (one exists_many, then one write_many)."""
+        t0 = time.perf_counter()
+        try:
+            present = tier.exists_many([item[2] for item in batch])
+            skipped = sum(present)
+            if skipped:
+                self.m.add("skipped_saves", skipped)
+                batch = [item for item, yes in zip(batch, present) if not yes]
+            results = tier.write_many(batch) if batch else []
+        except Exception as exc:  # a shared tier going away is a counted failure
+            log.warning("shared tier %s: write failed: %s", tier.name, exc)
+            results = [False] * len(batch)
+        dt = time.perf_counter() - t0
+        for (g, _, header, _), good in zip(batch, results):
+            d = self.m.tg(tier.name, g)
+            d["save_seconds"] += dt / max(1, len(batch))
+            if good:
+                d["save_chunks"] += 1
+                d["save_bytes"] += header.payload_bytes
+            else:
+                d["save_failures"] += 1
+                self.m.add("failed_saves")
+        return sum(1 for r in results if r)
