@@ -59,6 +59,12 @@ def test_gemma3_270m_reload_hybrid_groups(tmp_path: Path) -> None:
     assert m2["loaded_blocks"] == 6 * 4
     for g in range(6):
         assert m2[f"loaded_chunks_group{g}"] == 4
+    # bfloat16, 1 KV head x 256 x (K, V) x 2 bytes x 3 layers x 128 tokens = 384 KiB a chunk
+    info = res["info"]
+    assert [info[f"chunk_bytes_group{g}"] for g in range(6)] == [393216] * 6
+    # what vLLM 0.32's own CPU spec would reserve per key in this engine: its hybrid allocator
+    # overlays the groups, so a row is the largest group's chunk, not all six groups' bytes
+    assert info["vllm_row_bytes"] == 393216
 
 
 def test_disk_tier_across_two_engine_processes(tmp_path: Path) -> None:

@@ -29,6 +29,14 @@ def test_full_config_is_read(tmp_path: Path) -> None:
     assert (cfg.policy, cfg.share, cfg.chunk_tokens) == ("arc", "equal", 256)
 
 
+def test_redis_tier() -> None:
+    cfg = parse_config({"kvtier.tiers": "cpu,redis", "kvtier.cpu_bytes": "1MiB",
+                        "kvtier.redis_bytes": "2GiB", "kvtier.redis_url": "redis://127.0.0.1:6379/0"})
+    assert cfg.tiers == ("cpu", "redis")
+    assert cfg.capacities == {"cpu": 1 << 20, "redis": 2 << 30}
+    assert cfg.redis_url == "redis://127.0.0.1:6379/0"
+
+
 def test_defaults_are_one_cpu_tier_lru() -> None:
     cfg = parse_config({"kvtier.cpu_bytes": 4096})
     assert cfg.tiers == ("cpu",)
@@ -57,7 +65,11 @@ def test_sizes(text: object, expected: int) -> None:
     ({"kvtier.cpu_bytes": 1, "kvtier.policy": "random"}, "kvtier.policy='random'"),
     ({"kvtier.cpu_bytes": 1, "kvtier.share": "row-per-key"}, "kvtier.share"),
     ({"kvtier.cpu_bytes": 1, "kvtier.chunk_tokens": -128}, "kvtier.chunk_tokens=-128"),
-    ({"kvtier.cpu_bytes": 1, "kvtier.redis_url": "redis://x"}, "kvtier.redis_url"),
+    ({"kvtier.cpu_bytes": 1, "kvtier.redis_url": "redis://x"}, "kvtier.redis_url is set"),
+    ({"kvtier.tiers": "redis", "kvtier.redis_bytes": "1GiB"}, "kvtier.redis_url is missing"),
+    ({"kvtier.tiers": "redis", "kvtier.redis_url": "redis://h:1/0"}, "kvtier.redis_bytes is missing"),
+    ({"kvtier.tiers": "redis", "kvtier.redis_bytes": 1, "kvtier.redis_url": "h:1"},
+     "kvtier.redis_url='h:1'"),
 ])
 def test_mistakes_name_the_key_in_one_line(extra: dict, needle: str) -> None:
     with pytest.raises(ConfigError) as err:

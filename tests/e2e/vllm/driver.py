@@ -43,7 +43,7 @@ def main() -> int:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(sc.get("kv_space_gib", 1)))
     from vllm import LLM, SamplingParams
 
-    from kvtier.integrations.vllm.common import read_metrics
+    from kvtier.integrations.vllm.common import read_info, read_metrics
 
     kw = dict(model=sc["model"], max_model_len=sc.get("max_model_len", 1024), enforce_eager=True,
               dtype=sc.get("dtype", "auto"), seed=0, enable_prefix_caching=True)
@@ -70,6 +70,8 @@ def main() -> int:
         time.sleep(0.3)  # let the last store's completion reach the scheduler's metrics file
         if sc.get("directory"):
             out["metrics"].append(read_metrics(sc["directory"]))
+    if sc.get("directory"):
+        out["info"] = read_info(sc["directory"])
     print("RESULT " + json.dumps(out), flush=True)
     return 0
 

@@ -9,14 +9,15 @@ vLLM's and are left to it.
 
 | key | meaning | default |
 | --- | --- | --- |
-| `kvtier.tiers` | tiers, fastest first: `"cpu"`, `"disk"`, `"cpu,disk"` (or a list) | `"cpu"` |
+| `kvtier.tiers` | tiers, fastest first: `"cpu"`, `"disk"`, `"redis"`, `"cpu,disk,redis"` (or a list) | `"cpu"` |
 | `kvtier.cpu_bytes` | host-memory tier capacity (int bytes or `"4GiB"`, `"512MiB"`) | required with cpu |
 | `kvtier.disk_bytes` | disk tier capacity | required with disk |
 | `kvtier.directory` | existing directory: disk slabs and the metrics file | required with disk |
 | `kvtier.policy` | eviction policy (`lru`, `fifo`, `arc`, `s3fifo`) | `"lru"` |
 | `kvtier.share` | how a tier's bytes are shared by groups (`proportional`, `equal`) | `"proportional"` |
 | `kvtier.chunk_tokens` | tokens per chunk (a multiple of vLLM's block size) | vLLM's blocks_per_chunk |
-| `kvtier.redis_url` | reserved for the Redis tier (refused for now in vLLM) | - |
+| `kvtier.redis_bytes` | bytes of this namespace the index tracks in Redis (Redis's maxmemory is the real bound) | required with redis |
+| `kvtier.redis_url` | `redis://host:port/db`, `rediss://`, `redis+cluster://`, `redis+sentinel://` | required with redis |
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ from dataclasses import dataclass
 from kvtier.errors import ConfigError
 
 PREFIX = "kvtier."
-KEYS = ("tiers", "cpu_bytes", "disk_bytes", "directory", "policy", "share", "chunk_tokens",
-        "redis_url")
-TIERS = ("cpu", "disk")
+KEYS = ("tiers", "cpu_bytes", "disk_bytes", "redis_bytes", "directory", "policy", "share",
+        "chunk_tokens", "redis_url")
+TIERS = ("cpu", "disk", "redis")
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
@@ -47,6 +48,7 @@ class VllmTierConfig:
     policy: str
     share: str
     chunk_tokens: int | None
+    redis_url: str | None = None
 
     @property
     def capacities(self) -> dict[str, int]:
@@ -82,11 +84,15 @@ def parse_config(extra_config: Mapping[str, object]) -> VllmTierConfig:
             + ", ".join(PREFIX + k for k in KEYS)
         )
     tiers = _tiers(ours.get("tiers", "cpu"))
-    if "redis_url" in ours:
-        raise ConfigError(
-            "kvtier.redis_url: the Redis tier is not available inside vLLM yet; "
-            "use kvtier.tiers \"cpu\", \"disk\" or \"cpu,disk\""
-        )
+    redis_url = ours.get("redis_url")
+    if redis_url is not None and (not isinstance(redis_url, str) or "://" not in redis_url):
+        raise ConfigError(f"kvtier.redis_url={redis_url!r} must be a URL like \"redis://host:6379/0\"")
+    if "redis" in tiers and redis_url is None:
+        raise ConfigError("kvtier.redis_url is missing: the redis tier needs a server, e.g. "
+                          "\"redis://127.0.0.1:6379/0\"")
+    if redis_url is not None and "redis" not in tiers:
+        raise ConfigError(f"kvtier.redis_url is set but tier 'redis' is not in kvtier.tiers {list(tiers)}; "
+                          "add it to kvtier.tiers or drop the URL")
     capacities: list[tuple[str, int]] = []
     for tier in tiers:
         key = f"{PREFIX}{tier}_bytes"
@@ -129,6 +135,7 @@ def parse_config(extra_config: Mapping[str, object]) -> VllmTierConfig:
         policy=policy,
         share=str(share),
         chunk_tokens=chunk_tokens,
+        redis_url=redis_url,
     )
 
 
@@ -142,10 +149,6 @@ def _tiers(value: object) -> tuple[str, ...]:
     if not names:
         raise ConfigError("kvtier.tiers is empty; give at least one of: " + ", ".join(TIERS))
     for t in names:
-        if t == "redis":
-            raise ConfigError(
-                "kvtier.tiers: the Redis tier is not available inside vLLM yet; use cpu and/or disk"
-            )
         if t not in TIERS:
             raise ConfigError(f"kvtier.tiers names unknown tier {t!r}; use: {', '.join(TIERS)}")
     if len(set(names)) != len(names):

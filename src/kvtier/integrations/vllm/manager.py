@@ -44,6 +44,12 @@ class KvtierManager(OffloadingManager):
         self._pins: dict[OffloadKey, list[str]] = {}  # tier of each pin, oldest first
         self._pending: dict[OffloadKey, list[str]] = {}  # tiers reserved by a store in flight
         self._loads: dict[str, list[tuple[bytes, int]]] = {}  # req_id -> chunks of its load
+        self._redis = None
+        if "redis" in ctx.config.tiers:
+            from kvtier.tiers.redis import RedisTier  # no torch; the client connects lazily
+
+            # shared with other engines: a key this index lacks may still be in Redis
+            self._redis = RedisTier.from_url(str(ctx.config.redis_url), namespace_id=ctx.namespace.id)
         self._rebuild()
         metrics.flush(force=True)
 
@@ -73,10 +79,26 @@ class KvtierManager(OffloadingManager):
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         split = self._key(key)
         self.metrics.add("lookup_keys")
-        if split is None or not self.index.contains(*split):
+        if split is None or not (self.index.contains(*split) or self._adopt_from_redis(*split)):
             return LookupResult.MISS
         self.metrics.add("lookup_hit_keys")
         return LookupResult.HIT
+
+    def _adopt_from_redis(self, h: bytes, g: int) -> bool:
+        """Another engine (or an earlier process) may have put this chunk in the shared Redis
+        tier: one EXISTS round trip, then the index tracks it like its own entries."""
+        if self._redis is None:
+            return False
+        from kvtier.payload import make_header
+
+        header = make_header(self.ctx.namespace.id, h, g, 0, 0, self.ctx.plan.groups[g].chunk_bytes)
+        if not self._redis.exists_many([header])[0]:
+            return False
+        r = self.index.put(h, g, "redis")
+        if r.slot is None and r.status != "present":
+            return False  # every tracked Redis entry of this group is pinned: try next time
+        self.metrics.add("adopted_from_redis")
+        return True
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         items: list[ChunkItem] = []
@@ -194,6 +216,8 @@ class KvtierManager(OffloadingManager):
 
     def shutdown(self) -> None:
         self.metrics.flush(force=True)
+        if self._redis is not None:
+            self._redis.close()
 
     # -- restart -------------------------------------------------------------------------------
 

@@ -80,6 +80,12 @@ class KvtierWorker(OffloadingWorker):
         index = ctx.new_index()
         self.tiers: dict[str, Tier] = {}
         for tier in ctx.config.tiers:
+            if tier == "redis":  # key-addressed: no slots to lay out
+                from kvtier.tiers.redis import RedisTier
+
+                self.tiers[tier] = RedisTier.from_url(str(ctx.config.redis_url),
+                                                      namespace_id=ctx.namespace.id)
+                continue
             layout = TierLayout(
                 slot_bytes=tuple(gp.chunk_bytes if gp.cacheable else 0 for gp in plan.groups),
                 num_slots=tuple(index.slots(gp.index, tier) if gp.cacheable else 0
