@@ -203,7 +203,7 @@ def replay(
     *,
     admission: object | None = None,
     admission_name: str = "all",
-    share: str = "proportional",
+    share: str | Mapping[str, float] = "proportional",
     cost: CostModel | None = None,
     progress: Callable[[int], None] | None = None,
     future: list[list[float]] | None = None,
@@ -306,7 +306,7 @@ def replay(
     return Result(
         policy=policy,
         admission=admission_name if not is_min else "oracle",
-        share=share,
+        share=share if isinstance(share, str) else ",".join(f"{k}={v:g}" for k, v in share.items()),
         hit_chunks=hit_chunks,
         total_chunks=trace.total_chunks,
         hit_tokens=hit_tokens,
@@ -364,7 +364,8 @@ def parse_size(text: str, footprint: int | None = None) -> int:
 
 def run_all(plan: Plan, trace: Trace, capacities: Mapping[str, int], policies: Iterable[str],
             admissions: Iterable[tuple[str, Callable[[], object] | None]] = (("all", None),),
-            shares: Iterable[str] = ("proportional",), cost: CostModel | None = None,
+            shares: Iterable[str | Mapping[str, float]] = ("proportional",),
+            cost: CostModel | None = None,
             progress: Callable[[int], None] | None = None,
             future: list[list[float]] | None = None) -> list[Result]:
     """Every (share, admission, policy), then MIN per share; MIN's future is computed once."""

@@ -97,3 +97,15 @@ def test_console_script_and_shipped_geometry(files):
     bad = subprocess.run([sys.executable, "-m", "kvtier", "replay", trace, "--geometry", "nope"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.startswith("error: geometry 'nope'")
+
+
+def test_share_fractions(files, capsys):
+    trace, geom = files
+    # 8192 bytes, 1024-byte chunks per group: full 0.75 -> 6 slots, swa 0.25 -> 2 slots
+    rc = main(["replay", trace, "--geometry", geom, "--tier", "cpu=8192", "--share",
+               "full=0.75,swa=0.25", "--json"])
+    assert rc == 0
+    row = json.loads(capsys.readouterr().out)["policies"][0]
+    assert row["share"] == "full=0.75,swa=0.25"
+    rc = main(["replay", trace, "--geometry", geom, "--share", "full=x"])
+    assert rc == 2 and "not a number" in capsys.readouterr().err

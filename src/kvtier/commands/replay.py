@@ -56,8 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tokens per chunk (default: the trace's block size when the plan allows)")
     p.add_argument("--trace-block-tokens", type=int, default=512, metavar="N",
                    help="tokens per trace hash id (default 512, Mooncake)")
-    p.add_argument("--share", default="proportional", choices=("proportional", "equal"),
-                   help="how a tier's bytes are shared among groups (default proportional)")
+    p.add_argument("--share", default="proportional", metavar="RULE",
+                   help="how a tier's bytes are shared among groups: proportional (default: every "
+                        "group the same number of chunks), equal, or NAME=FRACTION,...")
     p.add_argument("--compare-accounting", action="store_true",
                    help="also replay with row-per-key accounting (every key reserves all groups' "
                         "bytes, as vLLM's native offloading does)")
@@ -142,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
     points = [dict(base)]
     if sweep:
         points = [{**base, names[0]: parse_size(s, footprint)} for s in sweep.split(",") if s.strip()]
-    shares = [args.share] + (["row-per-key"] if args.compare_accounting else [])
+    shares = [_share(args.share)] + (["row-per-key"] if args.compare_accounting else [])
     _admissions(args.admission, 1)  # bad names fail before any replay
     runs = len(points) * len(shares) * (len(policies) * len(args.admission or ["all"]) + 1)
     bar = _progress(runs * len(trace.requests), args.json)
@@ -206,6 +207,20 @@ def _admissions(values: list[str] | None, horizon_chunks: int) -> list[tuple[str
         opts = {"horizon": horizon_chunks} if name.startswith("prefix") and "horizon=" not in name else {}
         make_admission(name, **opts)  # unknown names fail before any replay
         out.append((name, lambda name=name, opts=opts: make_admission(name, **opts)))
+    return out
+
+
+def _share(text: str) -> str | dict[str, float]:
+    if text in ("proportional", "equal"):
+        return text
+    if "=" not in text:
+        raise ConfigError(f"--share {text!r}: use proportional, equal, or NAME=FRACTION,...")
+    out: dict[str, float] = {}
+    for name, value in _pairs(text.split(","), "--share entry"):
+        try:
+            out[name] = float(value)
+        except ValueError:
+            raise ConfigError(f"--share entry {name}={value!r}: the fraction is not a number") from None
     return out
 
 
