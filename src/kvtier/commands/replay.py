@@ -192,7 +192,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _admissions(values: list[str] | None, horizon_chunks: int) -> list[tuple[str, object]]:
-    """(name, factory). `prefix` without a horizon learns over one first-tier turnover."""
+    """(name, factory). Sized from the first tier's capacity in chunks unless given: `prefix`
+    learns over one turnover, `tinylfu` ages every 10 x capacity sightings (TinyLFU's W)."""
     names = values or ["all"]
     out: list[tuple[str, object]] = []
     for name in names:
@@ -204,7 +205,11 @@ def _admissions(values: list[str] | None, horizon_chunks: int) -> list[tuple[str
             continue
         from kvtier.admission import make_admission
 
-        opts = {"horizon": horizon_chunks} if name.startswith("prefix") and "horizon=" not in name else {}
+        opts: dict[str, int] = {}
+        if name.startswith("prefix") and "horizon=" not in name:
+            opts = {"horizon": horizon_chunks}
+        elif name.startswith("tinylfu") and "sample=" not in name:
+            opts = {"sample": 10 * horizon_chunks}  # TinyLFU's reset period: W = 10 x capacity
         make_admission(name, **opts)  # unknown names fail before any replay
         out.append((name, lambda name=name, opts=opts: make_admission(name, **opts)))
     return out
