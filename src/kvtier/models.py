@@ -294,6 +294,8 @@ class _building:
         if exc_type is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
             return
+        for f in self.tmp.iterdir():  # some writers create 0600 files; the cache is shared
+            f.chmod(0o644)
         if self.target.exists():
             if is_complete(self.target):  # another process won the race: keep theirs
                 shutil.rmtree(self.tmp, ignore_errors=True)
