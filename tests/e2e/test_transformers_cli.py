@@ -58,6 +58,7 @@ def test_bench_ttft_json_on_a_tiny_llama() -> None:
     ("demo", "--max-new-tokens", "0"),
     ("bench", "ttft", "--prefixes", "100"),
     ("bench", "ttft", "--prefixes", "a,b"),
+    ("demo", "--threads", "x"),
 ])
 def test_bad_input_is_one_error_line_and_exit_2(args: tuple[str, ...]) -> None:
     if args[0] == "bench" and args[2] == "100":

@@ -37,8 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=3, metavar="N", help="rounds per mode; medians are reported (3)")
     p.add_argument("--chunk-tokens", type=int, default=64, metavar="N", help="tokens per chunk (64)")
     p.add_argument("--dtype", default="float32", help="model dtype: float32 (default), bfloat16, float16")
-    p.add_argument("--threads", type=int, metavar="N",
-                   help="torch CPU threads (default: torch's choice; 1 is steadier on a busy machine)")
+    p.add_argument("--threads", default="auto", metavar="N|auto",
+                   help="torch CPU threads; auto (default): the cores the 1-minute load average "
+                        "leaves free, at least 1 (on a busy machine extra threads spin-wait)")
 
 
 def _prefixes(text: str) -> list[int]:
@@ -154,7 +155,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"rows": rows}))
     else:
-        print(render(lm.label, plan.chunk_tokens, args.suffix_tokens, args.rounds, rows))
+        print(render(f"{lm.label}; {torch.get_num_threads()} torch threads", plan.chunk_tokens,
+                     args.suffix_tokens, args.rounds, rows))
     for line in mismatch:
         print(f"error: {line}", file=sys.stderr)
     return 1 if mismatch else 0

@@ -45,8 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-dir", metavar="DIR",
                    help="directory of the disk tier (default: a temporary directory, removed at the end)")
     p.add_argument("--dtype", default="float32", help="model dtype: float32 (default), bfloat16, float16")
-    p.add_argument("--threads", type=int, metavar="N",
-                   help="torch CPU threads (default: torch's choice; 1 is steadier on a busy machine)")
+    p.add_argument("--threads", default="auto", metavar="N|auto",
+                   help="torch CPU threads; auto (default): the cores the 1-minute load average "
+                        "leaves free, at least 1 (on a busy machine extra threads spin-wait)")
 
 
 def document(tokenizer: object) -> str:
@@ -150,17 +151,18 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(out))
     else:
-        print(render(out, plan, disk_dir if tmp is None else "a temporary directory", lm.load_seconds))
+        print(render(out, plan, disk_dir if tmp is None else "a temporary directory", lm.load_seconds,
+                     torch.get_num_threads()))
     return 0 if all(t["identical"] for t in turns) else 1
 
 
-def render(out: dict[str, object], plan: object, disk_where: str, load_s: float) -> str:
+def render(out: dict[str, object], plan: object, disk_where: str, load_s: float, threads: int) -> str:
     turns: list[dict[str, object]] = out["turns"]  # type: ignore[assignment]
     groups = ", ".join(
         f"{gp.name}: {gp.group.num_layers} layers" + (f" W={gp.group.window}" if gp.group.window else "")
         for gp in plan.groups)  # type: ignore[attr-defined]
     lines = [
-        f"kvtier demo: {out['model']} (loaded in {load_s:.1f} s)",
+        f"kvtier demo: {out['model']} (loaded in {load_s:.1f} s; {threads} torch threads)",
         f"groups: {groups}; chunk {plan.chunk_tokens} tokens; tiers cpu + disk ({disk_where}), write-through",  # type: ignore[attr-defined]
         "",
         f"{'#':>2}  {'turn':<9} {'prompt':>6} {'restored':>8} {'cpu/disk':>10} {'TTFT kvtier':>11} "
@@ -174,8 +176,8 @@ def render(out: dict[str, object], plan: object, disk_where: str, load_s: float)
             f"{t['ttft_uncached_s']:>8.3f} s {t['speedup']:>7.1f}x  {'yes' if t['identical'] else 'NO'}")
     lines.append("")
     for i, t in enumerate(turns, 1):
-        text = str(t["text"]).replace("\n", " ")
-        lines.append(f"{i:>2}  Q: {t['question']}  A: {text[:100]}")
+        text = str(t["text"]).split("Question:")[0].replace("\n", " ").strip()  # the answer, not the echo
+        lines.append(f"{i:>2}  Q: {t['question']}  A: {text[:90]}")
     reuse = [t for t in turns if int(t["restored_tokens"]) >= 1024]  # type: ignore[call-overload]
     lines.append("")
     if reuse:

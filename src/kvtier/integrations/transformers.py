@@ -31,7 +31,7 @@ from __future__ import annotations
 import inspect
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -85,9 +85,7 @@ class Prefill:
 class GenerateResult:
     sequences: torch.Tensor
     stats: PrefillStats
-    saved_payloads: int
-    first_token_seconds: float | None = None  # from the call to the first new token (a streamer)
-    extra: dict[str, object] = field(default_factory=dict)
+    saved_payloads: int  # chunk payloads written after decoding
 
 
 def dtype_name(dtype: torch.dtype) -> str:
