@@ -207,6 +207,7 @@ def replay(
     cost: CostModel | None = None,
     progress: Callable[[int], None] | None = None,
     future: list[list[float]] | None = None,
+    tail_endpoints: int | None = None,
 ) -> Result:
     """Replay `trace` through a fresh Index; `policy` is a POLICIES name or "min"."""
     t_start = time.perf_counter()
@@ -241,6 +242,8 @@ def replay(
             got = []
             for gp in order:
                 idx = plan.store_chunks(gp.index, n * c)
+                if tail_endpoints and gp.kind not in ("full", "mla"):
+                    idx = tail_chunks(plan, gp.index, n, tail_endpoints)
                 got.append((gp.index, None if idx == list(range(n)) else set(idx)))
             store_cache[n] = got
         return got
@@ -326,6 +329,24 @@ def replay(
     )
 
 
+def tail_chunks(plan: Plan, group: int, num_chunks: int, endpoints: int) -> list[int]:
+    """What a non-anchor group must hold so hits can end at the prompt's last `endpoints` chunk
+    boundaries: the union of `plan.chunks_for_hit` over T = j*C, j = n-endpoints+1 .. n.
+
+    Why: a sliding window or a state checkpoint serves only hits that end near it, and follow-up
+    requests (the next turn of a chat) hit at the end of an earlier prompt, so a sliding group's
+    early chunks and a state group's early checkpoints are bytes that almost no hit reads. With
+    endpoints=2 a Mooncake next turn (which repeats all but the last, partial block) still hits.
+    """
+    if endpoints <= 0:
+        raise ConfigError(f"tail endpoints {endpoints} must be a positive number of chunk boundaries")
+    c = plan.chunk_tokens
+    out: set[int] = set()
+    for j in range(max(1, num_chunks - endpoints + 1), num_chunks + 1):
+        out.update(plan.chunks_for_hit(group, j * c))
+    return sorted(out)
+
+
 def footprint_bytes(plan: Plan, trace: Trace) -> int:
     """Bytes to hold every unique chunk of the trace in every cacheable group."""
     return trace.unique_chunks * plan.chunk_bytes_all_groups
@@ -367,7 +388,8 @@ def run_all(plan: Plan, trace: Trace, capacities: Mapping[str, int], policies: I
             shares: Iterable[str | Mapping[str, float]] = ("proportional",),
             cost: CostModel | None = None,
             progress: Callable[[int], None] | None = None,
-            future: list[list[float]] | None = None) -> list[Result]:
+            future: list[list[float]] | None = None,
+            tail_endpoints: int | None = None) -> list[Result]:
     """Every (share, admission, policy), then MIN per share; MIN's future is computed once."""
     out: list[Result] = []
     future = future if future is not None else next_uses(trace)
@@ -377,7 +399,7 @@ def run_all(plan: Plan, trace: Trace, capacities: Mapping[str, int], policies: I
             for pol in policies:
                 out.append(replay(plan, trace, capacities, pol, admission=make() if make else None,
                                   admission_name=adm_name, share=share, cost=cost,
-                                  progress=progress))
+                                  progress=progress, tail_endpoints=tail_endpoints))
         out.append(replay(plan, trace, capacities, "min", share=share, cost=cost,
-                          progress=progress, future=future))
+                          progress=progress, future=future, tail_endpoints=tail_endpoints))
     return out

@@ -182,3 +182,26 @@ def test_oracle_admission_bound(tmp_path):
     near = replay(plan, trace, cap, "lru", admission=OracleAdmission(next_uses(trace), 1))
     assert near.hit_chunks == 2 + 1 + 2
     assert near.written_bytes["cpu"]["full"] == 2 * plan.chunk_bytes_all_groups
+
+
+def test_tail_endpoints_store_only_the_windows_hits_read(tmp_path):
+    from kvtier.replay import tail_chunks
+
+    g = Geometry((
+        Group("full", "full", 1, 16, bytes_per_token_per_layer=2),
+        Group("swa", "sliding", 1, 16, bytes_per_token_per_layer=2, window=600),
+        Group("ssm", "state", 1, 16, state_bytes_per_layer=64),
+    ), 16)
+    plan = make_plan(g, chunk_tokens=512)
+    # 6 chunks, hits may end at 5*512 or 6*512: swa needs chunks 3,4 and 4,5; ssm checkpoints 4, 5
+    assert tail_chunks(plan, 1, 6, 2) == [3, 4, 5]
+    assert tail_chunks(plan, 2, 6, 2) == [4, 5]
+    assert tail_chunks(plan, 1, 1, 2) == [0]
+    # a next turn repeating all but the last block still hits in full
+    trace = load_trace(mooncake(tmp_path, [1, 2, 3, 4], [1, 2, 3, 5, 6]), plan)
+    b = plan.chunk_bytes_all_groups
+    r = replay(plan, trace, {"cpu": 20 * b}, "lru", tail_endpoints=2)
+    assert r.hit_chunks == 3
+    # r1 writes full 1 2 3 4, swa 2 3 4 (chunks 1-3: hits at 3 or 4 chunks), ssm 3 4;
+    # r2 (hits 1 2 3) writes full 5 6, swa 5 6 (chunks 2-4, 3 held), ssm 5 6
+    assert r.written_bytes["cpu"] == {"full": 6 * 1024, "swa": 5 * 1024, "ssm": 4 * 64}

@@ -59,6 +59,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--share", default="proportional", metavar="RULE",
                    help="how a tier's bytes are shared among groups: proportional (default: every "
                         "group the same number of chunks), equal, or NAME=FRACTION,...")
+    p.add_argument("--tail-endpoints", type=int, metavar="K",
+                   help="sliding/chunked/state groups store only what hits ending at the prompt's "
+                        "last K chunk boundaries read (full/MLA groups store every chunk); pair "
+                        "with --share to give the bytes saved to the full groups")
     p.add_argument("--compare-accounting", action="store_true",
                    help="also replay with row-per-key accounting (every key reserves all groups' "
                         "bytes, as vLLM's native offloading does)")
@@ -156,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
             admissions = [(n, f if not n.startswith("oracle") else _oracle(n, future))
                           for n, f in _admissions(args.admission, horizon)]
             for res in run_all(plan, trace, caps, policies, admissions, shares, cost,
-                               bar.update if bar else None, future):
+                               bar.update if bar else None, future, args.tail_endpoints):
                 rows.append((caps, res))
     finally:
         if bar:
