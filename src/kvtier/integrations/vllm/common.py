@@ -87,7 +87,6 @@ class Metrics:
     directory: str | None
     counts: dict[str, int] = field(default_factory=dict)
     info: dict[str, int] = field(default_factory=dict)  # sizes, not summed across processes
-    _last_write: float = 0.0
     _dirty: bool = False
 
     def add(self, name: str, n: int = 1) -> None:
@@ -98,14 +97,16 @@ class Metrics:
         if self.directory is None or not (self._dirty or force):
             return
         out = Path(self.directory) / "metrics"
-        out.mkdir(parents=True, exist_ok=True)
         path = out / f"{self.role}-{os.getpid()}.json"
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"role": self.role, "pid": os.getpid(), "time": time.time(),
-                                   "counts": self.counts, "info": self.info}))
-        os.replace(tmp, path)  # readers never see half a file
+        try:  # never create kvtier.directory itself, never fail the engine over a counter file
+            out.mkdir(exist_ok=True)
+            tmp.write_text(json.dumps({"role": self.role, "pid": os.getpid(), "time": time.time(),
+                                       "counts": self.counts, "info": self.info}))
+            os.replace(tmp, path)  # readers never see half a file
+        except OSError:
+            return
         self._dirty = False
-        self._last_write = time.monotonic()
 
 
 def read_metrics(directory: str | os.PathLike[str]) -> dict[str, int]:
