@@ -16,9 +16,17 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-# Tiny models do not gain from a second thread, and on a shared 2-core machine two threads
-# spin-wait on each other: a 16-token forward goes from 20 ms to 800 ms under load.
-torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def torch_one_thread():  # type: ignore[no-untyped-def]
+    """Tiny models do not gain from a second thread, and on a shared 2-core machine two threads
+    spin-wait on each other: a 16-token forward goes from 20 ms to 800 ms under load. Scoped to
+    the modules that ask for it, so other e2e tests keep torch's default."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

@@ -22,6 +22,8 @@ from kvtier.store import Store
 # hybrid (Bamba); Falcon-H1 runs attention and Mamba-2 side by side in every layer)
 FAMILIES = ("llama", "gemma3", "gpt_oss", "qwen3_next", "qwen3_5", "bamba", "falcon_h1")
 STATE_FAMILIES = ("qwen3_5", "qwen3_next", "bamba", "falcon_h1")
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
+
 C = 16  # chunk tokens
 T = 64  # the stored prefix
 

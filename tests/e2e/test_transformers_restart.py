@@ -6,10 +6,13 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from kvtier.integrations.transformers import PrefixCache
 from test_transformers import C, T, _cuts, plain_split_logits
+
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 FAMILIES = ("gemma3", "bamba")  # sliding + full; Mamba-2 state + full
 WRITER = """
