@@ -271,6 +271,8 @@ class Store(TierIO):
                      ok: set[tuple[int, int]], bad: set[tuple[int, int]]) -> int:
         plan = self.plan
         tokens = hit.tokens
+        if self.shared:
+            self._prefetch_shared(hit, get, ok, bad)
         for _ in range(4 * len(plan.groups) + 4):  # each round loads or drops something
             for gp in plan.cacheable_groups:
                 for i in plan.chunks_for_hit(gp.index, tokens):
@@ -291,6 +293,39 @@ class Store(TierIO):
         else:  # pragma: no cover - bounded by construction
             tokens = plan.best_hit(tokens + 1, lambda g, i: (g, i) in ok)
         return tokens
+
+    def _prefetch_shared(self, hit: Hit, get: Callable[[tuple[int, int]], object],
+                         ok: set[tuple[int, int]], bad: set[tuple[int, int]]) -> None:
+        """Read the hit's chunks that only shared tiers hold with one `read_many` per tier.
+
+        A chunk no shared tier returned goes to `bad` (no local copy exists to fall back to),
+        so the per-chunk pass after this does not ask for it again; it shrinks the hit there.
+        """
+        want: list[tuple[int, int, ChunkHeader, object]] = []
+        for g, loads in enumerate(hit.chunks):
+            for ld in loads:
+                if ld.slot != SHARED_SLOT or self._local(ld.chunk_hash, g) is not None:
+                    continue
+                out = get((g, ld.chunk_index))
+                if out is None:
+                    continue
+                out_u8 = as_u8(out) if isinstance(out, torch.Tensor) else out
+                want.append((g, ld.chunk_index, self.header(ld.chunk_hash, g, ld.chunk_index), out_u8))
+        for tier in self.shared:
+            if not want:
+                return
+            results = self._shared_read(tier, [(g, header, out) for g, _, header, out in want])
+            rest = []
+            for item, good in zip(want, results):
+                g, i, header, out = item
+                if good:
+                    ok.add((g, i))
+                    if self.promote and self.index is not None:
+                        self._promote(hit.chunk_hashes[i], g, header, out)
+                else:
+                    rest.append(item)
+            want = rest
+        bad.update((g, i) for g, i, _, _ in want)
 
     def load_tokens(self, token_ids: Sequence[int], buffers: Buffers, extra_keys: Sequence[object] = ()) -> int:
         return self.load(self.lookup_tokens(token_ids, extra_keys), buffers)

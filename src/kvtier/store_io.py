@@ -128,3 +128,26 @@ class TierIO:
                 d["save_failures"] += 1
                 self.m.add("failed_saves")
         return sum(1 for r in results if r)
+
+    def _shared_read(self, tier: Tier, want: list[tuple[int, ChunkHeader, object]]) -> list[bool]:
+        """Read many chunks from a shared tier in one batched call (a whole prefix costs one
+        round trip per node, not one per chunk); items are (group, header, out)."""
+        before = tier.corrupt_dropped
+        t0 = time.perf_counter()
+        try:
+            results = tier.read_many([(g, -1, header, out)  # -1: key-addressed, no slot
+                                        for g, header, out in want])
+        except Exception as exc:  # a shared tier going away is a miss
+            log.warning("shared tier %s: read failed: %s", tier.name, exc)
+            results = [False] * len(want)
+        dt = time.perf_counter() - t0
+        for (g, header, _), good in zip(want, results):
+            d = self.m.tg(tier.name, g)
+            d["load_seconds"] += dt / max(1, len(want))
+            if good:
+                d["load_chunks"] += 1
+                d["load_bytes"] += header.payload_bytes
+            else:
+                d["load_misses"] += 1
+        self.m.add("corrupt_dropped", tier.corrupt_dropped - before)
+        return list(results)

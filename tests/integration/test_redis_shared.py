@@ -154,5 +154,45 @@ def test_a_chunk_evicted_between_lookup_and_load_shrinks_the_hit() -> None:
         writer.close()
 
 
+def test_a_prefix_from_redis_is_read_in_one_batched_call() -> None:
+    """A whole prefix's chunks come back in one `read_many` (one round trip per node), never one
+    `read` per chunk: over a network each call is a round trip."""
+    sys.path.insert(0, str(Path(__file__).parents[1]))
+    import torch
+    from redis_servers import redis_server
+
+    from kvtier.store import Store
+    from kvtier.tiers.redis import RedisTier
+
+    class CountingRedisTier(RedisTier):  # the real tier; it only counts the calls it gets
+        calls: dict[str, int]
+
+        def read(self, *a, **k):  # noqa: ANN002, ANN003, ANN201
+            self.calls["read"] += 1
+            return super().read(*a, **k)
+
+        def read_many(self, items):  # noqa: ANN001, ANN201
+            self.calls["read_many"] += 1
+            return super().read_many(items)
+
+    with redis_server() as srv:
+        writer, plan, tokens = _setup(srv.url)
+        n = PROMPT_TOKENS // CHUNK_TOKENS
+        payloads = {(g, i): _payload(plan, g, i) for g in range(len(plan.groups)) for i in range(n)}
+        writer.save_tokens(tokens, payloads)
+        tier = CountingRedisTier.from_url(srv.url, namespace_id=writer.namespace.id)
+        tier.calls = {"read": 0, "read_many": 0}
+        reader = Store(plan, writer.namespace, cpu_bytes=1 << 20, shared=[tier])
+        hit = reader.lookup_tokens(tokens)
+        buffers = {k: torch.zeros_like(v) for k, v in payloads.items()}
+        assert reader.load(hit, buffers) == EXPECTED_HIT
+        assert all(torch.equal(buffers[k], payloads[k]) for k in hit.buffers_needed())
+        # full group: 6 chunks; sliding (W = 64) at T = 192: tokens [129, 192) = chunks 4, 5
+        assert len(hit.buffers_needed()) == 6 + 2
+        assert tier.calls == {"read": 0, "read_many": 1}
+        reader.close()
+        writer.close()
+
+
 if __name__ == "__main__":
     print(json.dumps(child(sys.argv[1], sys.argv[2])))
