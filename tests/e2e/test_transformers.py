@@ -202,3 +202,17 @@ def test_prefill_to_an_earlier_end_restores_only_up_to_it(load_tiny, prompt) -> 
     pf = pc.prefill(prompt, end=40, logits="last")
     assert pf.stats.restored_tokens == 32 and pf.stats.computed_tokens == 8
     torch.testing.assert_close(pf.logits, full_pass_logits(model, prompt[:, :40])[:, -1:], atol=1e-4, rtol=1e-4)
+
+
+def test_tiny_random_dir_is_deterministic_and_checks_the_family(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from safetensors.torch import load_file
+
+    from kvtier.models import tiny_random_dir
+
+    a = tiny_random_dir("llama", tmp_path / "a", seed=7)
+    b = tiny_random_dir("llama", tmp_path / "b", seed=7)
+    assert (a / "tokenizer.json").exists() and (a / "config.json").exists()
+    wa, wb = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    with pytest.raises(ConfigError, match="unknown tiny model family"):
+        tiny_random_dir("gpt2", tmp_path / "c")
