@@ -101,6 +101,11 @@ def check_supported(model: torch.nn.Module) -> None:
     cfg = model.config  # type: ignore[attr-defined]
     text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     mt = str(getattr(text, "model_type", ""))
+    if getattr(cfg, "vision_config", None) is not None:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} is a multimodal model; kvtier's transformers integration is "
+            "tested on text-only causal LMs (load the text model, e.g. AutoModelForCausalLM)"
+        )
     if mt in MAMBA1_MODEL_TYPES:
         raise UnsupportedModelError(
             f"model_type {mt!r} uses Mamba-1 layers: transformers cannot continue a multi-token "
@@ -172,6 +177,8 @@ class PrefixCache:
         p = input_ids.shape[-1]
         if p < 1:
             raise ConfigError("input_ids is empty; give at least one prompt token")
+        if "past_key_values" in generate_kwargs:
+            raise ConfigError("do not pass past_key_values: PrefixCache.generate builds the cache itself")
         pf = self.prefill(input_ids, attention_mask, end=p - 1, logits="none")
         with torch.inference_mode():
             out = self.model.generate(  # type: ignore[attr-defined]
