@@ -62,6 +62,7 @@ def _drop_page_cache(root: str) -> None:
             except OSError:
                 continue
             try:
+                os.fsync(fd)  # dirty pages are not dropped: write them back first
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
