@@ -109,3 +109,12 @@ def test_share_fractions(files, capsys):
     assert row["share"] == "full=0.75,swa=0.25"
     rc = main(["replay", trace, "--geometry", geom, "--share", "full=x"])
     assert rc == 2 and "not a number" in capsys.readouterr().err
+
+
+def test_help_states_the_conventions():
+    out = subprocess.run([sys.executable, "-m", "kvtier", "replay", "--help"], capture_output=True,
+                         text=True)
+    assert out.returncode == 0, out.stderr
+    for phrase in ("timestamp order", "Hit rate = hit chunks / all chunks", "512-token block",
+                   "MIN", "1%,2%,5%"):
+        assert phrase in out.stdout

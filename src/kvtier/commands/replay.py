@@ -67,7 +67,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also replay with row-per-key accounting (every key reserves all groups' "
                         "bytes, as vLLM's native offloading does)")
     p.add_argument("--sweep", nargs="?", const=DEFAULT_SWEEP, metavar="SIZES",
-                   help=f"capacities of the first tier, comma-separated (default {DEFAULT_SWEEP})")
+                   help="capacities of the first tier, comma-separated (default "
+                        + DEFAULT_SWEEP.replace("%", "%%") + ")")
     p.add_argument("--plot", metavar="OUT.png", help="write the hit-rate curve (implies --sweep)")
     p.add_argument("--limit", type=int, metavar="N", help="replay only the first N requests")
     p.add_argument("--active-params", type=float, default=8e9, metavar="N",
