@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
             st = res.stats
             turns.append({
                 "prompt_tokens": st.prompt_tokens, "restored_tokens": st.restored_tokens,
-                "ttft_s": round(t_kv, 4), "ttft_uncached_s": round(t_plain, 4),
+                "ttft_s": round(t_kv, 6), "ttft_uncached_s": round(t_plain, 6),
                 "speedup": round(t_plain / t_kv, 2), "identical": bool(torch.equal(plain, cached)),
                 "section": section, "question": label,
                 "restored_by_tier": dict(st.restored_tokens_by_tier),
