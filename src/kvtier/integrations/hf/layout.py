@@ -106,6 +106,13 @@ def probe_layouts(model: torch.nn.Module, plan: Plan, make_cache) -> dict[int, L
                         f"the transformers cache ({type(layer).__name__})"
                     )
                 shapes.add((keys.shape[1], keys.shape[3], keys.dtype))
+                window = getattr(layer, "sliding_window", None) if getattr(layer, "is_sliding", False) else None
+                if window != g.window:
+                    raise UnsupportedModelError(
+                        f"layer {li} of group {g.name!r}: the transformers cache keeps a window of "
+                        f"{window} tokens, the geometry says {g.window}; kvtier refuses rather than "
+                        "restore the wrong tokens"
+                    )
         if len(shapes) != 1:
             raise UnsupportedModelError(f"layers of group {g.name!r} cache different shapes: {sorted(map(str, shapes))}")
         s = shapes.pop()
