@@ -210,6 +210,8 @@ class Index:
                         loads.append(Load(i, h, pool.tier, rec.slot))
                         if touch:
                             pool.policy.touch(h)
+                            if pool.cold:
+                                pool.cold.pop(h, None)
                             pool.counts["hits"] += 1
                         break
             chunks.append(tuple(loads))
@@ -223,6 +225,7 @@ class Index:
         if rec is None or rec.state != _COMMITTED:
             return False
         pool.policy.touch(chunk_hash)
+        pool.cold.pop(chunk_hash, None)
         return True
 
     def touch_hit(self, hit: Hit) -> None:
@@ -328,8 +331,12 @@ class Index:
         pool.counts["aborts"] += 1
         self._drop(pool, chunk_hash, rec)
 
-    def put(self, chunk_hash: ChunkHash, group: int, tier: str) -> Reservation:
-        """reserve + commit in one step, for callers with nothing to write in between (replay)."""
+    def put(self, chunk_hash: ChunkHash, group: int, tier: str, *, cold: bool = False) -> Reservation:
+        """reserve + commit in one step, for callers with nothing to write in between (replay).
+
+        cold=True: the entry is unlikely to be read (e.g. a sliding chunk in the middle of a
+        prompt): it is evicted after dead entries and before the policy's victims, until a
+        touch warms it. It costs nothing while the pool has room."""
         pool = self._pools.get((tier, group)) or self._pool(group, tier)
         recs = pool.recs
         rec = recs.get(chunk_hash)
@@ -341,6 +348,8 @@ class Index:
         recs[chunk_hash] = _Rec(slot, 0, _COMMITTED)
         pool.policy.insert(chunk_hash)
         pool.counts["commits"] += 1
+        if cold:
+            pool.cold[chunk_hash] = None
         if self._dependents:
             if group in self._anchor_set:
                 self._maybe_revive(chunk_hash)
@@ -355,6 +364,8 @@ class Index:
             rec = pool.recs.get(chunk_hash)
             if rec is not None and rec.state == _COMMITTED:
                 pool.policy.touch(chunk_hash)
+                if pool.cold:
+                    pool.cold.pop(chunk_hash, None)
                 found = True
         return found
 
@@ -369,6 +380,7 @@ class Index:
             rec.state = _DOOMED
             pool.policy.remove(chunk_hash)
             pool.dead.pop(chunk_hash, None)
+            pool.cold.pop(chunk_hash, None)
             self._after_anchor_loss(chunk_hash, group)
         else:
             self._drop(pool, chunk_hash, rec)
@@ -417,6 +429,7 @@ class Index:
         if rec.state == _COMMITTED:
             pool.policy.remove(chunk_hash)
         pool.dead.pop(chunk_hash, None)
+        pool.cold.pop(chunk_hash, None)
         pool.freed.append(rec.slot)
         if rec.state != _DOOMED:  # a doomed entry already counted as lost
             self._after_anchor_loss(chunk_hash, pool.group)
@@ -465,6 +478,7 @@ class Index:
                         "committed": sum(1 for r in pool.recs.values() if r.state == _COMMITTED),
                         "pinned": sum(1 for r in pool.recs.values() if r.pins),
                         "dead": len(pool.dead),
+                        "cold": len(pool.cold),
                         **pool.counts,
                     }
             tiers[tier] = {"capacity_bytes": self.capacities[tier], "groups": groups}

@@ -31,7 +31,7 @@ class _Pool:
     """The slots of one (tier, group): allocation, records, policy, dead set, counters."""
 
     __slots__ = ("tier", "group", "num_slots", "slot_bytes", "next_fresh", "freed", "recs",
-                 "policy", "dead", "counts")
+                 "policy", "dead", "cold", "counts")
 
     def __init__(self, tier: str, group: int, num_slots: int, slot_bytes: int,
                  policy: EvictionPolicy) -> None:
@@ -44,6 +44,7 @@ class _Pool:
         self.recs: dict[ChunkHash, _Rec] = {}
         self.policy = policy
         self.dead: dict[ChunkHash, None] = {}  # ordered set, oldest first
+        self.cold: dict[ChunkHash, None] = {}  # stored as unlikely to be read: evicted next
         self.counts = dict.fromkeys(
             ("commits", "hits", "evictions", "dead_evictions", "removes", "aborts", "full"), 0)
 
@@ -65,6 +66,9 @@ class _Pool:
     def pick_victim(self) -> ChunkHash | None:
         recs = self.recs
         for h in self.dead:
+            if recs[h].pins == 0:
+                return h
+        for h in self.cold:
             if recs[h].pins == 0:
                 return h
         return self.policy.victim(self.evictable)

@@ -233,24 +233,26 @@ def replay(
     chunk_bytes = {gp.index: gp.chunk_bytes for gp in cacheable}
     zero = lambda: {t: {gp.name: 0 for gp in cacheable} for t in tiers}  # noqa: E731
     loads, loaded, written = zero(), zero(), zero()
-    store_cache: dict[int, list[tuple[int, set[int] | None]]] = {}
+    store_cache: dict[int, list[tuple[int, set[int] | None, set[int] | None]]] = {}
 
-    def wanted(n: int) -> list[tuple[int, set[int] | None]]:
-        # per group (anchors first) the chunk indices worth storing; None = all of 0..n-1
+    def wanted(n: int) -> list[tuple[int, set[int] | None, set[int] | None]]:
+        # per group (anchors first): the chunk indices worth storing (None = all of 0..n-1) and,
+        # with tail endpoints, the warm ones (the rest is stored cold and not touched)
         got = store_cache.get(n)
         if got is None:
             got = []
             for gp in order:
                 idx = plan.store_chunks(gp.index, n * c)
+                warm = None
                 if tail_endpoints and gp.kind not in ("full", "mla"):
-                    idx = tail_chunks(plan, gp.index, n, tail_endpoints)
-                got.append((gp.index, None if idx == list(range(n)) else set(idx)))
+                    warm = set(tail_chunks(plan, gp.index, n, tail_endpoints))
+                got.append((gp.index, None if idx == list(range(n)) else set(idx), warm))
             store_cache[n] = got
         return got
 
-    def put(h: ChunkHash, g: int, level: int) -> None:
+    def put(h: ChunkHash, g: int, level: int, cold: bool = False) -> None:
         tier = tiers[level]
-        r = index.put(h, g, tier)
+        r = index.put(h, g, tier, cold=cold)
         if r.slot is None:
             return
         written[tier][names[g]] += chunk_bytes[g]
@@ -296,11 +298,14 @@ def replay(
         admitted = adm.admit(list(chunks))  # type: ignore[attr-defined]  (every request: oracles count calls)
         n = min(n, int(admitted))
         if n:
-            for g, idx in wanted(n):
+            for g, idx, warm in wanted(n):
                 for i in range(n):
                     if idx is not None and i not in idx:
                         continue
-                    if not touch_all(chunks[i], g):
+                    if warm is not None and i not in warm:
+                        if not contains(chunks[i], g):
+                            put(chunks[i], g, 0, True)
+                    elif not touch_all(chunks[i], g):
                         put(chunks[i], g, 0)
         if progress is not None:
             progress(1)
@@ -335,8 +340,11 @@ def tail_chunks(plan: Plan, group: int, num_chunks: int, endpoints: int) -> list
 
     Why: a sliding window or a state checkpoint serves only hits that end near it, and follow-up
     requests (the next turn of a chat) hit at the end of an earlier prompt, so a sliding group's
-    early chunks and a state group's early checkpoints are bytes that almost no hit reads. With
+    early chunks and a state group's early checkpoints are bytes few hits read. With
     endpoints=2 a Mooncake next turn (which repeats all but the last, partial block) still hits.
+    The replay stores these warm; the group's other chunks are stored *cold* (evicted before
+    any warm entry, never refreshed by a save), so they cost nothing while there is room and
+    still serve a prompt that branches in the middle of a cached one.
     """
     if endpoints <= 0:
         raise ConfigError(f"tail endpoints {endpoints} must be a positive number of chunk boundaries")

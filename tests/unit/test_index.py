@@ -218,3 +218,37 @@ def test_rebuild_restores_entries_and_refuses_conflicts():
     r = ix.reserve("w", 0, "disk")  # x, y, z are reserved (pinned): only a may go
     assert r.slot == 2 and [e.chunk_hash for e in r.evicted] == ["a"]
     assert ix.reserve("v", 0, "disk").status == "full"
+
+
+def test_cold_entries_go_after_dead_and_before_the_policy():
+    ix = Index(gptoss_like(), {"cpu": 3 * 512}, policy="lru")
+    put_all(ix, ["a", "b"], groups=(0,))
+    ix.put("a", 1, "cpu")
+    ix.put("b", 1, "cpu", cold=True)  # newer than a, but cold
+    ix.put("c", 1, "cpu")  # dead at once: group 0 has no c
+    assert ix.stats()["tiers"]["cpu"]["groups"]["swa"]["cold"] == 1
+    r = ix.put("d", 1, "cpu")
+    assert [(e.chunk_hash, e.dead) for e in r.evicted] == [("c", True)]  # dead first
+    r = ix.put("e", 1, "cpu")
+    assert [(e.chunk_hash, e.dead) for e in r.evicted] == [("d", True)]  # d is dead too
+    ix.put("e", 0, "cpu")  # group 0: a b e; swa: a b(cold) e
+    r = ix.put("f", 0, "cpu")  # evicts a from group 0 (LRU): swa's a is now dead
+    assert [e.chunk_hash for e in r.evicted] == ["a"]
+    ix.put("f", 1, "cpu")  # swa: dead a goes before cold b
+    assert ix.contains("b", 1) and not ix.contains("a", 1)
+    ix.put("g", 0, "cpu")  # evicts b from group 0 -> swa's b is dead and cold
+    ix.touch("e", 1, "cpu")
+    assert ix.touch("b", 1, "cpu")  # a touch warms a cold entry (it stays dead here)
+    assert ix.stats()["tiers"]["cpu"]["groups"]["swa"]["cold"] == 0
+
+
+def test_cold_entry_is_evicted_before_warm_ones():
+    ix = Index(gptoss_like(), {"cpu": 3 * 512}, policy="lru")
+    put_all(ix, ["a", "b", "c"], groups=(0,))
+    ix.put("a", 1, "cpu")
+    ix.put("b", 1, "cpu", cold=True)
+    ix.put("c", 1, "cpu")  # swa LRU order a, b, c; b is cold
+    r = ix.put("d", 1, "cpu")  # (d itself is dead: group 0 has no d)
+    assert [(e.chunk_hash, e.dead) for e in r.evicted] == [("b", False)]  # cold b, not LRU's a
+    r = ix.put("e", 1, "cpu")
+    assert [(e.chunk_hash, e.dead) for e in r.evicted] == [("d", True)]

@@ -202,6 +202,10 @@ def test_tail_endpoints_store_only_the_windows_hits_read(tmp_path):
     b = plan.chunk_bytes_all_groups
     r = replay(plan, trace, {"cpu": 20 * b}, "lru", tail_endpoints=2)
     assert r.hit_chunks == 3
-    # r1 writes full 1 2 3 4, swa 2 3 4 (chunks 1-3: hits at 3 or 4 chunks), ssm 3 4;
-    # r2 (hits 1 2 3) writes full 5 6, swa 5 6 (chunks 2-4, 3 held), ssm 5 6
-    assert r.written_bytes["cpu"] == {"full": 6 * 1024, "swa": 5 * 1024, "ssm": 4 * 64}
+    # r1 writes full 1 2 3 4, swa 1 (cold) 2 3 4 (warm: hits at 3 or 4 chunks), ssm 1 2 (cold)
+    # 3 4; r2 (hits 1 2 3) writes full 5 6, swa 5 6, ssm 5 6
+    assert r.written_bytes["cpu"] == {"full": 6 * 1024, "swa": 6 * 1024, "ssm": 6 * 64}
+    # tight pools: the cold entries go first. 4 slots per group: r2's swa 5 6 evict the cold 1
+    # and then LRU's oldest warm 2 ... the hit of r2 is unchanged
+    tight = replay(plan, trace, {"cpu": 4 * b}, "lru", tail_endpoints=2)
+    assert tight.hit_chunks == 3
