@@ -216,3 +216,25 @@ def test_tiny_random_dir_is_deterministic_and_checks_the_family(tmp_path) -> Non
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     with pytest.raises(ConfigError, match="unknown tiny model family"):
         tiny_random_dir("gpt2", tmp_path / "c")
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_next_chat_turn_restores_past_the_answer(family: str, load_tiny, prompt) -> None:  # type: ignore[no-untyped-def]
+    model = load_tiny(family)
+    pc = PrefixCache.for_model(model, chunk_tokens=C, cpu_bytes=8 << 20)
+    first = pc.generate(prompt[:, :40], max_new_tokens=30, do_sample=False, pad_token_id=0)
+    answer = first.sequences  # 40 prompt tokens + 30 generated: K/V exist for 69 of them
+    follow_up = torch.cat([answer, prompt[:, 40:60]], dim=1)
+    logits, stats = pc.forward(follow_up)
+    assert stats.restored_tokens == 64  # past the 40-token prompt, into the answer
+    torch.testing.assert_close(logits, full_pass_logits(model, follow_up)[:, 64:], atol=1e-4, rtol=1e-4)
+    out = pc.generate(follow_up, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(out.sequences, plain_greedy(model, follow_up, 6))
+
+
+def test_state_models_store_no_chunks_past_the_prompt(load_tiny, prompt) -> None:  # type: ignore[no-untyped-def]
+    model = load_tiny("bamba")  # no state checkpoint is taken while decoding: nothing to store there
+    pc = PrefixCache.for_model(model, chunk_tokens=C, cpu_bytes=8 << 20)
+    first = pc.generate(prompt[:, :40], max_new_tokens=30, do_sample=False, pad_token_id=0)
+    _, stats = pc.forward(torch.cat([first.sequences, prompt[:, 40:60]], dim=1), save=False)
+    assert stats.restored_tokens == 32

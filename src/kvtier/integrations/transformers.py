@@ -69,6 +69,7 @@ class Prefill:
     logits: torch.Tensor | None
     stats: PrefillStats
     _save: Callable[[Store | None], int] | None = None
+    _capture: cache_fill.Capture | None = None  # generate keeps capturing while it decodes
 
     def save(self, store: Store | None = None, *, keep: bool = False) -> int:
         """Store the new chunks (in the PrefixCache's store, or `store` of the same namespace);
@@ -180,12 +181,38 @@ class PrefixCache:
         if "past_key_values" in generate_kwargs:
             raise ConfigError("do not pass past_key_values: PrefixCache.generate builds the cache itself")
         pf = self.prefill(input_ids, attention_mask, end=p - 1, logits="none")
+        # Attention-only models keep capturing K/V while decoding, so the answer's chunks are
+        # stored too and the next turn of a chat (prompt + answer + question) restores past
+        # the answer. Models with state groups do not: without a checkpoint at those chunk
+        # boundaries no hit could use the attention chunks, and bytes no hit reads are not stored.
+        gc = getattr(self.model, "generation_config", None)
+        one_sequence = all(int(generate_kwargs.get(k, getattr(gc, k, 1)) or 1) == 1  # type: ignore[call-overload]
+                           for k in ("num_beams", "num_return_sequences"))
+        extend = save and one_sequence and self.namespace_ok and pf._capture is not None and not any(
+            isinstance(x, lay.StateLayout) for x in self.layouts.values())
         with torch.inference_mode():
-            out = self.model.generate(  # type: ignore[attr-defined]
-                input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                past_key_values=pf.cache, **generate_kwargs)
-        saved = pf.save() if save else 0
+            if extend:
+                with pf._capture:  # type: ignore[union-attr]
+                    out = self.model.generate(  # type: ignore[attr-defined]
+                        input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                        past_key_values=pf.cache, **generate_kwargs)
+            else:
+                out = self.model.generate(  # type: ignore[attr-defined]
+                    input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                    past_key_values=pf.cache, **generate_kwargs)
         seqs = out if isinstance(out, torch.Tensor) else out.sequences
+        saved = 0
+        if extend:
+            # K/V exist for every token but the last generated one (it was never fed back)
+            done = seqs.shape[-1] - 1
+            tokens = seqs[0, :done].tolist()
+            restored = pf.stats.restored_tokens
+            if done // self.plan.chunk_tokens > restored // self.plan.chunk_tokens:
+                saved = self._save(None, chunk_hashes(self.plan, self.namespace, tokens),
+                                   pf._capture, {}, restored, done)  # type: ignore[arg-type]
+            pf._save = None
+        elif save:
+            saved = pf.save()
         return GenerateResult(sequences=seqs, stats=pf.stats, saved_payloads=saved)
 
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
@@ -216,7 +243,7 @@ class PrefixCache:
         save = None
         if self.namespace_ok and end // self.plan.chunk_tokens > restored // self.plan.chunk_tokens:
             save = lambda store=None: self._save(store, hashes, capture, snaps, restored, end)  # noqa: E731
-        return Prefill(cache=cache, logits=out_logits, stats=stats, _save=save)
+        return Prefill(cache=cache, logits=out_logits, stats=stats, _save=save, _capture=capture)
 
     # -- internals --------------------------------------------------------------------------------
     def _check_input(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
