@@ -156,12 +156,48 @@ def checksum(data: object, kind: int = DEFAULT_CHECKSUM) -> int:
     raise ValueError(f"unknown checksum kind {kind}")
 
 
+class StreamingChecksum:
+    """The payload checksum fed piece by piece; `value()` equals `checksum` of the whole.
+
+    Its `update` runs without the GIL (python-xxhash's `xxh3_64.update` releases it; its
+    one-shot `xxh3_64_intdigest` does not; zlib.crc32 releases it above 5 KiB), so the disk tier
+    can hash on one core while a helper thread copies on the other."""
+
+    __slots__ = ("kind", "_xxh", "_crc")
+
+    def __init__(self, kind: int = DEFAULT_CHECKSUM) -> None:
+        self.kind = kind
+        self._crc = 0
+        if kind == CHECKSUM_XXH3:
+            if _xxhash is None:
+                raise RuntimeError("xxhash is not installed; `pip install xxhash` to verify xxh3_64 slots")
+            self._xxh = _xxhash.xxh3_64()
+        elif kind == CHECKSUM_CRC32:
+            self._xxh = None
+        else:
+            raise ValueError(f"unknown checksum kind {kind}")
+
+    def update(self, data: object) -> None:
+        if self._xxh is not None:
+            self._xxh.update(data)  # type: ignore[arg-type]
+        else:
+            self._crc = zlib.crc32(data, self._crc)  # type: ignore[arg-type]
+
+    def value(self) -> int:
+        return self._xxh.intdigest() if self._xxh is not None else self._crc
+
+
 def seal(header: ChunkHeader, data: object, kind: int = DEFAULT_CHECKSUM) -> ChunkHeader:
     """`header` with the checksum of `data` and the creation time filled in."""
+    return sealed_with(header, checksum(data, kind), kind)
+
+
+def sealed_with(header: ChunkHeader, value: int, kind: int = DEFAULT_CHECKSUM) -> ChunkHeader:
+    """`header` with a checksum computed by the caller (e.g. a `StreamingChecksum`) and the
+    creation time filled in."""
     h = header  # a direct constructor call: dataclasses.replace costs ~10 us on the hot path
     return ChunkHeader(h.namespace_id, h.chunk_hash, h.group, h.token_start, h.token_end,
-                       h.payload_bytes, h.dtype, checksum(data, kind), kind, time.time_ns(),
-                       h.format_version)
+                       h.payload_bytes, h.dtype, value, kind, time.time_ns(), h.format_version)
 
 
 def encode_header(header: ChunkHeader) -> bytes:
@@ -250,10 +286,16 @@ def verify(header: ChunkHeader, data: object) -> str | None:
     view = as_bytes_view(data)
     if len(view) != header.payload_bytes:
         return f"payload truncated: {len(view)} of {header.payload_bytes} bytes"
+    why = unverifiable(header)
+    if why is None and checksum(view, header.checksum_kind) != header.checksum:
+        why = "payload checksum mismatch"
+    return why
+
+
+def unverifiable(header: ChunkHeader) -> str | None:
+    """Why this reader cannot check `header`'s payload at all (then it must not be restored)."""
     if header.checksum_kind == CHECKSUM_NONE:
         return "payload has no checksum"
     if header.checksum_kind == CHECKSUM_XXH3 and _xxhash is None:
         return "payload checksum is xxh3_64 and xxhash is not installed"
-    if checksum(view, header.checksum_kind) != header.checksum:
-        return "payload checksum mismatch"
     return None

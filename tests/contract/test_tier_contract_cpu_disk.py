@@ -85,11 +85,41 @@ class TestDiskTier(TierContract, SlotTierExtras):
         t.close()
 
 
+class TestDiskTierPipelined(TestDiskTier):
+    """The same contract with every payload of >= 2 pieces copied on the helper thread (group 2's
+    12289-byte slots: 3 pieces of 4096 + 1 byte)."""
+
+    @pytest.fixture
+    def make_tier(self, tmp_path):
+        made: list[DiskTier] = []
+
+        def make(layout: TierLayout) -> DiskTier:
+            t = DiskTier(tmp_path, layout, NS, pipeline="always", piece_bytes=4096)
+            made.append(t)
+            return t
+
+        yield make
+        for t in made:
+            t.close()
+
+    def test_large_payloads_go_through_the_helper(self, tier: DiskTier) -> None:
+        big, small = header(80, 2), header(81, 0)
+        assert tier.write(2, 0, big, payload(80, big.payload_bytes))
+        assert tier.write(0, 0, small, payload(81, small.payload_bytes))  # one piece: no hop
+        out = torch.zeros(big.payload_bytes, dtype=torch.uint8)
+        assert tier.read(2, 0, big, out) and torch.equal(out, payload(80, big.payload_bytes))
+        assert tier.helper_ios == 2
+
+
 def test_capacity_zero_and_unknown_fsync_raise_at_construction(tmp_path) -> None:
     with pytest.raises(ConfigError, match="capacity is 0 slots"):
         TierLayout(slot_bytes=(4096,), num_slots=(0,))
     with pytest.raises(ConfigError, match="fsync policy 'sometimes' unknown"):
         DiskTier(tmp_path, LAYOUT, NS, fsync="sometimes")
+    with pytest.raises(ConfigError, match="pipeline mode 'sideways' unknown"):
+        DiskTier(tmp_path, LAYOUT, NS, pipeline="sideways")
+    with pytest.raises(ConfigError, match="piece_bytes 100 is too small"):
+        DiskTier(tmp_path, LAYOUT, NS, piece_bytes=100)
 
 
 def test_a_smaller_restart_drops_the_slots_past_its_capacity(tmp_path) -> None:

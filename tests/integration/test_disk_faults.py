@@ -159,3 +159,82 @@ def test_torn_overwrite_old_header_over_new_payload(tmp_path) -> None:
         assert t.write(0, 0, old, torch.full((n,), 1, dtype=torch.uint8))  # restore for the next case
     assert t.corrupt_dropped == 2
     t.close()
+
+
+# -- large payloads: copy and checksum overlapped on the helper thread (pipeline="always") -----
+PIECE = 4096
+BIG = 5 * PIECE + 123  # 6 pieces, the last one short
+
+
+def _pipelined(tmp_path, mode: str = "always"):
+    from kvtier.tiers.base import TierLayout
+    from kvtier.tiers.disk import DiskTier
+
+    return DiskTier(tmp_path, TierLayout(slot_bytes=(BIG,), num_slots=(2,)), NS.id,
+                    pipeline=mode, piece_bytes=PIECE)
+
+
+def _big_payload(seed: int) -> torch.Tensor:
+    return torch.randint(0, 256, (BIG,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
+def test_pipelined_slots_carry_the_one_shot_checksum_and_read_back_either_way(tmp_path) -> None:
+    from kvtier.payload import DEFAULT_CHECKSUM, StreamingChecksum, checksum
+
+    data = _big_payload(1)
+    h = make_header(NS.id, b"\x05" * 32, 0, 0, C, BIG)
+    t = _pipelined(tmp_path)
+    assert t.write(0, 0, h, data)
+    assert t.helper_ios == 1
+    (rec,) = list(scan_dir(tmp_path, verify_payloads=True))
+    assert rec.problem is None and rec.header.checksum == checksum(data)  # streamed == one shot
+    s = StreamingChecksum(DEFAULT_CHECKSUM)
+    for a in range(0, BIG, 1000):  # pieces of any size give the same value
+        s.update(data.numpy()[a:a + 1000])
+    assert s.value() == checksum(data)
+    t.close()
+    serial = _pipelined(tmp_path, "never")  # a slot written by the helper reads back on one thread
+    out = torch.zeros(BIG, dtype=torch.uint8)
+    assert serial.read(0, 0, h, out) and torch.equal(out, data)
+    assert serial.write(0, 1, h, data) and serial.helper_ios == 0
+    serial.close()
+    t = _pipelined(tmp_path)  # and one written on one thread reads back through the helper
+    out = torch.zeros(BIG, dtype=torch.uint8)
+    assert t.read(0, 1, h, out) and torch.equal(out, data) and t.helper_ios == 1
+    t.close()
+
+
+def test_pipelined_read_rejects_a_flipped_byte_in_any_piece(tmp_path) -> None:
+    data = _big_payload(2)
+    h = make_header(NS.id, b"\x06" * 32, 0, 0, C, BIG)
+    t = _pipelined(tmp_path)
+    path = tmp_path / NS.id / slab_name(0, BIG)
+    for pos in (0, PIECE - 1, 2 * PIECE + 7, BIG - 1):  # first piece (caller), later ones (helper), tail
+        assert t.write(0, 0, h, data)
+        with open(path, "r+b") as f:
+            f.seek(HEADER_BYTES + pos)
+            b = f.read(1)
+            f.seek(HEADER_BYTES + pos)
+            f.write(bytes([b[0] ^ 0x80]))
+        assert t.read(0, 0, h, torch.zeros(BIG, dtype=torch.uint8)) is False, pos
+        assert t.read(0, 0, h, torch.zeros(BIG, dtype=torch.uint8)) is False  # dropped: now a miss
+    assert t.corrupt_dropped == 4
+    t.close()
+
+
+def test_pipelined_read_of_a_truncated_payload_is_a_counted_miss(tmp_path, caplog) -> None:
+    data = _big_payload(3)
+    h = make_header(NS.id, b"\x07" * 32, 0, 0, C, BIG)
+    t = _pipelined(tmp_path)
+    assert t.write(0, 0, h, data)
+    path = tmp_path / NS.id / slab_name(0, BIG)
+    for cut in (3 * PIECE + 5, PIECE // 2):  # ends in a helper piece; ends inside the first piece
+        os.truncate(path, HEADER_BYTES + cut)
+        out = torch.zeros(BIG, dtype=torch.uint8)
+        assert t.read(0, 0, h, out) is False
+        assert t.write(0, 0, h, data)  # restore for the next case
+    assert t.corrupt_dropped == 2
+    reasons = [r.getMessage().split(": ", 2)[-1] for r in caplog.records if "dropped" in r.getMessage()]
+    assert reasons == [f"payload truncated: {3 * PIECE + 5} of {BIG} bytes",
+                       f"payload truncated: {PIECE // 2} of {BIG} bytes"]
+    t.close()

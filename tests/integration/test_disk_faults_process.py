@@ -40,6 +40,8 @@ WRITER = textwrap.dedent("""
     from kvtier.store import Store
     sys.path.insert(0, {here!r})
     from test_disk_faults_process import PLAN, NS, ROW, pattern
+    import kvtier.tiers.disk as disk
+    disk.PIPELINE, disk.PIECE_BYTES = {pipeline!r}, 64 << 10  # "always": 512 KiB payloads in 8 pieces
     s = Store(PLAN, NS, disk_dir={root!r}, disk_bytes=6 * ROW)
     print("ready", flush=True)
     k = {start}
@@ -57,11 +59,13 @@ def pattern(chunk_hash: bytes, nbytes: int) -> torch.Tensor:
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
 
-def test_sigkill_during_writes_never_leaves_a_wrong_slot(tmp_path: Path) -> None:
+@pytest.mark.parametrize("pipeline", ["never", "always"])  # always: helper-thread writes killed too
+def test_sigkill_during_writes_never_leaves_a_wrong_slot(tmp_path: Path, pipeline: str) -> None:
     good = dropped = 0
     for round_ in range(3):
         proc = subprocess.Popen(
-            [sys.executable, "-c", WRITER.format(here=str(Path(__file__).parent), root=str(tmp_path), start=round_ * 10000)],
+            [sys.executable, "-c", WRITER.format(here=str(Path(__file__).parent), root=str(tmp_path),
+                                         start=round_ * 10000, pipeline=pipeline)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
         assert proc.stdout is not None
@@ -100,7 +104,12 @@ def tiny_fs(tmp_path: Path):
     subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
-def test_disk_full_is_a_counted_failed_save(tiny_fs: Path) -> None:
+@pytest.mark.parametrize("pipeline", ["never", "always"])  # always: ENOSPC raised on the helper thread
+def test_disk_full_is_a_counted_failed_save(tiny_fs: Path, pipeline: str, monkeypatch) -> None:
+    import kvtier.tiers.disk as disk
+
+    monkeypatch.setattr(disk, "PIPELINE", pipeline)
+    monkeypatch.setattr(disk, "PIECE_BYTES", 64 << 10)
     s = Store(PLAN, NS, disk_dir=tiny_fs, disk_bytes=6 * ROW)  # 6 chunks ~ 3.5 MiB > 1 MiB
     toks = [(5 * i) % 40000 for i in range(3 * C + 1)]
     hashes = s.hashes(toks)
@@ -147,6 +156,8 @@ FSIZE_WRITER = textwrap.dedent("""
     resource.setrlimit(resource.RLIMIT_FSIZE, (600_000, 600_000))
     sys.path.insert(0, {here!r})
     from test_disk_faults_process import PLAN, NS, ROW, pattern
+    import kvtier.tiers.disk as disk
+    disk.PIPELINE, disk.PIECE_BYTES = {pipeline!r}, 64 << 10  # "always": 512 KiB payloads in 8 pieces
     from kvtier.store import Store
     s = Store(PLAN, NS, disk_dir={root!r}, disk_bytes=6 * ROW)
     toks = [(7 * i) % 40000 for i in range(3 * 256 + 1)]
@@ -156,11 +167,13 @@ FSIZE_WRITER = textwrap.dedent("""
 """)
 
 
-def test_file_size_limit_is_a_counted_failed_save(tmp_path: Path) -> None:
+@pytest.mark.parametrize("pipeline", ["never", "always"])  # always: EFBIG raised on the helper thread
+def test_file_size_limit_is_a_counted_failed_save(tmp_path: Path, pipeline: str) -> None:
     import json
 
     r = subprocess.run(
-        [sys.executable, "-c", FSIZE_WRITER.format(here=str(Path(__file__).parent), root=str(tmp_path))],
+        [sys.executable, "-c", FSIZE_WRITER.format(here=str(Path(__file__).parent), root=str(tmp_path),
+                                                   pipeline=pipeline)],
         capture_output=True, text=True, timeout=120,
     )
     assert r.returncode == 0, r.stderr

@@ -19,3 +19,17 @@ def test_bench_store_json_has_the_ratios(capsys, tmp_path) -> None:
     # mla 8 x 1152 x 256, state 4 x 1 MiB
     assert out["save_bytes_per_round"] == 2 * 16 * 2048 * 256 + 8 * 1152 * 256 + 4 * 2**20
     assert list(tmp_path.iterdir()) == []  # the temporary files are gone
+
+
+def test_bench_store_disk_pipeline_always_uses_the_helper_for_this_run_only(capsys, tmp_path) -> None:
+    import kvtier.tiers.disk as disk
+
+    before = disk.PIPELINE
+    code = main(["bench", "store", "--json", "--rounds", "1", "--chunks", "1", "--dir", str(tmp_path),
+                 "--disk-pipeline", "always"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["disk_pipeline"] == "always"
+    # 2 rounds (warm-up + 1); each saves and loads one chunk of each group, all >= 2 pieces of
+    # 1 MiB (full, local: 8 MiB; mla: 8 x 1152 x 256 = 2.25 MiB; state checkpoint: 4 MiB): 2 x 8
+    assert out["disk_helper_ios"] == 16
+    assert disk.PIPELINE == before
