@@ -14,7 +14,9 @@ payload: a counted miss), with no header (a plain miss), or complete. Nothing re
 but wrong; fsync only decides what survives a power loss, not what a process kill can do.
 
 I/O is buffered `os.pwritev`/`os.preadv` straight from/into the caller's buffer (a memoryview
-of its tensor): no intermediate copy, one syscall for header + payload on reads. Rejected:
+of its tensor): no intermediate copy, one syscall for header + payload on reads. Payloads of
+at least two `piece_bytes` may use one helper thread per tier (`pipeline`, below) so that the
+kernel copy and the checksum run on two cores. Rejected:
 O_DIRECT (needs aligned buffers the engine does not give us; the page cache is the point for
 a cache re-read soon after it is written).
 
