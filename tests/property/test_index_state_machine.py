@@ -67,6 +67,27 @@ class IndexMachine(RuleBasedStateMachine):
             assert len(same) == self.ix.slots(g, tier)
             assert all(v[1] > 0 for v in same)  # full only when every entry is pinned
 
+    @rule(h=HASHES, g=st.sampled_from(GROUPS), tier=st.sampled_from(TIERS), cold=st.booleans())
+    def put(self, h, g, tier, cold):
+        r = self.ix.put(h, g, tier, cold=cold)
+        for e in r.evicted:
+            key = (e.chunk_hash, e.group, e.tier)
+            state, pins, slot = self.model[key]
+            assert state == "committed" and pins == 0 and slot == e.slot
+            self._gone(key)
+        key = (h, g, tier)
+        if r.status == "reserved":
+            self.model[key] = ["committed", 0, r.slot]
+        elif r.status == "full":
+            assert all(v[1] > 0 for k, v in self.model.items() if k[1:] == (g, tier))
+        else:
+            assert key in self.model
+
+    @rule(h=HASHES, g=st.sampled_from(GROUPS))
+    def touch_all(self, h, g):
+        held = any(self.model.get((h, g, t), [None])[0] == "committed" for t in TIERS)
+        assert self.ix.touch_all(h, g) == held
+
     @rule(data=st.data())
     def commit_or_abort(self, data):
         reserved = sorted(k for k, v in self.model.items() if v[0] == "reserved")

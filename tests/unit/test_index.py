@@ -252,3 +252,12 @@ def test_cold_entry_is_evicted_before_warm_ones():
     assert [(e.chunk_hash, e.dead) for e in r.evicted] == [("b", False)]  # cold b, not LRU's a
     r = ix.put("e", 1, "cpu")
     assert [(e.chunk_hash, e.dead) for e in r.evicted] == [("d", True)]
+
+
+def test_pinned_cold_entry_is_not_evicted():
+    ix = Index(gptoss_like(), {"cpu": 1 * 512}, policy="lru")
+    ix.put("a", 0, "cpu", cold=True)
+    assert ix.pin("a", 0, "cpu")
+    assert ix.put("b", 0, "cpu").status == "full"
+    ix.unpin("a", 0, "cpu")
+    assert [e.chunk_hash for e in ix.put("b", 0, "cpu").evicted] == ["a"]
