@@ -303,8 +303,10 @@ class Index:
         self._drop(pool, victim, vrec)
         return pool.alloc(), (entry,)
 
-    def commit(self, chunk_hash: ChunkHash, group: int, tier: str) -> None:
-        """The payload is written: the entry becomes visible to lookup and evictable."""
+    def commit(self, chunk_hash: ChunkHash, group: int, tier: str, *, cold: bool = False) -> None:
+        """The payload is written: the entry becomes visible to lookup and evictable.
+
+        cold=True: as `put(cold=True)`, evicted before any warm entry until a touch warms it."""
         pool = self._pool(group, tier)
         rec = pool.recs.get(chunk_hash)
         if rec is None or rec.state != _RESERVED:
@@ -316,6 +318,8 @@ class Index:
         rec.pins -= 1
         pool.policy.insert(chunk_hash)
         pool.counts["commits"] += 1
+        if cold:
+            pool.cold[chunk_hash] = None
         if self._dependents and group not in self._anchor_set and not self._anchored(chunk_hash):
             pool.dead[chunk_hash] = None
 

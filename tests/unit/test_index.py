@@ -261,3 +261,11 @@ def test_pinned_cold_entry_is_not_evicted():
     assert ix.put("b", 0, "cpu").status == "full"
     ix.unpin("a", 0, "cpu")
     assert [e.chunk_hash for e in ix.put("b", 0, "cpu").evicted] == ["a"]
+
+
+def test_commit_cold():
+    ix = Index(gptoss_like(), {"cpu": 2 * 512}, policy="lru")
+    ix.put("a", 0, "cpu")
+    ix.reserve("b", 0, "cpu")
+    ix.commit("b", 0, "cpu", cold=True)  # newer than a, but cold: it goes first
+    assert [e.chunk_hash for e in ix.put("c", 0, "cpu").evicted] == ["b"]
