@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import struct
+import time
 import zlib
 
 import torch
@@ -237,4 +238,29 @@ def test_pipelined_read_of_a_truncated_payload_is_a_counted_miss(tmp_path, caplo
     reasons = [r.getMessage().split(": ", 2)[-1] for r in caplog.records if "dropped" in r.getMessage()]
     assert reasons == [f"payload truncated: {3 * PIECE + 5} of {BIG} bytes",
                        f"payload truncated: {PIECE // 2} of {BIG} bytes"]
+    t.close()
+
+
+def test_a_forked_child_gets_its_own_helper_thread(tmp_path) -> None:
+    """The executor survives fork() but its thread does not: the child must not wait on it."""
+    data = _big_payload(4)
+    h = make_header(NS.id, b"\x08" * 32, 0, 0, C, BIG)
+    t = _pipelined(tmp_path)
+    assert t.write(0, 0, h, data)  # the parent's helper thread exists now
+    pid = os.fork()
+    if pid == 0:  # child: read through a helper of its own, report by exit code
+        ok = False
+        try:
+            out = torch.zeros(BIG, dtype=torch.uint8)
+            ok = t.read(0, 0, h, out) and torch.equal(out, data)
+        finally:
+            os._exit(0 if ok else 1)
+    deadline = time.monotonic() + 30
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        raise AssertionError("the forked child hung on the parent's helper thread")
+    assert os.waitstatus_to_exitcode(done[1]) == 0
     t.close()

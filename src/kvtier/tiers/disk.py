@@ -106,6 +106,7 @@ class DiskTier(SlotTier):
         self.helper_ios = 0  # payloads read or written with the helper thread (bench reports it)
         # one helper thread per tier, made at the first large payload, joined by close()
         self._pool: ThreadPoolExecutor | None = None
+        self._pool_pid = 0
         if not re.fullmatch(r"[0-9a-f]{16}", namespace_id):
             raise ConfigError(f"namespace id {namespace_id!r} must be 16 hex digits (keys.Namespace.id)")
         self.fsync = fsync
@@ -237,8 +238,11 @@ class DiskTier(SlotTier):
         return self._cores_free
 
     def _helper(self) -> ThreadPoolExecutor:
-        if self._pool is None:
+        # a forked child inherits the executor but not its thread: work submitted there would
+        # wait forever, so a child makes its own
+        if self._pool is None or self._pool_pid != os.getpid():
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-disk")
+            self._pool_pid = os.getpid()
         return self._pool
 
     def _read_rest_verified(self, fd: int, stored: ChunkHeader, dst: memoryview, off: int) -> str | None:
@@ -320,7 +324,7 @@ class DiskTier(SlotTier):
             yield g, s, h
 
     def close(self) -> None:
-        if self._pool is not None:
+        if self._pool is not None and self._pool_pid == os.getpid():
             self._pool.shutdown(wait=True)  # no helper read or write outlives its file
             self._pool = None
         for fd in self._fds:
