@@ -247,6 +247,8 @@ def _run(args: argparse.Namespace) -> int:
     print(f"checksum {out['checksum']}: {out['host_checksum_gbps']} GB/s, memcpy {out['host_memcpy_gbps']} "
           f"GB/s on this host: a verified warm disk load can reach at most ~{out['disk_load_ratio_bound']} "
           "of a plain read on one core")
+    print(f"disk pipeline {out['disk_pipeline']}: {out['disk_helper_ios']} payloads copied on the helper "
+          "thread while this one checksummed them (auto: only while the load average leaves a core free)")
     print(f"lookup of a 131072-token prompt ({out['lookup_prompt_chunks']} chunks x 4 groups): "
           f"{out['lookup_ms_128k']} ms, {out['lookup_chunks_per_s']:.0f} chunks/s; "
           f"hashing it: {out['hash_ms_128k']} ms")
