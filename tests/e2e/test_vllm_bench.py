@@ -24,7 +24,9 @@ def test_bench_vllm_json() -> None:
          "--dtype", "float32", "--rounds", "1", "--prompts", "1", "--prefix-tokens", "512"],
         env=env, capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1, proc.stdout[-2000:]  # --json: one object on stdout, logs on stderr
+    result = json.loads(lines[0])
     assert set(result) == {"first_s", "second_s", "loaded_blocks", "identical"}
     assert result["identical"] is True
     assert result["loaded_blocks"] == 4  # 512 + 16 tokens: 4 full chunks of 128, all reloaded
