@@ -6,11 +6,12 @@ distinct short suffixes: first pass (vLLM computes and kvtier stores), `reset_pr
 engine, side by side, every round; the report is the median of the rounds and the ratio.
 `--json` prints `{"first_s", "second_s", "loaded_blocks", "identical"}`: median seconds of the
 first and second `generate` calls, blocks kvtier loaded into vLLM in one round's second pass,
-and whether in every round the second pass's greedy outputs equal what vLLM produces for the
-same prompts from its own prefix cache (an untimed reference pass before the reset). That is
-the exactness check: a cold prefill and a prefill over a cached prefix take different attention
-paths in vLLM, and in bfloat16 their logits can round differently (seen once in three SmolLM2
-rounds), so the cold pass is compared too and reported beside it.
+and whether in every round the second pass's greedy outputs equal what vLLM itself produced for
+the same prompts: cold (the first pass) or from its own prefix cache (an untimed reference pass
+before the reset). Both references are needed: in bfloat16 on CPU, vLLM's logits depend on the
+attention path (cold prefill vs cached prefix) and on the batch's shape, and a near-tie can flip
+a greedy token between vLLM's own passes (measured: in 2 of 6 SmolLM2 rounds one prompt's cold
+and cached outputs differed from the 2nd or 5th token on); a wrong restore matches neither.
 """
 
 from __future__ import annotations
@@ -68,8 +69,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"  first pass (computed, stored):      {result['first_s']:.3f} s")
         print(f"  second pass (loaded from kvtier):   {result['second_s']:.3f} s")
         print(f"  first / second: {ratio:.2f}x; blocks loaded per round: {result['loaded_blocks']}")
-        print(f"  reloaded outputs identical to vLLM's own prefix-cache outputs: {result['identical']}; "
-              f"also to the cold pass in {_COLD_SAME[-1]}/{args.rounds} rounds")
+        print(f"  reloaded outputs equal vLLM's own (cold or prefix-cache) outputs every round: "
+              f"{result['identical']}; equal the cold pass in {_COLD_SAME[-1]}/{args.rounds} rounds")
     return 0 if result["identical"] and result["loaded_blocks"] > 0 else 1
 
 
@@ -134,7 +135,7 @@ def _bench(args: argparse.Namespace, model: str, directory: str) -> dict[str, ob
         time.sleep(0.2)  # the worker's counters reach its metrics file as its jobs finish
         loaded.append(read_metrics(directory).get("loaded_blocks", 0) - before)
         toks = [[list(o.outputs[0].token_ids) for o in r] for r in (one, ref, two)]
-        identical &= toks[2] == toks[1]
+        identical &= toks[2] in (toks[0], toks[1])
         cold_same += toks[2] == toks[0]
         if toks[2] != toks[1] or toks[2] != toks[0]:
             print(f"round {len(firsts)}: cold {toks[0]} / vLLM cache {toks[1]} / kvtier {toks[2]}",
