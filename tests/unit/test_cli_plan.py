@@ -72,12 +72,26 @@ def test_human_table_deepseek_v4_like(capsys, geometry_path) -> None:
 
 
 def test_extra_config_has_blocks_per_chunk_when_one_count_fits(capsys, config_path) -> None:
+    rc, out, _ = run(capsys, "plan", str(config_path("gemma-3-270m")), "--chunk-tokens", "512",
+                     "--block-size", "16")
+    line = next(x for x in out.splitlines() if x.strip().startswith("{"))
+    doc = json.loads(line)
+    assert rc == 0 and doc["kv_connector"] == "KvtierConnector"
+    assert doc["kv_load_failure_policy"] == "recompute"
+    assert doc["kv_connector_extra_config"] == {
+        "spec_name": "KvtierOffloadingSpec", "spec_module_path": "kvtier.integrations.vllm.spec",
+        "blocks_per_chunk": 32, "kvtier.chunk_tokens": 512,  # 512 / 16-token blocks
+        "kvtier.tiers": "cpu", "kvtier.cpu_bytes": "4GiB"}
+    assert "warning" not in out
+
+
+def test_extra_config_omits_blocks_per_chunk_when_the_block_size_was_defaulted(capsys, config_path) -> None:
+    # a config.json says nothing of the engine's blocks: 16 is a default, wrong for vLLM on CPU
     rc, out, _ = run(capsys, "plan", str(config_path("gemma-3-270m")), "--chunk-tokens", "512")
     line = next(x for x in out.splitlines() if x.strip().startswith("{"))
-    assert rc == 0 and json.loads(line) == {
-        "spec_name": "KvtierOffloadingSpec", "spec_module_path": "kvtier.integrations.vllm.spec",
-        "blocks_per_chunk": 32, "kvtier.chunk_tokens": 512}
-    assert "warning" not in out
+    extra = json.loads(line)["kv_connector_extra_config"]
+    assert rc == 0 and "blocks_per_chunk" not in extra and extra["kvtier.chunk_tokens"] == 512
+    assert "give --block-size" in out
 
 
 def test_dtype_and_block_size_for_a_config_json(capsys, config_path) -> None:

@@ -122,18 +122,35 @@ def native_blocks_per_chunk(plan: Plan) -> int | None:
     return counts.pop() if len(counts) == 1 else None
 
 
-def vllm_extra_config(plan: Plan) -> dict[str, object]:
+def vllm_extra_config(plan: Plan, *, engine_blocks: bool = True) -> dict[str, object]:
     """`kv_connector_extra_config` for kvtier's spec in vLLM, expressing this plan.
 
     `kvtier.chunk_tokens` is what kvtier's spec reads; vLLM's own `blocks_per_chunk` is added
-    when one count fits every attention group (it is then the same chunk).
+    when one count fits every attention group (it is then the same chunk) and the tokens per
+    block are the engine's (`engine_blocks`): a config.json read with the default 16-token
+    blocks would print a count that is wrong for vLLM on CPU (128-token blocks), and the spec
+    refuses a blocks_per_chunk that disagrees with kvtier.chunk_tokens.
     """
     out: dict[str, object] = {"spec_name": SPEC_NAME, "spec_module_path": SPEC_MODULE}
-    bpc = native_blocks_per_chunk(plan)
+    bpc = native_blocks_per_chunk(plan) if engine_blocks else None
     if bpc is not None:
         out["blocks_per_chunk"] = bpc
     out["kvtier.chunk_tokens"] = plan.chunk_tokens
+    out["kvtier.tiers"] = "cpu"
+    out["kvtier.cpu_bytes"] = "4GiB"
     return out
+
+
+def vllm_transfer_config(plan: Plan, *, engine_blocks: bool = True) -> dict[str, object]:
+    """The whole `--kv-transfer-config` (docs/vllm.md): kvtier's connector recomputes a failed
+    load instead of stopping the engine, which vLLM 0.32's stock OffloadingConnector does."""
+    return {
+        "kv_connector": "KvtierConnector",
+        "kv_connector_module_path": "kvtier.integrations.vllm.connector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": vllm_extra_config(plan, engine_blocks=engine_blocks),
+    }
 
 
 def _human_bytes(n: float) -> str:
@@ -157,7 +174,7 @@ def _table(rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def render(plan: Plan, hit_tokens: int | None) -> str:
+def render(plan: Plan, hit_tokens: int | None, *, engine_blocks: bool = True) -> str:
     g = plan.geometry
     t = plan.round_hit(hit_tokens) if hit_tokens is not None else None
     head = f"geometry {g.name or '(unnamed)'}"
@@ -198,8 +215,12 @@ def render(plan: Plan, hit_tokens: int | None) -> str:
         out.append(f"hit of {t} tokens restores {_human_bytes(r)} ({r} B); restoring every chunk "
                    f"of every group would move {_human_bytes(n)} ({n} B{ratio})")
     out.append("")
-    out.append("vLLM kv_connector_extra_config for this plan:")
-    out.append("  " + json.dumps(vllm_extra_config(plan)))
+    out.append("vLLM --kv-transfer-config for this plan (set kvtier.cpu_bytes to the host memory "
+               "it may use; more keys in docs/vllm.md):")
+    out.append("  " + json.dumps(vllm_transfer_config(plan, engine_blocks=engine_blocks)))
+    if not engine_blocks:
+        out.append("note: tokens per block defaulted to 16; give --block-size (vLLM's: 16 on GPU, "
+                   "128 on CPU) or --engine vllm to also get vLLM's blocks_per_chunk")
     for w in vllm_warnings(plan):
         out.append(f"warning: {w}")
     return "\n".join(out)
@@ -227,5 +248,8 @@ def run(args: argparse.Namespace) -> int:
         for w in vllm_warnings(plan):
             print(f"warning: {w}", file=sys.stderr)
     else:
-        print(render(plan, args.hit_tokens))
+        # a geometry JSON states its blocks; a config.json only with --block-size or --engine vllm
+        engine_blocks = (args.engine == "vllm" or args.block_size is not None
+                         or geometry.source.startswith("geometry file"))
+        print(render(plan, args.hit_tokens, engine_blocks=engine_blocks))
     return 0
