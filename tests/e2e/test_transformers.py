@@ -48,13 +48,16 @@ def plain_split_logits(model, ids: torch.Tensor, cuts_prefix: list[int], cuts_su
     """Plain transformers, no kvtier: the prefix pieces, then the suffix pieces' logits."""
     from transformers import DynamicCache
 
+    from kvtier.integrations.hf.cache_fill import cache_kwarg
+
     cache = DynamicCache(config=model.config)
+    kw = cache_kwarg(model)  # `cache` from transformers 5.24, `past_key_values` before
     outs = []
     with torch.inference_mode():
         for cuts, keep in ((cuts_prefix, None), (cuts_suffix, 0)):
             for a, b in zip(cuts, cuts[1:]):
                 out = model(input_ids=ids[:, a:b], position_ids=torch.arange(a, b)[None],
-                            past_key_values=cache, use_cache=True, logits_to_keep=1 if keep is None else 0)
+                            use_cache=True, logits_to_keep=1 if keep is None else 0, **{kw: cache})
                 if keep is not None:
                     outs.append(out.logits)
     return torch.cat(outs, dim=1)
@@ -238,3 +241,25 @@ def test_state_models_store_no_chunks_past_the_prompt(load_tiny, prompt) -> None
     first = pc.generate(prompt[:, :40], max_new_tokens=30, do_sample=False, pad_token_id=0)
     _, stats = pc.forward(torch.cat([first.sequences, prompt[:, 40:60]], dim=1), save=False)
     assert stats.restored_tokens == 32
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_generate_runs_on_the_filled_cache(family: str, load_tiny, prompt) -> None:  # type: ignore[no-untyped-def]
+    """`model.generate` must continue kvtier's cache, not build its own: if it ignored the cache
+    (a renamed argument, e.g. `past_key_values` -> `cache` in transformers 5.24), it would
+    recompute the whole prompt and still answer the same, so count what the model is fed."""
+    model = load_tiny(family)
+    pc = PrefixCache.for_model(model, chunk_tokens=C, cpu_bytes=8 << 20)
+    pc.generate(prompt[:, :T + 1], max_new_tokens=1, do_sample=False, pad_token_id=0)
+    fed: list[int] = []
+    hook = model.get_input_embeddings().register_forward_hook(lambda m, args, out: fed.append(args[0].shape[-1]))
+    try:
+        out = pc.generate(prompt, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    finally:
+        hook.remove()
+    p = prompt.shape[1]
+    computed = _cuts(family, T, p - 1)
+    # kvtier's prefill pieces [T, p-1), then generate: the last prompt token, then one per new token
+    assert fed == [b - a for a, b in zip(computed, computed[1:])] + [1, 1, 1]
+    assert out.stats.restored_tokens == T
+    assert torch.equal(out.sequences, plain_greedy(model, prompt, 3))

@@ -84,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from kvtier.commands.demo import document
+    from kvtier.integrations.hf.cache_fill import cache_kwarg
     from kvtier.integrations.hf.runner import load_model, warm_up
     from kvtier.integrations.transformers import PrefixCache, model_plan
     from kvtier.store import Store
@@ -123,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
                         cache = copy.deepcopy(ideal_cache)
                         t0 = time.perf_counter()
                         out = model(input_ids=ids[:, n:], position_ids=torch.arange(n, p)[None],
-                                    past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+                                    use_cache=True, logits_to_keep=1, **{cache_kwarg(model): cache}).logits
                     elif mode == "recompute":
                         t0 = time.perf_counter()
                         out = model(input_ids=ids, logits_to_keep=1).logits

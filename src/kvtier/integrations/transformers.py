@@ -147,6 +147,7 @@ class PrefixCache:
         self.layouts = lay.probe_layouts(model, plan, self.new_cache)
         params = inspect.signature(model.forward).parameters
         self._cache_position = "cache_position" in params  # transformers < 5 wants it
+        self._cache_kw = cache_fill.cache_kwarg(model)  # `cache` from 5.24, `past_key_values` before
         self.namespace_misses = 0
 
     @classmethod
@@ -178,8 +179,9 @@ class PrefixCache:
         p = input_ids.shape[-1]
         if p < 1:
             raise ConfigError("input_ids is empty; give at least one prompt token")
-        if "past_key_values" in generate_kwargs:
-            raise ConfigError("do not pass past_key_values: PrefixCache.generate builds the cache itself")
+        for name in ("past_key_values", "cache"):
+            if name in generate_kwargs:
+                raise ConfigError(f"do not pass {name}: PrefixCache.generate builds the cache itself")
         pf = self.prefill(input_ids, attention_mask, end=p - 1, logits="none")
         # Attention-only models keep capturing K/V while decoding, so the answer's chunks are
         # stored too and the next turn of a chat (prompt + answer + question) restores past
@@ -195,11 +197,11 @@ class PrefixCache:
                 with pf._capture:  # type: ignore[union-attr]
                     out = self.model.generate(  # type: ignore[attr-defined]
                         input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                        past_key_values=pf.cache, **generate_kwargs)
+                        **{self._cache_kw: pf.cache}, **generate_kwargs)
             else:
                 out = self.model.generate(  # type: ignore[attr-defined]
                     input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                    past_key_values=pf.cache, **generate_kwargs)
+                    **{self._cache_kw: pf.cache}, **generate_kwargs)
         seqs = out if isinstance(out, torch.Tensor) else out.sequences
         saved = 0
         if extend:
@@ -344,12 +346,12 @@ class PrefixCache:
                     continue
                 last = b == end
                 keep = 0 if logits == "all" else 1
-                kwargs: dict[str, object] = {}
+                kwargs: dict[str, object] = {self._cache_kw: cache}
                 if self._cache_position:
                     kwargs["cache_position"] = torch.arange(a, b, device=ids.device)
                 out = self.model(  # type: ignore[operator]
                     input_ids=ids[:, a:b], position_ids=torch.arange(a, b, device=ids.device)[None],
-                    past_key_values=cache, use_cache=True, logits_to_keep=keep, **kwargs)
+                    use_cache=True, logits_to_keep=keep, **kwargs)
                 if logits == "all" or (logits == "last" and last):
                     outs.append(out.logits)
                 if b % c == 0 and state_layouts and self.namespace_ok:

