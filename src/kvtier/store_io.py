@@ -117,17 +117,11 @@ class TierIO:
         except Exception as exc:  # a shared tier going away is a counted failure
             log.warning("shared tier %s: write failed: %s", tier.name, exc)
             results = [False] * len(batch)
-        dt = time.perf_counter() - t0
-        for (g, _, header, _), good in zip(batch, results):
-            d = self.m.tg(tier.name, g)
-            d["save_seconds"] += dt / max(1, len(batch))
-            if good:
-                d["save_chunks"] += 1
-                d["save_bytes"] += header.payload_bytes
-            else:
-                d["save_failures"] += 1
-                self.m.add("failed_saves")
-        return sum(1 for r in results if r)
+        self._count_batch(tier, "save", [(g, h) for g, _, h, _ in batch], results, t0)
+        failed = sum(1 for r in results if not r)
+        if failed:
+            self.m.add("failed_saves", failed)
+        return len(results) - failed
 
     def _shared_read(self, tier: Tier, want: list[tuple[int, ChunkHeader, object]]) -> list[bool]:
         """Read many chunks from a shared tier in one batched call (a whole prefix costs one
@@ -140,14 +134,20 @@ class TierIO:
         except Exception as exc:  # a shared tier going away is a miss
             log.warning("shared tier %s: read failed: %s", tier.name, exc)
             results = [False] * len(want)
-        dt = time.perf_counter() - t0
-        for (g, header, _), good in zip(want, results):
-            d = self.m.tg(tier.name, g)
-            d["load_seconds"] += dt / max(1, len(want))
-            if good:
-                d["load_chunks"] += 1
-                d["load_bytes"] += header.payload_bytes
-            else:
-                d["load_misses"] += 1
+        self._count_batch(tier, "load", [(g, h) for g, h, _ in want], results, t0)
         self.m.add("corrupt_dropped", tier.corrupt_dropped - before)
         return list(results)
+
+    def _count_batch(self, tier: Tier, kind: str, items: list[tuple[int, ChunkHeader]],
+                     results: list[bool], t0: float) -> None:
+        """Per-(tier, group) counters of one batched call; its time is shared out evenly."""
+        share = (time.perf_counter() - t0) / max(1, len(items))
+        failure = "save_failures" if kind == "save" else "load_misses"
+        for (g, header), good in zip(items, results):
+            d = self.m.tg(tier.name, g)
+            d[f"{kind}_seconds"] += share
+            if good:
+                d[f"{kind}_chunks"] += 1
+                d[f"{kind}_bytes"] += header.payload_bytes
+            else:
+                d[failure] += 1
