@@ -108,6 +108,16 @@ def probe_layouts(model: torch.nn.Module, plan: Plan, make_cache) -> dict[int, L
                     )
                 shapes.add((keys.shape[1], keys.shape[3], keys.dtype))
                 window = getattr(layer, "sliding_window", None) if getattr(layer, "is_sliding", False) else None
+                if window is not None and not isinstance(getattr(layer, "cumulative_length", None), int):
+                    # a restore sets this count to the true prefix length (masks and positions read
+                    # it); without it the restored window would be misplaced, so refuse up front
+                    import transformers
+
+                    raise UnsupportedModelError(
+                        f"layer {li} of group {g.name!r}: the sliding cache layer "
+                        f"{type(layer).__name__} of transformers {transformers.__version__} keeps no "
+                        "integer cumulative_length; kvtier is tested with 5.19 and 5.24"
+                    )
                 if window != g.window:
                     raise UnsupportedModelError(
                         f"layer {li} of group {g.name!r}: the transformers cache keeps a window of "
