@@ -235,6 +235,21 @@ def test_next_chat_turn_restores_past_the_answer(family: str, load_tiny, prompt)
     assert torch.equal(out.sequences, plain_greedy(model, follow_up, 6))
 
 
+def test_prompt_lookup_decoding_never_stores_cropped_draft_kv(load_tiny, prompt) -> None:  # type: ignore[no-untyped-def]
+    """Prompt-lookup (assisted) decoding feeds draft tokens and crops the rejected ones from the
+    cache; their K/V must never be stored under the accepted tokens' positions. A follow-up turn
+    must restore only K/V a plain run computes (here: the 32 prompt tokens' chunks)."""
+    model = load_tiny("llama")
+    pc = PrefixCache.for_model(model, chunk_tokens=C, cpu_bytes=8 << 20)
+    ids = torch.cat([prompt[:, :20], prompt[:, :20]], dim=1)  # repeats give the lookup drafts
+    first = pc.generate(ids, max_new_tokens=30, do_sample=False, pad_token_id=0,
+                        prompt_lookup_num_tokens=4)
+    follow_up = torch.cat([first.sequences, prompt[:, 40:60]], dim=1)
+    logits, stats = pc.forward(follow_up, save=False)
+    assert stats.restored_tokens == 32  # the prompt's two full chunks (39 tokens prefilled), no answer chunks
+    torch.testing.assert_close(logits, full_pass_logits(model, follow_up)[:, 32:], atol=1e-4, rtol=1e-4)
+
+
 def test_state_models_store_no_chunks_past_the_prompt(load_tiny, prompt) -> None:  # type: ignore[no-untyped-def]
     model = load_tiny("bamba")  # no state checkpoint is taken while decoding: nothing to store there
     pc = PrefixCache.for_model(model, chunk_tokens=C, cpu_bytes=8 << 20)

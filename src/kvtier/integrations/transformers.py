@@ -29,6 +29,7 @@ geometry or dtype is a namespace miss: nothing is restored from it and nothing s
 from __future__ import annotations
 
 import inspect
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,6 +39,8 @@ import torch
 from kvtier.errors import ConfigError, UnsupportedModelError
 from kvtier.hf_config import geometry_from_pretrained_config
 from kvtier.integrations.hf import cache_fill, layout as lay
+
+log = logging.getLogger("kvtier.transformers")
 from kvtier.keys import Namespace, chunk_hashes
 from kvtier.plan import Plan, make_plan
 from kvtier.store import Store
@@ -149,6 +152,7 @@ class PrefixCache:
         self._cache_position = "cache_position" in params  # transformers < 5 wants it
         self._cache_kw = cache_fill.cache_kwarg(model)  # `cache` from 5.24, `past_key_values` before
         self.namespace_misses = 0
+        self.unsafe_saves_refused = 0  # captures that did not match the tokens (never stored)
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, *, model_id: str | None = None, chunk_tokens: int | None = None,
@@ -187,10 +191,16 @@ class PrefixCache:
         # stored too and the next turn of a chat (prompt + answer + question) restores past
         # the answer. Models with state groups do not: without a checkpoint at those chunk
         # boundaries no hit could use the attention chunks, and bytes no hit reads are not stored.
-        gc = getattr(self.model, "generation_config", None)
+        gc = generate_kwargs.get("generation_config") or getattr(self.model, "generation_config", None)
         one_sequence = all(int(generate_kwargs.get(k, getattr(gc, k, 1)) or 1) == 1  # type: ignore[call-overload]
                            for k in ("num_beams", "num_return_sequences"))
-        extend = save and one_sequence and self.namespace_ok and pf._capture is not None and not any(
+        # Assisted / prompt-lookup decoding feeds draft tokens and then crops the rejected ones
+        # out of the cache; the capture would still hold their K/V, shifted into the positions of
+        # the accepted tokens. Store only the prompt's chunks then (the length check in _save is
+        # the second guard).
+        assisted = any(generate_kwargs.get(k) is not None or getattr(gc, k, None) is not None
+                       for k in ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit"))
+        extend = save and one_sequence and not assisted and self.namespace_ok and pf._capture is not None and not any(
             isinstance(x, lay.StateLayout) for x in self.layouts.values())
         with torch.inference_mode():
             if extend:
@@ -383,6 +393,12 @@ class PrefixCache:
                 continue
             # consecutive runs of wanted chunks (store_chunks may skip some for chunked groups)
             keys, values = zip(*(capture.joined(li) for li in layout.layers))
+            # The capture must hold exactly one sequence's K/V for tokens [start, end): anything
+            # else (a cropped draft, a beam) would put K/V under the wrong positions' hashes.
+            if any(k.shape[0] != 1 or k.shape[-2] != end - start for k in (*keys, *values)):
+                self.unsafe_saves_refused += 1
+                log.warning("kvtier: not storing: captured K/V do not match tokens [%d, %d)", start, end)
+                return 0
             for i, blob in lay.pack_attention(layout, list(keys), list(values), start, wanted, c).items():
                 payloads[(g, i)] = blob.cpu()
         return store.save(hashes, payloads, end)
