@@ -73,7 +73,8 @@ def _keys(rc: ReqContext) -> list:
     return keys
 
 
-def _roundtrip(tmp_path: Path, tiers: str, corrupt: bool = False) -> tuple[bool, list, list]:
+def _roundtrip(tmp_path: Path, tiers: str, corrupt: bool = False,
+               vanish: bool = False) -> tuple[bool, list, list]:
     ctx = _ctx(tmp_path, tiers)
     manager = KvtierManager(ctx, Metrics("scheduler", None))
     kv, layers = _kv()
@@ -111,6 +112,10 @@ def _roundtrip(tmp_path: Path, tiers: str, corrupt: bool = False) -> tuple[bool,
         with open(rec.path, "r+b") as f:
             f.seek(rec.slot * slot_stride(rec.slot_bytes) + HEADER_BYTES)
             f.write(b"\xff" * 8)
+    if vanish:  # evicted from every tier after lookup() said HIT (another request's store)
+        h, g = ctx.split_key(keys2[1])
+        for tier, _ in manager.index.where(h, g):
+            assert manager.index.remove(h, g, tier)
     spec = manager.prepare_load(keys2[:3] + keys2[4:], rc2)
     dst = GPULoadStoreSpec([31, 32, 33, 34, 35, 36] + [43, 44, 45], group_sizes=[6, 3],
                            block_indices=[0, 3])
@@ -134,3 +139,8 @@ def test_store_then_load_moves_the_exact_bytes(tmp_path: Path, tiers: str) -> No
 def test_corrupt_disk_payload_fails_the_load_job(tmp_path: Path) -> None:
     ok, got, want = _roundtrip(tmp_path, "disk", corrupt=True)
     assert not ok  # reported as failed, so vLLM recomputes instead of using the blocks
+
+
+def test_a_hit_key_evicted_before_prepare_load_fails_the_job(tmp_path: Path) -> None:
+    ok, got, want = _roundtrip(tmp_path, "cpu", vanish=True)
+    assert not ok  # a failed job: vLLM recomputes; the scheduler did not crash

@@ -108,13 +108,20 @@ class KvtierManager(OffloadingManager):
             assert split is not None, "vLLM loads only keys that lookup() reported as hits"
             h, g = split
             places = self.index.where(h, g)
-            assert places, "a hit key left the index between lookup and load"
+            start, end = self._span(key, req_context)
+            if not places:
+                # Evicted between lookup() and now (another request's store or a Redis adoption
+                # took its slot): an item with no place fails the load job in the worker, so vLLM
+                # recomputes the request. Never an assertion in the scheduler process.
+                self.metrics.add("load_keys_vanished")
+                items.append(ChunkItem(g, h, start, end, ()))
+                chunks.append(split)
+                continue
             tier, slot = places[0]
             pinned = self.index.pin(h, g, tier)
             assert pinned
             self.index.touch(h, g, tier)
             self._pins.setdefault(key, []).append(tier)
-            start, end = self._span(key, req_context)
             items.append(ChunkItem(g, h, start, end, ((tier, slot),)))
             chunks.append(split)
             self.metrics.add(f"load_chunks_{tier}")

@@ -224,6 +224,9 @@ class KvtierWorker(OffloadingWorker):
             nbytes = self.ctx.plan.groups[g].chunk_bytes
             buf = self._staging(len(placed), nbytes)
             for k, (item, _) in enumerate(placed):
+                if not item.places:  # the scheduler lost it between lookup and load: a miss
+                    self.metrics.add("load_miss_vanished")
+                    return False, 0, None
                 tier, slot = item.places[0]
                 if not self.tiers[tier].read(g, slot, self._header(item), buf[k]):
                     # a miss or a corrupt payload (the tier counted and dropped it): nothing of
