@@ -37,6 +37,20 @@ def test_redis_tier() -> None:
     assert cfg.redis_url == "redis://127.0.0.1:6379/0"
 
 
+def test_tenant_salts_the_namespace() -> None:
+    from kvtier.keys import Namespace
+
+    cfg = parse_config({"kvtier.cpu_bytes": 4096, "kvtier.tenant": "finetune-v2"})
+    assert cfg.tenant == "finetune-v2"
+    assert parse_config({"kvtier.cpu_bytes": 4096}).tenant == ""
+    # different tenants: different namespaces, so no key is shared (new weights, same path)
+    a = Namespace("m", "f" * 16, "bfloat16", tenant=cfg.tenant)
+    b = Namespace("m", "f" * 16, "bfloat16")
+    assert a.id != b.id
+    with pytest.raises(ConfigError, match=r"kvtier.tenant=3 must be a string"):
+        parse_config({"kvtier.cpu_bytes": 4096, "kvtier.tenant": 3})
+
+
 def test_defaults_are_one_cpu_tier_lru() -> None:
     cfg = parse_config({"kvtier.cpu_bytes": 4096})
     assert cfg.tiers == ("cpu",)

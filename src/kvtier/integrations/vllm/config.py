@@ -18,6 +18,7 @@ vLLM's and are left to it.
 | `kvtier.chunk_tokens` | tokens per chunk (a multiple of vLLM's block size) | vLLM's blocks_per_chunk |
 | `kvtier.redis_bytes` | bytes of this namespace the index tracks in Redis (Redis's maxmemory is the real bound) | required with redis |
 | `kvtier.redis_url` | `redis://host:port/db`, `rediss://`, `redis+cluster://`, `redis+sentinel://` | required with redis |
+| `kvtier.tenant` | a salt mixed into every key: engines with different tenants share nothing. Change it when the weights change under the same model path (a new fine-tune, a new revision): kvtier's namespace sees the path, config and dtype, not the weights | `""` |
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from kvtier.errors import ConfigError
 
 PREFIX = "kvtier."
 KEYS = ("tiers", "cpu_bytes", "disk_bytes", "redis_bytes", "directory", "policy", "share",
-        "chunk_tokens", "redis_url")
+        "chunk_tokens", "redis_url", "tenant")
 TIERS = ("cpu", "disk", "redis")
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -49,6 +50,7 @@ class VllmTierConfig:
     share: str
     chunk_tokens: int | None
     redis_url: str | None = None
+    tenant: str = ""
 
     @property
     def capacities(self) -> dict[str, int]:
@@ -128,6 +130,9 @@ def parse_config(extra_config: Mapping[str, object]) -> VllmTierConfig:
         isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens <= 0
     ):
         raise ConfigError(f"kvtier.chunk_tokens={chunk_tokens!r} must be a positive integer")
+    tenant = ours.get("tenant", "")
+    if not isinstance(tenant, str):
+        raise ConfigError(f"kvtier.tenant={tenant!r} must be a string, e.g. \"finetune-2026-11\"")
     return VllmTierConfig(
         tiers=tiers,
         capacities_bytes=tuple(capacities),
@@ -136,6 +141,7 @@ def parse_config(extra_config: Mapping[str, object]) -> VllmTierConfig:
         share=str(share),
         chunk_tokens=chunk_tokens,
         redis_url=redis_url,
+        tenant=tenant,
     )
 
 

@@ -57,7 +57,8 @@ class KvtierOffloadingSpec(OffloadingSpec):
         rank, world = config.parallel.rank, config.parallel.world_size
         namespace = Namespace(model=model_identity(config.model.name),
                               geometry_fingerprint=geometry.fingerprint(),
-                              dtype=config.model.dtype, rank=rank, world_size=world)
+                              dtype=config.model.dtype, rank=rank, world_size=world,
+                              tenant=tier_config.tenant)
         self.ctx = SpecContext(plan=plan, namespace=namespace, config=tier_config,
                                group_of={g.group_id: i for i, g in enumerate(groups)},
                                blocks_per_chunk=bpc)
