@@ -36,6 +36,7 @@ from kvtier.index import ChunkHash, Index
 from kvtier.plan import Plan
 from kvtier.policies import POLICIES, Evictable, EvictionPolicy
 from kvtier.replay_trace import Trace
+from kvtier.units import UNIT_NAMES, parse_bytes
 
 NEVER = float("inf")
 DEFAULT_BANDWIDTH = {"cpu": 25e9, "disk": 5e9, "redis": 1.25e9}  # bytes/s: PCIe, NVMe, 10 GbE
@@ -373,22 +374,15 @@ def parse_size(text: str, footprint: int | None = None) -> int:
         if pct <= 0:
             raise ConfigError(f"size {text!r} must be > 0%")
         return max(1, int(footprint * pct / 100))
-    units = {"": 1, "B": 1, "K": 1000, "KB": 1000, "KIB": 1024, "M": 1000**2, "MB": 1000**2,
-             "MIB": 1024**2, "G": 1000**3, "GB": 1000**3, "GIB": 1024**3, "T": 1000**4,
-             "TB": 1000**4, "TIB": 1024**4}
-    i = len(s)
-    while i > 0 and s[i - 1].isalpha():
-        i -= 1
-    num, unit = s[:i].strip(), s[i:].upper()
-    try:
-        value = float(num)
-    except ValueError:
-        raise ConfigError(f"size {text!r} is not a byte count like 64GiB, 500M, 1234 or 10%") from None
-    if unit not in units:
-        raise ConfigError(f"size {text!r} has unknown unit {s[i:]!r}; use K, M, G, T, KiB, MiB, GiB, TiB or %")
+    value = parse_bytes(s)
+    if value is None:
+        unit = s.lstrip("0123456789. ")
+        what = f"has unknown unit {unit!r}" if unit and s[: len(s) - len(unit)].strip() else \
+            "is not a byte count like 64GiB, 500M, 1234 or 10%"
+        raise ConfigError(f"size {text!r} {what}; units: {UNIT_NAMES} or %")
     if value <= 0:
         raise ConfigError(f"size {text!r} must be positive")
-    return int(value * units[unit])
+    return value
 
 
 def run_all(plan: Plan, trace: Trace, capacities: Mapping[str, int], policies: Iterable[str],

@@ -6,14 +6,7 @@ from collections.abc import Mapping, Sequence
 
 from kvtier.plan import Plan
 from kvtier.replay import Result
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if abs(n) < 1024 or unit == "PiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError
+from kvtier.units import human_bytes
 
 
 def _table(rows: list[list[str]]) -> str:

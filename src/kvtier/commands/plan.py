@@ -10,6 +10,7 @@ import sys
 from kvtier.errors import ConfigError
 from kvtier.geometry import load_geometry
 from kvtier.plan import Plan, make_plan
+from kvtier.units import human_bytes
 
 HELP = "show the chunk plan of a geometry JSON or a Hugging Face config.json"
 
@@ -153,14 +154,6 @@ def vllm_transfer_config(plan: Plan, *, engine_blocks: bool = True) -> dict[str,
     }
 
 
-def _human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError
-
-
 def _table(rows: list[list[str]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = []
@@ -194,7 +187,7 @@ def render(plan: Plan, hit_tokens: int | None, *, engine_blocks: bool = True) ->
             kind += f"(A={gp.group.attention_chunk})"
         row = [
             gp.name, kind, str(gp.group.num_layers), str(gp.group.tokens_per_block),
-            str(gp.blocks_per_chunk) if gp.cacheable else "-", _human_bytes(gp.chunk_bytes),
+            str(gp.blocks_per_chunk) if gp.cacheable else "-", human_bytes(gp.chunk_bytes),
         ]
         if t is not None:
             row.append(str(len(plan.chunks_for_hit(gp.index, t))) if gp.cacheable else "-")
@@ -207,13 +200,13 @@ def render(plan: Plan, hit_tokens: int | None, *, engine_blocks: bool = True) ->
         rows.append(row)
     out.append(_table(rows))
     out.append("")
-    out.append(f"bytes per cached token: {_human_bytes(plan.bytes_per_cached_token)} "
+    out.append(f"bytes per cached token: {human_bytes(plan.bytes_per_cached_token)} "
                "(one chunk of every cacheable group / chunk_tokens)")
     if t is not None:
         r, n = plan.restore_bytes(t), plan.naive_restore_bytes(t)
         ratio = f", {n / r:.2f}x" if r else ""
-        out.append(f"hit of {t} tokens restores {_human_bytes(r)} ({r} B); restoring every chunk "
-                   f"of every group would move {_human_bytes(n)} ({n} B{ratio})")
+        out.append(f"hit of {t} tokens restores {human_bytes(r)} ({r} B); restoring every chunk "
+                   f"of every group would move {human_bytes(n)} ({n} B{ratio})")
     out.append("")
     out.append("vLLM --kv-transfer-config for this plan (set kvtier.cpu_bytes to the host memory "
                "it may use; more keys in docs/vllm.md):")

@@ -24,19 +24,16 @@ vLLM's and are left to it.
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kvtier.errors import ConfigError
+from kvtier.units import parse_bytes
 
 PREFIX = "kvtier."
 KEYS = ("tiers", "cpu_bytes", "disk_bytes", "redis_bytes", "directory", "policy", "share",
         "chunk_tokens", "redis_url", "tenant")
 TIERS = ("cpu", "disk", "redis")
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,8 +62,8 @@ def parse_size(key: str, value: object) -> int:
         n = value
     elif isinstance(value, float) and value.is_integer():
         n = int(value)
-    elif isinstance(value, str) and (m := _SIZE_RE.match(value)) and m.group(2).lower() in _UNITS:
-        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    elif isinstance(value, str) and (parsed := parse_bytes(value)) is not None:
+        n = parsed
     else:
         raise ConfigError(
             f"{key}={value!r} is not a byte count; give an integer or a size like \"512MiB\", \"4GiB\""
