@@ -65,7 +65,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "with --share to give the bytes saved to the full groups")
     p.add_argument("--compare-accounting", action="store_true",
                    help="also replay with row-per-key accounting (every key reserves all groups' "
-                        "bytes, as vLLM's native offloading does)")
+                        "bytes; vLLM 0.32 itself sizes a row by its largest group, docs/vllm.md)")
     p.add_argument("--sweep", nargs="?", const=DEFAULT_SWEEP, metavar="SIZES",
                    help="capacities of the first tier, comma-separated (default "
                         + DEFAULT_SWEEP.replace("%", "%%") + ")")
