@@ -306,11 +306,109 @@ class PrefixAdmission:
         return sum(b.memory_bytes for b in self.seen) + 120 * len(self.tracked) + 16 * len(self.stats)
 
 
+class AdaptiveAdmission:
+    """Follow the rule that would have hit most lately: miniature simulations of candidate rules.
+
+    The rule, in full: every candidate admission rule (default `all`, `prefix`, `tinylfu`,
+    `nth:2`, sized for a cache of `horizon` chunks the way `kvtier replay` sizes them) sees
+    every request and says its own k. Next to each candidate runs a *miniature* LRU cache of
+    the chunks that candidate admits, spatially sampled (SHARDS, Waldspurger et al., FAST'15;
+    "miniature simulations", ATC'17): only chunks whose 64-bit hash is 0 mod `sample` are
+    simulated, in `horizon // sample` slots, so the miniature behaves like a cache of
+    `horizon` chunks at 1/`sample` of the cost. A miniature's hits for a request are its
+    sampled chunks present from the prompt's start up to the first sampled miss (the prefix
+    rule, at sampled resolution); they are touched, then the sampled chunks the candidate
+    admits are stored (LRU). Each candidate's score is its miniature's hits, decayed by
+    (1 - 1/`window`) per chunk seen (default window: 2 x horizon, two turnovers). `admit`
+    returns the k of the candidate with the highest score *before* this request (a tie keeps
+    the current choice; the first choice is the first candidate), so it learns from the past
+    only. It cannot beat its best candidate by much; what it buys is not losing: each
+    capacity and trace gets the rule that suits it (measured in docs/admission.md).
+
+    `sample` defaults to the largest power of two that leaves at least 1024 slots in each
+    miniature (1 below 2048 chunks: exact). Memory: the candidates' own (prefix <= 1.3 MiB,
+    tinylfu 1.1 MiB, nth:2 1 MiB) + at most 4 x 2048 sampled entries (~100 bytes each,
+    ~0.8 MiB); defaults: <= 4.2 MiB.
+    """
+
+    name = "adaptive"
+    CANDIDATES = ("all", "prefix", "tinylfu", "nth:2")
+
+    def __init__(self, horizon: int = 1 << 15, sample: int | None = None, window: int | None = None,
+                 candidates: Sequence[str] = CANDIDATES) -> None:
+        self.horizon = _positive(horizon, "horizon")
+        if sample is None:
+            sample = 1
+            while self.horizon // (2 * sample) >= 1024:
+                sample *= 2
+        self.sample = _positive(sample, "sample")
+        self.window = _positive(window if window is not None else 2 * self.horizon, "window")
+        if isinstance(candidates, str) or not candidates:
+            raise ConfigError(f"adaptive admission: candidates={candidates!r} must be a non-empty "
+                              f"list of admission names, e.g. {list(self.CANDIDATES)}")
+        self.candidates: list[Admission] = []
+        for cand in candidates:
+            base = str(cand).partition(":")[0]
+            if base == "adaptive":
+                raise ConfigError("adaptive admission: a candidate cannot be 'adaptive' itself")
+            opts: dict[str, object] = {}
+            if base == "prefix" and "horizon=" not in cand:
+                opts["horizon"] = self.horizon
+            elif base == "tinylfu" and "sample=" not in cand:
+                opts["sample"] = 10 * self.horizon  # as kvtier replay sizes it: W = 10 x capacity
+            self.candidates.append(make_admission(cand, **opts))
+        self.names = [str(c) for c in candidates]
+        self.slots = max(1, self.horizon // self.sample)
+        self.minis: list[OrderedDict[int, None]] = [OrderedDict() for _ in self.candidates]
+        self.scores = [0.0] * len(self.candidates)
+        self.decay = 1.0 - 1.0 / self.window if self.window > 1 else 0.0
+        self.current = 0
+        self.chosen = [0] * len(self.candidates)  # requests answered by each candidate
+
+    def admit(self, chunk_hashes: Sequence[ChunkHash]) -> int:
+        keys = [_h64(h) for h in chunk_hashes]
+        sampled = [(i, x) for i, x in enumerate(keys) if x % self.sample == 0]
+        fade = self.decay ** len(keys)
+        answer = 0
+        for j, (cand, mini) in enumerate(zip(self.candidates, self.minis)):
+            k = int(cand.admit(chunk_hashes))
+            if j == self.current:
+                answer = k
+            hits = 0
+            for _, x in sampled:  # lookup: sampled chunks present from the start
+                if x not in mini:
+                    break
+                mini.move_to_end(x)
+                hits += 1
+            self.scores[j] = self.scores[j] * fade + hits
+            for i, x in sampled:  # save: the sampled chunks this candidate admits
+                if i >= k:
+                    break
+                if x in mini:
+                    mini.move_to_end(x)
+                else:
+                    mini[x] = None
+                    if len(mini) > self.slots:
+                        mini.popitem(last=False)
+        self.chosen[self.current] += 1
+        best = self.current
+        for j, s in enumerate(self.scores):
+            if s > self.scores[best]:
+                best = j
+        self.current = best
+        return answer
+
+    @property
+    def memory_bytes(self) -> int:
+        return sum(c.memory_bytes for c in self.candidates) + 100 * sum(len(m) for m in self.minis)
+
+
 ADMISSIONS: dict[str, Callable[..., Admission]] = {
     "all": AdmitAll,
     "nth": NthSighting,
     "tinylfu": TinyLFU,
     "prefix": PrefixAdmission,
+    "adaptive": AdaptiveAdmission,
 }
 
 
@@ -332,7 +430,11 @@ def make_admission(name: str, **opts: object) -> Admission:
             raise ConfigError(f"admission option {key}={value!r} in {name!r} is not a number") from None
     if base == "all" and kwargs:
         raise ConfigError("admission 'all' takes no options")
-    try:
-        return ADMISSIONS[base](**kwargs)
-    except TypeError as exc:
-        raise ConfigError(f"admission {name!r}: {exc}") from None
+    import inspect
+
+    accepted = [p for p in inspect.signature(ADMISSIONS[base]).parameters if p != "candidates"]
+    unknown = [k for k in kwargs if k not in accepted]
+    if unknown:
+        raise ConfigError(f"admission {name!r}: unknown option {unknown[0]!r}; {base} takes: "
+                          f"{', '.join(accepted)} (e.g. {base}:{accepted[0]}=...)")
+    return ADMISSIONS[base](**kwargs)

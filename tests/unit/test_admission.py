@@ -109,7 +109,7 @@ def test_make_admission_options_and_errors():
         make_admission("nth:1")
     with pytest.raises(ConfigError, match="not a number"):
         make_admission("prefix:ratio=x")
-    with pytest.raises(ConfigError, match="unexpected keyword"):
+    with pytest.raises(ConfigError, match="unknown option .bogus.; tinylfu takes: threshold, width"):
         make_admission("tinylfu:bogus=1")
 
 

@@ -49,7 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", action="append", metavar="P",
                    help="eviction policy (repeat): lru, fifo, arc, s3fifo; default lru")
     p.add_argument("--admission", action="append", metavar="A",
-                   help="admission policy (repeat): all (default), nth[:N], tinylfu, prefix; "
+                   help="admission policy (repeat): all (default), nth[:N], tinylfu, prefix, adaptive; "
                         "oracle[:D] is an offline bound (store only chunks used again [within D "
                         "requests]); see docs/admission.md")
     p.add_argument("--chunk-tokens", type=int, metavar="N",
@@ -198,7 +198,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _admissions(values: list[str] | None, horizon_chunks: int) -> list[tuple[str, object]]:
     """(name, factory). Sized from the first tier's capacity in chunks unless given: `prefix`
-    learns over one turnover, `tinylfu` ages every 10 x capacity sightings (TinyLFU's W)."""
+    learns over one turnover, `tinylfu` ages every 10 x capacity sightings (TinyLFU's W),
+    `adaptive` simulates caches of that capacity."""
     names = values or ["all"]
     out: list[tuple[str, object]] = []
     for name in names:
@@ -211,7 +212,7 @@ def _admissions(values: list[str] | None, horizon_chunks: int) -> list[tuple[str
         from kvtier.admission import make_admission
 
         opts: dict[str, int] = {}
-        if name.startswith("prefix") and "horizon=" not in name:
+        if name.startswith(("prefix", "adaptive")) and "horizon=" not in name:
             opts = {"horizon": horizon_chunks}
         elif name.startswith("tinylfu") and "sample=" not in name:
             opts = {"sample": 10 * horizon_chunks}  # TinyLFU's reset period: W = 10 x capacity
