@@ -85,7 +85,67 @@ class TestDiskTier(TierContract, SlotTierExtras):
         t.close()
 
 
-class TestDiskTierPipelined(TestDiskTier):
+    def test_resident_slots_are_read_through_the_mapping_and_cold_ones_with_preadv(self, tier: DiskTier) -> None:
+        import os
+
+        h = header(62, 2)
+        data = payload(62, h.payload_bytes)
+        assert tier.write(2, 1, h, data)
+        fd = tier._fds[2]
+        os.fsync(fd)  # DONTNEED drops clean, unmapped pages only
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        m = tier._maps[2]
+        assert m is not None and not tier._resident(m[2], tier.strides[2], 128 + h.payload_bytes)
+        out = torch.zeros(h.payload_bytes, dtype=torch.uint8)
+        assert tier.read(2, 1, h, out) and torch.equal(out, data)
+        assert tier.mapped_reads == 0  # cold: preadv, which also brings the pages in
+        out.zero_()
+        assert tier.read(2, 1, h, out) and torch.equal(out, data)
+        assert tier.mapped_reads == 1  # now resident: through the mapping
+
+    expect_mapped = 1  # reads of a just-written slot that go through the mapping
+
+    def test_a_flipped_payload_byte_is_a_counted_miss_and_dropped(self, tier: DiskTier) -> None:
+        import os
+
+        h = header(63, 2)
+        assert tier.write(2, 0, h, payload(63, h.payload_bytes))
+        fd = tier._fds[2]
+        at = 128 + h.payload_bytes - 1  # the payload's last byte (header is 128 bytes)
+        os.pwrite(fd, bytes([os.pread(fd, 1, at)[0] ^ 0x40]), at)
+        out = torch.zeros(h.payload_bytes, dtype=torch.uint8)
+        assert tier.read(2, 0, h, out) is False
+        assert tier.mapped_reads == self.expect_mapped and tier.corrupt_dropped == 1
+        assert tier.read(2, 0, h, out) is False  # dropped: now an empty slot
+
+
+class TestDiskTierPreadv(TestDiskTier):
+    """The same contract with the mapping off: every read is one preadv + one checksum pass."""
+
+    @pytest.fixture
+    def make_tier(self, tmp_path):
+        made: list[DiskTier] = []
+
+        def make(layout: TierLayout) -> DiskTier:
+            t = DiskTier(tmp_path, layout, NS, mapped_reads=False)
+            made.append(t)
+            return t
+
+        yield make
+        for t in made:
+            t.close()
+
+    def test_resident_slots_are_read_through_the_mapping_and_cold_ones_with_preadv(self, tier: DiskTier) -> None:
+        h = header(62, 2)
+        assert tier.write(2, 1, h, payload(62, h.payload_bytes))
+        out = torch.zeros(h.payload_bytes, dtype=torch.uint8)
+        assert tier.read(2, 1, h, out) and torch.equal(out, payload(62, h.payload_bytes))
+        assert tier.mapped_reads == 0 and tier._maps == [None] * len(tier._maps)
+
+    expect_mapped = 0
+
+
+class TestDiskTierPipelined(TestDiskTierPreadv):
     """The same contract with every payload of >= 2 pieces copied on the helper thread (group 2's
     12289-byte slots: 3 pieces of 4096 + 1 byte)."""
 
@@ -94,7 +154,7 @@ class TestDiskTierPipelined(TestDiskTier):
         made: list[DiskTier] = []
 
         def make(layout: TierLayout) -> DiskTier:
-            t = DiskTier(tmp_path, layout, NS, pipeline="always", piece_bytes=4096)
+            t = DiskTier(tmp_path, layout, NS, pipeline="always", piece_bytes=4096, mapped_reads=False)
             made.append(t)
             return t
 

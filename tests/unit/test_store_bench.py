@@ -24,12 +24,22 @@ def test_bench_store_json_has_the_ratios(capsys, tmp_path) -> None:
 def test_bench_store_disk_pipeline_always_uses_the_helper_for_this_run_only(capsys, tmp_path) -> None:
     import kvtier.tiers.disk as disk
 
-    before = disk.PIPELINE
+    before = disk.PIPELINE, disk.MAPPED_READS
+    code = main(["bench", "store", "--json", "--rounds", "1", "--chunks", "1", "--dir", str(tmp_path),
+                 "--disk-pipeline", "always", "--disk-reads", "preadv"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["disk_pipeline"] == "always" and out["disk_reads"] == "preadv"
+    # 2 rounds (warm-up + 1); each saves and loads one chunk of each group, all >= 2 pieces of
+    # 1 MiB (full, local: 8 MiB; mla: 8 x 1152 x 256 = 2.25 MiB; state checkpoint: 4 MiB): 2 x 8
+    assert out["disk_helper_ios"] == 16 and out["disk_mapped_reads"] == 0
+    assert (disk.PIPELINE, disk.MAPPED_READS) == before
+
+
+def test_bench_store_loads_resident_slots_through_the_mapping(capsys, tmp_path) -> None:
     code = main(["bench", "store", "--json", "--rounds", "1", "--chunks", "1", "--dir", str(tmp_path),
                  "--disk-pipeline", "always"])
     out = json.loads(capsys.readouterr().out)
-    assert code == 0 and out["disk_pipeline"] == "always"
-    # 2 rounds (warm-up + 1); each saves and loads one chunk of each group, all >= 2 pieces of
-    # 1 MiB (full, local: 8 MiB; mla: 8 x 1152 x 256 = 2.25 MiB; state checkpoint: 4 MiB): 2 x 8
-    assert out["disk_helper_ios"] == 16
-    assert disk.PIPELINE == before
+    assert code == 0 and out["disk_reads"] == "mapped"
+    # the same 2 rounds x 4 payloads: every load just written (resident) goes through the
+    # mapping; the helper thread only writes
+    assert out["disk_mapped_reads"] == 8 and out["disk_helper_ios"] == 8

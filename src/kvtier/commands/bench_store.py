@@ -44,6 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disk-pipeline", choices=("auto", "always", "never"), default=None,
                    help="disk tier: overlap copy and checksum of payloads >= 2 MiB on a helper thread "
                         "(auto: while the load average leaves a core free; default: the tier's own)")
+    p.add_argument("--disk-reads", choices=("mapped", "preadv"), default=None,
+                   help="disk tier loads: mapped (copy + checksum from the mapped page cache, for "
+                        "resident slots; the default) or preadv (always one preadv + one checksum pass)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -80,11 +83,11 @@ def _median_ratio(plain: list[float], ours: list[float]) -> float:
 def run(args: argparse.Namespace) -> int:
     from kvtier.tiers import disk as disk_mod
 
-    default_mode = disk_mod.PIPELINE
+    default_mode, default_mapped = disk_mod.PIPELINE, disk_mod.MAPPED_READS
     try:
         return _run(args)
-    finally:
-        disk_mod.PIPELINE = default_mode  # --disk-pipeline is for this run only
+    finally:  # --disk-pipeline and --disk-reads are for this run only
+        disk_mod.PIPELINE, disk_mod.MAPPED_READS = default_mode, default_mapped
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -134,6 +137,9 @@ def _run(args: argparse.Namespace) -> int:
     if args.disk_pipeline is not None:
         disk_mod.PIPELINE = args.disk_pipeline  # read by the Store's DiskTier at construction
     out["disk_pipeline"] = disk_mod.PIPELINE
+    if args.disk_reads is not None:
+        disk_mod.MAPPED_READS = args.disk_reads == "mapped"
+    out["disk_reads"] = "mapped" if disk_mod.MAPPED_READS else "preadv"
 
     for tier in ("cpu", "disk"):
         # room for one prompt: from round 1 on every save evicts the previous round's chunk
@@ -213,6 +219,7 @@ def _run(args: argparse.Namespace) -> int:
         m = store.metrics()
         if tier == "disk":  # how many payloads went through the helper thread (--disk-pipeline)
             out["disk_helper_ios"] = store.slot_tiers["disk"].helper_ios  # type: ignore[attr-defined]
+            out["disk_mapped_reads"] = store.slot_tiers["disk"].mapped_reads  # type: ignore[attr-defined]
         store.close()
         if m["corrupt_dropped"] or m["failed_saves"]:
             print(f"error: the {tier} bench saw {m['corrupt_dropped']} corrupt payloads and "
@@ -247,6 +254,8 @@ def _run(args: argparse.Namespace) -> int:
     print(f"checksum {out['checksum']}: {out['host_checksum_gbps']} GB/s, memcpy {out['host_memcpy_gbps']} "
           f"GB/s on this host: a verified warm disk load can reach at most ~{out['disk_load_ratio_bound']} "
           "of a plain read on one core")
+    print(f"disk reads {out['disk_reads']}: {out['disk_mapped_reads']} payloads copied from the mapped page "
+          "cache and checksummed piece by piece while in L2 (the rest: preadv + one checksum pass)")
     print(f"disk pipeline {out['disk_pipeline']}: {out['disk_helper_ios']} payloads copied on the helper "
           "thread while this one checksummed them (auto: only while the load average leaves a core free)")
     print(f"lookup of a 131072-token prompt ({out['lookup_prompt_chunks']} chunks x 4 groups): "
