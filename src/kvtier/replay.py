@@ -170,20 +170,40 @@ def next_uses(trace: Trace) -> list[list[float]]:
 
 class OracleAdmission:
     """Offline bound, not a policy: store the leading chunks whose next use is at most
-    `horizon` requests ahead (all with a next use when None). Needs the whole trace; replay
-    calls `admit` once per request in order, so the call count is the request index."""
+    `horizon` requests ahead (all with a next use when None), or, with `chunk_horizon`, whose
+    next use comes before `chunk_horizon` more chunks have been requested (the chunks of the
+    requests in between, summed: a clock closer to what LRU forgets by than a request count).
+    Needs the whole trace; replay calls `admit` once per request in order, so the call count
+    is the request index."""
 
-    def __init__(self, future: list[list[float]], horizon: int | None = None) -> None:
+    def __init__(self, future: list[list[float]], horizon: int | None = None,
+                 chunk_horizon: int | None = None) -> None:
+        if horizon is not None and chunk_horizon is not None:
+            raise ConfigError("oracle admission: give a horizon in requests or in chunks, not both")
         self.future = future
         self.horizon = horizon
+        self.chunk_horizon = chunk_horizon
+        self.clock: list[int] = []  # chunks requested before request r
+        if chunk_horizon is not None:
+            total = 0
+            for fut in future:
+                self.clock.append(total)
+                total += len(fut)
+            self.clock.append(total)
         self.r = 0
-        self.name = "oracle" if horizon is None else f"oracle:{horizon}"
+        self.name = ("oracle" if horizon is None and chunk_horizon is None else
+                     f"oracle:{horizon}" if horizon is not None else f"oracle:chunks={chunk_horizon}")
 
     def admit(self, chunk_hashes: list[ChunkHash]) -> int:
         fut, r = self.future[self.r], self.r
         self.r += 1
         limit = NEVER if self.horizon is None else r + self.horizon
         k = 0
+        if self.chunk_horizon is not None:
+            clock, end = self.clock, self.clock[r + 1]
+            while k < len(chunk_hashes) and fut[k] != NEVER and clock[int(fut[k])] - end <= self.chunk_horizon:
+                k += 1
+            return k
         while k < len(chunk_hashes) and fut[k] <= limit and fut[k] != NEVER:
             k += 1
         return k

@@ -184,6 +184,27 @@ def test_oracle_admission_bound(tmp_path):
     assert near.written_bytes["cpu"]["full"] == 2 * plan.chunk_bytes_all_groups
 
 
+def test_oracle_admission_with_a_horizon_in_chunks(tmp_path):
+    from kvtier.commands.replay import _oracle
+    from kvtier.replay import OracleAdmission
+
+    plan = one_group()
+    trace = load_trace(mooncake(tmp_path, [1, 2], [1, 2, 3], [1, 4], [1, 2]), plan)
+    fut = next_uses(trace)
+    reqs = [list(r.chunks) for r in trace.requests]
+    # chunks requested before r1..r4: 0 2 5 7. r2's chunk 2 is next used by r4: the chunks
+    # requested in between are r3's, 2 of them -> admitted from chunk_horizon=2 on
+    for d, want in ((0, [2, 1, 1, 0]), (1, [2, 1, 1, 0]), (2, [2, 2, 1, 0])):
+        o = OracleAdmission(fut, chunk_horizon=d)
+        assert [o.admit(r) for r in reqs] == want and o.name == f"oracle:chunks={d}"
+    assert _oracle("oracle:chunks=2", fut)().chunk_horizon == 2
+    for bad in ("oracle:chunks=0", "oracle:chunks=x", "oracle:-1"):
+        with pytest.raises(ConfigError, match="positive number"):
+            _oracle(bad, fut)
+    with pytest.raises(ConfigError, match="not both"):
+        OracleAdmission(fut, 1, chunk_horizon=1)
+
+
 def test_tail_endpoints_store_only_the_windows_hits_read(tmp_path):
     from kvtier.replay import tail_chunks
 

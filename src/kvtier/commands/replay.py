@@ -51,7 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--admission", action="append", metavar="A",
                    help="admission policy (repeat): all (default), nth[:N], tinylfu, prefix, adaptive; "
                         "oracle[:D] is an offline bound (store only chunks used again [within D "
-                        "requests]); see docs/admission.md")
+                        "requests]; oracle:chunks=D: within D chunks requested); see docs/admission.md")
     p.add_argument("--chunk-tokens", type=int, metavar="N",
                    help="tokens per chunk (default: the trace's block size when the plan allows)")
     p.add_argument("--trace-block-tokens", type=int, default=512, metavar="N",
@@ -239,8 +239,14 @@ def _oracle(name: str, future: list[list[float]]):
     from kvtier.replay import OracleAdmission
 
     _, _, rest = name.partition(":")
+    if rest.startswith("chunks="):
+        d = rest[len("chunks="):]
+        if not d.isdigit() or int(d) <= 0:
+            raise ConfigError(f"admission {name!r}: oracle:chunks=D needs D, a positive number of chunks")
+        return lambda: OracleAdmission(future, chunk_horizon=int(d))
     if rest and (not rest.isdigit() or int(rest) <= 0):
-        raise ConfigError(f"admission {name!r}: oracle:D needs D, a positive number of requests")
+        raise ConfigError(f"admission {name!r}: oracle:D needs D, a positive number of requests "
+                          "(or oracle:chunks=D, D chunks requested)")
     horizon = int(rest) if rest else None
     return lambda: OracleAdmission(future, horizon)
 
