@@ -9,7 +9,7 @@ from tier_contract import LAYOUT, NS, TierContract, header, payload
 from kvtier.errors import ConfigError
 from kvtier.tiers.base import TierLayout
 from kvtier.tiers.cpu import CpuTier
-from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.disk import DATA_OFFSET, DiskTier
 
 
 class SlotTierExtras:
@@ -95,7 +95,7 @@ class TestDiskTier(TierContract, SlotTierExtras):
         os.fsync(fd)  # DONTNEED drops clean, unmapped pages only
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         m = tier._maps[2]
-        assert m is not None and not tier._resident(m[2], tier.strides[2], 128 + h.payload_bytes)
+        assert m is not None and not tier._resident(m[2], tier.strides[2], DATA_OFFSET + h.payload_bytes)
         out = torch.zeros(h.payload_bytes, dtype=torch.uint8)
         assert tier.read(2, 1, h, out) and torch.equal(out, data)
         assert tier.mapped_reads == 0  # cold: preadv, which also brings the pages in
@@ -111,7 +111,7 @@ class TestDiskTier(TierContract, SlotTierExtras):
         h = header(63, 2)
         assert tier.write(2, 0, h, payload(63, h.payload_bytes))
         fd = tier._fds[2]
-        at = 128 + h.payload_bytes - 1  # the payload's last byte (header is 128 bytes)
+        at = DATA_OFFSET + h.payload_bytes - 1  # the payload's last byte
         os.pwrite(fd, bytes([os.pread(fd, 1, at)[0] ^ 0x40]), at)
         out = torch.zeros(h.payload_bytes, dtype=torch.uint8)
         assert tier.read(2, 0, h, out) is False

@@ -122,8 +122,7 @@ def test_cpu_and_disk_tiers_together(family: str, load_tiny, prompt, tmp_path) -
 
 
 def _corrupt(store: Store, pc: PrefixCache, prompt: torch.Tensor, group: int, chunk: int) -> None:
-    from kvtier.tiers.disk import slab_name, slot_stride
-    from kvtier.payload import HEADER_BYTES
+    from kvtier.tiers.disk import DATA_OFFSET, slab_name, slot_stride
 
     h = store.hashes(prompt[0].tolist())[chunk]
     [(tier, slot)] = store.index.where(h, group)  # type: ignore[union-attr]
@@ -131,7 +130,7 @@ def _corrupt(store: Store, pc: PrefixCache, prompt: torch.Tensor, group: int, ch
     size = pc.plan.groups[group].chunk_bytes
     path = store.slot_tiers["disk"].dir / slab_name(group, size)  # type: ignore[attr-defined]
     with open(path, "r+b") as f:
-        f.seek(slot * slot_stride(size) + HEADER_BYTES + size // 2)
+        f.seek(slot * slot_stride(size) + DATA_OFFSET + size // 2)
         b = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([b[0] ^ 0xFF]))

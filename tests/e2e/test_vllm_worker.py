@@ -105,12 +105,11 @@ def _roundtrip(tmp_path: Path, tiers: str, corrupt: bool = False,
     assert [manager.lookup(k, rc2) for k in keys2] == [LookupResult.HIT] * 3 + [
         LookupResult.MISS] + [LookupResult.HIT] * 2
     if corrupt:
-        from kvtier.payload import HEADER_BYTES
-        from kvtier.tiers.disk import scan_dir, slot_stride
+        from kvtier.tiers.disk import DATA_OFFSET, scan_dir, slot_stride
 
         rec = next(r for r in scan_dir(tmp_path / "disk") if r.group == 0)
         with open(rec.path, "r+b") as f:
-            f.seek(rec.slot * slot_stride(rec.slot_bytes) + HEADER_BYTES)
+            f.seek(rec.slot * slot_stride(rec.slot_bytes) + DATA_OFFSET)
             f.write(b"\xff" * 8)
     if vanish:  # evicted from every tier after lookup() said HIT (another request's store)
         h, g = ctx.split_key(keys2[1])

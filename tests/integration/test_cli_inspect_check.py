@@ -12,10 +12,9 @@ import torch
 from kvtier.cli import main
 from kvtier.geometry import Geometry, Group
 from kvtier.keys import Namespace
-from kvtier.payload import HEADER_BYTES
 from kvtier.plan import make_plan
 from kvtier.store import Store
-from kvtier.tiers.disk import slab_name, slot_stride
+from kvtier.tiers.disk import DATA_OFFSET, slab_name, slot_stride
 
 C = 32
 GEOM = Geometry(
@@ -40,7 +39,7 @@ def _fill(root: Path) -> None:
 def _flip(root: Path, group: int, slot: int) -> None:
     nbytes = PLAN.groups[group].chunk_bytes
     with open(root / NS.id / slab_name(group, nbytes), "r+b") as f:
-        off = slot * slot_stride(nbytes) + HEADER_BYTES + 5
+        off = slot * slot_stride(nbytes) + DATA_OFFSET + 5
         f.seek(off)
         b = f.read(1)
         f.seek(off)

@@ -19,7 +19,7 @@ from kvtier.keys import Namespace
 from kvtier.payload import HEADER_BYTES, make_header
 from kvtier.plan import make_plan
 from kvtier.store import Store
-from kvtier.tiers.disk import scan_dir, slab_name, slot_stride
+from kvtier.tiers.disk import DATA_OFFSET, scan_dir, slab_name, slot_stride
 
 C = 32
 GEOM = Geometry(
@@ -74,9 +74,9 @@ def test_flipped_payload_byte(tmp_path) -> None:
     _filled(tmp_path)
     path, off = _slot_of(tmp_path, 0, 1)
     with open(path, "r+b") as f:
-        f.seek(off + HEADER_BYTES + 1000)
+        f.seek(off + DATA_OFFSET + 1000)
         b = f.read(1)
-        f.seek(off + HEADER_BYTES + 1000)
+        f.seek(off + DATA_OFFSET + 1000)
         f.write(bytes([b[0] ^ 0x01]))
     got, m, h = _restart_and_load(tmp_path)
     assert (h["hit"], got, h["again"]) == (128, 32, 32)  # full chunk 1 bad -> 1 chunk left
@@ -100,10 +100,10 @@ def test_truncated_file(tmp_path) -> None:
     _filled(tmp_path)
     path, off = _slot_of(tmp_path, 0, 3)
     size = os.path.getsize(path)
-    assert size >= off + HEADER_BYTES + PLAN.groups[0].chunk_bytes  # sized to capacity at open
+    assert size >= off + DATA_OFFSET + PLAN.groups[0].chunk_bytes  # sized to capacity at open
     # cut the file 100 bytes into chunk 3's payload; the restart sizes it to capacity again
     # (a sparse, zero tail), so the rest of that payload reads as zeros: a checksum mismatch
-    os.truncate(path, off + HEADER_BYTES + 100)
+    os.truncate(path, off + DATA_OFFSET + 100)
     got, m, h = _restart_and_load(tmp_path)
     assert (h["hit"], got, h["again"]) == (128, 96, 96)
     assert m["corrupt_dropped"] == 1
@@ -115,7 +115,7 @@ def test_slot_from_another_namespace_is_never_restored(tmp_path) -> None:
     src = tmp_path / NS.id
     dst = tmp_path / other.id
     dst.mkdir()
-    for f in src.glob("*.slab"):
+    for f in src.glob("*.kvslab"):
         (dst / f.name).write_bytes(f.read_bytes())
     with Store(PLAN, other, disk_dir=tmp_path, disk_bytes=8 * ROW) as s:
         assert s.rebuilt == 0
@@ -157,7 +157,7 @@ def test_torn_overwrite_old_header_over_new_payload(tmp_path) -> None:
     path = tmp_path / NS.id / slab_name(0, n)
     for new_bytes in (n // 2, n):  # killed mid-payload; killed between payload and header
         with open(path, "r+b") as f:
-            f.seek(HEADER_BYTES)
+            f.seek(DATA_OFFSET)
             f.write(b"\x02" * new_bytes)
         assert t.read(0, 0, old, bytearray(n)) is False
         assert t.write(0, 0, old, torch.full((n,), 1, dtype=torch.uint8))  # restore for the next case
@@ -224,9 +224,9 @@ def test_pipelined_read_rejects_a_flipped_byte_in_any_piece(tmp_path, monkeypatc
     for pos in (0, PIECE - 1, 2 * PIECE + 7, BIG - 1):  # first piece (caller), later ones (helper), tail
         assert t.write(0, 0, h, data)
         with open(path, "r+b") as f:
-            f.seek(HEADER_BYTES + pos)
+            f.seek(DATA_OFFSET + pos)
             b = f.read(1)
-            f.seek(HEADER_BYTES + pos)
+            f.seek(DATA_OFFSET + pos)
             f.write(bytes([b[0] ^ 0x80]))
         assert t.read(0, 0, h, torch.zeros(BIG, dtype=torch.uint8)) is False, pos
         assert t.read(0, 0, h, torch.zeros(BIG, dtype=torch.uint8)) is False  # dropped: now a miss
@@ -242,7 +242,7 @@ def test_pipelined_read_of_a_truncated_payload_is_a_counted_miss(tmp_path, caplo
     assert t.write(0, 0, h, data)
     path = tmp_path / NS.id / slab_name(0, BIG)
     for cut in (3 * PIECE + 5, PIECE // 2):  # ends in a helper piece; ends inside the first piece
-        os.truncate(path, HEADER_BYTES + cut)
+        os.truncate(path, DATA_OFFSET + cut)
         out = torch.zeros(BIG, dtype=torch.uint8)
         assert t.read(0, 0, h, out) is False
         assert t.write(0, 0, h, data)  # restore for the next case

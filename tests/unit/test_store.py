@@ -10,7 +10,7 @@ from kvtier.geometry import Geometry, Group
 from kvtier.keys import Namespace
 from kvtier.plan import make_plan
 from kvtier.store import Store
-from kvtier.tiers.disk import slab_name
+from kvtier.tiers.disk import DATA_OFFSET, slab_name
 
 C = 32  # chunk tokens
 GEOM = Geometry(
@@ -150,7 +150,7 @@ def test_a_flipped_byte_on_disk_shrinks_the_hit_and_is_dropped(tmp_path) -> None
         path = tmp_path / NS.id / slab_name(0, PLAN.groups[0].chunk_bytes)
         from kvtier.tiers.disk import slot_stride
         with open(path, "r+b") as f:
-            off = full_chunk2.slot * slot_stride(PLAN.groups[0].chunk_bytes) + 128 + 77
+            off = full_chunk2.slot * slot_stride(PLAN.groups[0].chunk_bytes) + DATA_OFFSET + 77
             f.seek(off)
             b = f.read(1)
             f.seek(off)

@@ -14,7 +14,7 @@ from kvtier.geometry import Geometry, Group
 from kvtier.keys import Namespace
 from kvtier.plan import make_plan
 from kvtier.store import Store
-from kvtier.tiers.disk import scan_dir, slot_stride
+from kvtier.tiers.disk import DATA_OFFSET, scan_dir, slot_stride
 
 C = 16
 GEOM = Geometry(
@@ -79,7 +79,7 @@ def test_loads_never_restore_wrong_bytes(ops: list[tuple[str, int]], write_throu
                 recs = [r for r in scan_dir(root) if r.problem is None]
                 if recs:
                     r = recs[arg % len(recs)]
-                    off = r.slot * slot_stride(r.slot_bytes) + 128 + arg % r.slot_bytes  # the payload
+                    off = r.slot * slot_stride(r.slot_bytes) + DATA_OFFSET + arg % r.slot_bytes  # the payload
                     with open(r.path, "r+b") as f:
                         f.seek(off)
                         b = f.read(1)

@@ -1,8 +1,11 @@
 """The disk tier: per-group slab files of fixed-size slots, header + checksum per slot.
 
-Files: `ROOT/<namespace id>/g<group>-<slot bytes>.slab`. Slot s of a file starts at
-`s * stride` (stride = 128-byte header + slot bytes, rounded up to 4 KiB) and holds the payload
-header (`kvtier.payload`) followed by the payload. The slot size is in the file name, so a
+Files: `ROOT/<namespace id>/g<group>-<slot bytes>.kvslab`. Slot s of a file starts at
+`s * stride` (stride = one 4 KiB page for the 128-byte payload header (`kvtier.payload`), then
+the slot bytes rounded up to 4 KiB) and holds the header, zero padding, and the payload from
+`DATA_OFFSET` (4 KiB) on. Page-aligned payloads make the kernel's copies and the mapped copies
+~10% faster than payloads right behind the header (measured; the old `.slab` layout, which
+this version does not read). The slot size is in the file name, so a
 restart with another plan (another chunk size) never reads a slab with the wrong stride, and
 `kvtier inspect`/`check` read a directory without knowing the plan.
 
@@ -121,15 +124,17 @@ _MINCORE = _load_mincore()
 _PAGE = mmap.PAGESIZE
 _LOW_BIT = bytes(b & 1 for b in range(256))
 _ZERO_HEADER = bytes(HEADER_BYTES)
-_SLAB_RE = re.compile(r"^g(\d+)-(\d+)\.slab$")
+_SLAB_RE = re.compile(r"^g(\d+)-(\d+)\.kvslab$")
+DATA_OFFSET = ALIGN_BYTES  # a slot's payload starts one page in: page-aligned in file and page cache
+_PAD = bytearray(DATA_OFFSET - HEADER_BYTES)  # preadv's sink for the padding (contents unused)
 
 
 def slot_stride(slot_bytes: int) -> int:
-    return -(-(HEADER_BYTES + slot_bytes) // ALIGN_BYTES) * ALIGN_BYTES
+    return DATA_OFFSET + -(-slot_bytes // ALIGN_BYTES) * ALIGN_BYTES
 
 
 def slab_name(group: int, slot_bytes: int) -> str:
-    return f"g{group:03d}-{slot_bytes}.slab"
+    return f"g{group:03d}-{slot_bytes}.kvslab"
 
 
 class DiskTier(SlotTier):
@@ -260,9 +265,9 @@ class DiskTier(SlotTier):
         off = slot * self.strides[group]
         try:
             if n < 2 * self.piece_bytes or not self._use_helper():
-                sealed = self._write_then_hash(fd, header, src, off + HEADER_BYTES)
+                sealed = self._write_then_hash(fd, header, src, off + DATA_OFFSET)
             else:
-                sealed = self._hash_while_writing(fd, header, src, off + HEADER_BYTES)
+                sealed = self._hash_while_writing(fd, header, src, off + DATA_OFFSET)
             os.pwrite(fd, encode_header(sealed), off)  # publish: only after the whole payload
             if self.fsync == "always":
                 # one flush, not one per write: until it returns, a power loss may persist the
@@ -289,8 +294,8 @@ class DiskTier(SlotTier):
             return False
         off = slot * self.strides[group]
         m = self._maps[group]
-        mapped = (m is not None and off + HEADER_BYTES + n <= len(m[1])
-                  and self._resident(m[2], off, HEADER_BYTES + n))
+        mapped = (m is not None and off + DATA_OFFSET + n <= len(m[1])
+                  and self._resident(m[2], off, DATA_OFFSET + n))
         if mapped:
             assert m is not None
             stored = decode_header(m[1][off:off + HEADER_BYTES])
@@ -300,7 +305,7 @@ class DiskTier(SlotTier):
             # large payloads: header + the first piece now, the rest streamed by the helper thread
             first = n if n < 2 * self.piece_bytes or not self._use_helper() else self.piece_bytes
             try:
-                got = os.preadv(fd, [hbuf, dst[:first]], off)
+                got = os.preadv(fd, [hbuf, _PAD, dst[:first]], off)
             except OSError as exc:
                 return self._drop_corrupt(group, slot, f"read error: {exc.strerror}")
             if got == 0:
@@ -313,12 +318,12 @@ class DiskTier(SlotTier):
                 return False
             return self._drop_corrupt(group, slot, stored.reason)
         why = mismatch(stored, header)
-        if why is None and not mapped and got < HEADER_BYTES + first:
-            why = f"payload truncated: {got - HEADER_BYTES} of {n} bytes"
+        if why is None and not mapped and got < DATA_OFFSET + first:
+            why = f"payload truncated: {max(0, got - DATA_OFFSET)} of {n} bytes"
         if why is None:
             if mapped:
                 assert m is not None
-                why = self._copy_verified(m[1], off + HEADER_BYTES, stored, dst)
+                why = self._copy_verified(m[1], off + DATA_OFFSET, stored, dst)
             elif first == n:
                 why = verify(stored, dst)
             else:
@@ -383,7 +388,7 @@ class DiskTier(SlotTier):
         spans = [(a, min(a + p, n)) for a in range(p, n, p)]
         pool = self._helper()
         self.helper_ios += 1
-        base = off + HEADER_BYTES
+        base = off + DATA_OFFSET
         futures: list[Future[int]] = [pool.submit(os.preadv, fd, [dst[a:b]], base + a) for a, b in spans]
         try:
             summer = StreamingChecksum(stored.checksum_kind)
@@ -423,12 +428,18 @@ class DiskTier(SlotTier):
         fut = self._helper().submit(_pwrite_all, fd, src, offset)
         self.helper_ios += 1
         try:
-            summer = StreamingChecksum(DEFAULT_CHECKSUM)
-            summer.update(src)  # one call: the GIL is released for all of it
+            state = range_state(DEFAULT_CHECKSUM, len(src))
+            if state is not None:  # the C extension, which releases the GIL
+                value = range_update(state, src, 0, len(src))
+            else:
+                summer = StreamingChecksum(DEFAULT_CHECKSUM)
+                summer.update(src)  # one call: the GIL is released for all of it
+                value = summer.value()
         finally:
             wait_all([fut])
         fut.result()
-        return sealed_with(header, summer.value(), DEFAULT_CHECKSUM)
+        assert value is not None
+        return sealed_with(header, value, DEFAULT_CHECKSUM)
 
     def free(self, group: int, slot: int) -> None:
         self._check(group, slot)
@@ -563,10 +574,10 @@ def _problem(fd: int, off: int, size: int, ns: str, group: int, slot_bytes: int,
         return f"group {h.group} in group {group}'s file"
     if h.payload_bytes > slot_bytes:
         return f"{h.payload_bytes} payload bytes exceed the slot's {slot_bytes}"
-    if off + HEADER_BYTES + h.payload_bytes > size:
-        return f"payload truncated: file ends {size - off - HEADER_BYTES} bytes into the payload"
+    if off + DATA_OFFSET + h.payload_bytes > size:
+        return f"payload truncated: file ends {max(0, size - off - DATA_OFFSET)} bytes into the payload"
     if verify_payloads:
-        data = os.pread(fd, h.payload_bytes, off + HEADER_BYTES)
+        data = os.pread(fd, h.payload_bytes, off + DATA_OFFSET)
         return verify(h, data)
     return None
 

@@ -20,14 +20,13 @@ from pathlib import Path
 
 def corrupt_disk(directory: str) -> int:
     """Flip payload bytes of every occupied slot of every slab under `directory`/disk."""
-    from kvtier.tiers.disk import scan_dir, slot_stride
-    from kvtier.payload import HEADER_BYTES
+    from kvtier.tiers.disk import DATA_OFFSET, scan_dir, slot_stride
 
     n = 0
     for rec in scan_dir(Path(directory) / "disk"):
         if rec.problem is not None:
             continue
-        off = rec.slot * slot_stride(rec.slot_bytes) + HEADER_BYTES + 7
+        off = rec.slot * slot_stride(rec.slot_bytes) + DATA_OFFSET + 7
         with open(rec.path, "r+b") as f:
             f.seek(off)
             b = f.read(1)
