@@ -21,6 +21,9 @@ Policies (names in `ADMISSIONS`):
   prompt is admitted eagerly; its new tail only when tails like it (same depth class and tail
   length class, and separately the request's last chunk) have been reused often enough lately.
   It learns online from the past only: it tracks sampled tails and sees which are asked again.
+- `adaptive`: runs the rules above side by side, each with a sampled miniature LRU cache of
+  what it admits, and answers with the one whose miniature hit most lately (see
+  `AdaptiveAdmission`; measured in docs/admission.md: never below LRU on the Mooncake traces).
 """
 
 from __future__ import annotations
