@@ -31,6 +31,9 @@
 #define SECRET_SIZE 192
 #define STRIPES_PER_BLOCK ((SECRET_SIZE - STRIPE) / 8) /* 16 */
 #define BLOCK (STRIPE * STRIPES_PER_BLOCK)            /* 1024 */
+#ifndef PREFETCH_DIST
+#define PREFETCH_DIST 1024 /* bytes ahead: +20% on payloads not in cache (measured 0..4096) */
+#endif
 
 static const uint8_t k_secret[SECRET_SIZE] = {
     0xb8, 0xfe, 0x6c, 0x39, 0x23, 0xa4, 0x4b, 0xbe, 0x7c, 0x01, 0x81, 0x2c, 0xf7, 0x21, 0xad, 0x1c,
@@ -138,8 +141,10 @@ __attribute__((target("avx2"))) static void blocks_avx2(uint64_t *acc64, uint8_t
     for (size_t b = b0; b < b1; b++) {
         const uint8_t *in = src + b * BLOCK;
         uint8_t *out = dst ? dst + (b - b0) * BLOCK : NULL;
-        for (int s = 0; s < STRIPES_PER_BLOCK; s++)
+        for (int s = 0; s < STRIPES_PER_BLOCK; s++) {
+            __builtin_prefetch(in + s * STRIPE + PREFETCH_DIST);
             stripe_avx2(acc, out ? out + s * STRIPE : NULL, in + s * STRIPE, k_secret + 8 * s);
+        }
         scramble_avx2(acc, k_secret + SECRET_SIZE - STRIPE);
     }
     _mm256_storeu_si256((__m256i *)acc64, acc[0]);

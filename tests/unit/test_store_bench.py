@@ -43,3 +43,5 @@ def test_bench_store_loads_resident_slots_through_the_mapping(capsys, tmp_path) 
     # the same 2 rounds x 4 payloads: every load just written (resident) goes through the
     # mapping; the helper thread only writes
     assert out["disk_mapped_reads"] == 8 and out["disk_helper_ios"] == 8
+    assert out["checksum_path"].startswith("fused copy + xxh3_64")  # the C extension ran
+    assert 0 < out["two_pass_load_ratio_bound"] < 1
