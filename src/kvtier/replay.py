@@ -376,6 +376,19 @@ def tail_chunks(plan: Plan, group: int, num_chunks: int, endpoints: int) -> list
     return sorted(out)
 
 
+def admission_horizon(plan: Plan, tier: str, capacity: int, share: str | Mapping[str, float]) -> int:
+    """The learning horizon replay gives `prefix`, `tinylfu` and `adaptive`: how many chunks the
+    first tier holds for the anchor group (the first full/MLA group; else the first cacheable
+    one) under `share`, i.e. one cache turnover of the chunks every hit needs. Proportional
+    share: capacity // (bytes of one chunk of every group)."""
+    from kvtier.index_pool import _slots
+
+    cacheable = plan.cacheable_groups
+    slots = _slots(plan, tier, capacity, share)
+    anchors = [i for i, gp in enumerate(cacheable) if gp.kind in ("full", "mla")]
+    return max(1, slots[anchors[0] if anchors else 0])
+
+
 def footprint_bytes(plan: Plan, trace: Trace) -> int:
     """Bytes to hold every unique chunk of the trace in every cacheable group."""
     return trace.unique_chunks * plan.chunk_bytes_all_groups

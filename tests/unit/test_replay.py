@@ -205,6 +205,22 @@ def test_oracle_admission_with_a_horizon_in_chunks(tmp_path):
         OracleAdmission(fut, 1, chunk_horizon=1)
 
 
+def test_admission_horizon_is_the_anchor_groups_chunks(tmp_path):
+    from kvtier.replay import admission_horizon
+
+    plan = one_group()  # 1024 bytes a chunk
+    assert admission_horizon(plan, "cpu", 10 * 1024 + 5, "proportional") == 10
+    g = Geometry((
+        Group("swa", "sliding", 1, 16, bytes_per_token_per_layer=6, window=600),  # 3072 B a chunk
+        Group("full", "full", 1, 16, bytes_per_token_per_layer=2),  # 1024 B a chunk
+    ), 16)
+    hybrid = make_plan(g, chunk_tokens=512)
+    # proportional: 40960 // (3072 + 1024) = 10 chunks of each group
+    assert admission_horizon(hybrid, "cpu", 40960, "proportional") == 10
+    # half the bytes to the full group: 20480 // 1024 = 20 of its chunks (the sliding one gets 6)
+    assert admission_horizon(hybrid, "cpu", 40960, {"full": 0.5, "swa": 0.5}) == 20
+
+
 def test_tail_endpoints_store_only_the_windows_hits_read(tmp_path):
     from kvtier.replay import tail_chunks
 

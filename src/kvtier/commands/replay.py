@@ -113,8 +113,8 @@ def run(args: argparse.Namespace) -> int:
     from kvtier.geometry import load_geometry
     from kvtier.plan import make_plan
     from kvtier.policies import POLICIES
-    from kvtier.replay import (DEFAULT_BANDWIDTH, CostModel, footprint_bytes, next_uses, parse_size,
-                               run_all)
+    from kvtier.replay import (DEFAULT_BANDWIDTH, CostModel, admission_horizon, footprint_bytes,
+                               next_uses, parse_size, run_all)
     from kvtier.replay_trace import load_trace
 
     geometry = load_geometry(resolve_geometry(args.geometry), dtype=args.dtype, block_size=args.block_size)
@@ -156,8 +156,9 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     try:
         for caps in points:
-            # the first tier's capacity in chunks of every group: the admission's learning horizon
-            horizon = max(1, caps[names[0]] // plan.chunk_bytes_all_groups)
+            # the first tier's capacity in chunks of the anchor group under the (first) share:
+            # the admission's learning horizon and `adaptive`'s miniature cache size
+            horizon = admission_horizon(plan, names[0], caps[names[0]], shares[0])
             admissions = [(n, f if not n.startswith("oracle") else _oracle(n, future))
                           for n, f in _admissions(args.admission, horizon)]
             for res in run_all(plan, trace, caps, policies, admissions, shares, cost,
