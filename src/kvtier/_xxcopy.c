@@ -17,8 +17,10 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <errno.h>
 #include <stdint.h>
 #include <string.h>
+#include <unistd.h>
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
@@ -317,6 +319,50 @@ done:
     return result;
 }
 
+/* pwrite_xxh3(fd, src, offset, piece) -> int: write all of src at `offset` of fd, `piece`
+ * bytes (a multiple of 1024) per pwrite, folding each piece into XXH3-64 right after the kernel
+ * copied it (still in cache); returns XXH3-64 of src. Raises OSError on a failed or empty write
+ * (what was written so far stays written: the caller never publishes a header over it). */
+static PyObject *py_pwrite_xxh3(PyObject *self, PyObject *args) {
+    int fd;
+    Py_buffer src;
+    long long offset;
+    Py_ssize_t piece;
+    if (!PyArg_ParseTuple(args, "iy*Ln", &fd, &src, &offset, &piece)) return NULL;
+    if (src.len <= 240 || piece < BLOCK || piece % BLOCK || offset < 0) {
+        PyErr_Format(PyExc_ValueError, "pwrite_xxh3 needs more than 240 bytes (got %zd) and a piece that is a "
+                     "positive multiple of %d (got %zd)", src.len, BLOCK, piece);
+        PyBuffer_Release(&src);
+        return NULL;
+    }
+    const uint8_t *p = (const uint8_t *)src.buf;
+    size_t len = (size_t)src.len, done = 0;
+    uint64_t acc[8], h = 0;
+    memcpy(acc, k_init, sizeof acc);
+    int simd = have_avx2(), err = 0;
+    Py_BEGIN_ALLOW_THREADS
+    while (done < len) {
+        size_t end = done + (size_t)piece < len ? done + (size_t)piece : len;
+        size_t at = done;
+        while (at < end) { /* short writes and EINTR: go on from where it stopped */
+            ssize_t w = pwrite(fd, p + at, end - at, (off_t)(offset + (long long)at));
+            if (w < 0 && errno == EINTR) continue;
+            if (w <= 0) { err = w < 0 ? errno : EIO; break; }
+            at += (size_t)w;
+        }
+        if (err) break;
+        xxh3_range(acc, NULL, p, len, done, end, simd, &h);
+        done = end;
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&src);
+    if (err) {
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return PyLong_FromUnsignedLongLong(h);
+}
+
 static PyObject *py_simd(PyObject *self, PyObject *unused) { return PyBool_FromLong(have_avx2()); }
 
 static PyMethodDef methods[] = {
@@ -328,6 +374,9 @@ static PyMethodDef methods[] = {
     {"xxh3_range", py_xxh3_range, METH_VARARGS,
      "xxh3_range(state, src, start, end) -> int | None: fold src[start:end] into state (bytearray(72), "
      "filled in order from start 0); returns XXH3-64 of all of src when end == len(src)."},
+    {"pwrite_xxh3", py_pwrite_xxh3, METH_VARARGS,
+     "pwrite_xxh3(fd, src, offset, piece) -> int: pwrite src at offset, piece bytes at a time, "
+     "checksumming each piece right after it is written; returns XXH3-64 of src."},
     {"simd", py_simd, METH_NOARGS, "simd() -> bool: whether the AVX2 code runs on this CPU."},
     {NULL, NULL, 0, NULL},
 };

@@ -193,6 +193,15 @@ def range_update(state: bytearray, src: memoryview, start: int, end: int) -> int
     return _xxcopy.xxh3_range(state, src, start, end)  # type: ignore[union-attr, no-any-return]
 
 
+def pwrite_checksum(fd: int, src: memoryview, offset: int, piece: int, kind: int) -> int | None:
+    """Write `src` at `offset` of `fd` in `piece`-byte writes, checksumming each piece right after
+    it is written, in C with the GIL released; the checksum, or None (nothing written) where the
+    C extension cannot (then write, and checksum, in Python). Raises OSError as os.pwrite does."""
+    if _xxcopy is None or kind != CHECKSUM_XXH3 or len(src) < FUSED_MIN_BYTES or piece % RANGE_ALIGN:
+        return None
+    return _xxcopy.pwrite_xxh3(fd, src, offset, piece)  # type: ignore[no-any-return]
+
+
 def fused_checksum_name() -> str:
     """How this process checksums: what `kvtier bench store` reports."""
     if _xxcopy is None:

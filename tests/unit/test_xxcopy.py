@@ -87,3 +87,23 @@ def test_xxh3_range_refuses_misaligned_or_out_of_order_ranges() -> None:
     xx.xxh3_range(state, src, 0, 1024)
     with pytest.raises(ValueError, match="feed ranges in order"):
         xx.xxh3_range(state, src, 2048, 3072)
+
+
+def test_pwrite_xxh3_writes_every_byte_and_returns_the_checksum(tmp_path) -> None:
+    import os
+
+    rng = np.random.default_rng(10)
+    path = tmp_path / "f"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT)
+    try:
+        for n, piece in ((241, 1024), (5000, 1024), (1 << 20, 1 << 18), ((3 << 20) + 77, 1 << 20)):
+            src = rng.integers(0, 256, n, dtype=np.uint8)
+            assert xx.pwrite_xxh3(fd, src, 4096, piece) == xxhash.xxh3_64_intdigest(src)
+            assert os.pread(fd, n, 4096) == src.tobytes()
+        with pytest.raises(ValueError, match="positive multiple of 1024"):
+            xx.pwrite_xxh3(fd, bytes(5000), 0, 1000)
+    finally:
+        os.close(fd)
+    with pytest.raises(OSError) as err:  # no such descriptor: the errno comes back as OSError
+        xx.pwrite_xxh3(1 << 24, bytes(5000), 0, 1024)
+    assert err.value.errno == 9  # EBADF

@@ -76,6 +76,7 @@ from kvtier.payload import (
     as_bytes_view,
     copy_checksum,
     decode_header,
+    pwrite_checksum,
     range_state,
     range_update,
     encode_header,
@@ -409,19 +410,13 @@ class DiskTier(SlotTier):
     def _write_then_hash(self, fd: int, header: ChunkHeader, src: memoryview, offset: int) -> ChunkHeader:
         """Write the payload in WRITE_PIECE pieces and checksum each piece right after the kernel
         has copied it, while it is still in the CPU's cache (a checksum of the whole payload
-        first would read it from DRAM once more). Without the C extension: checksum, then one
-        write. The sealed header; raises the write's OSError."""
-        state = range_state(DEFAULT_CHECKSUM, len(src))
-        if state is None:
+        first would read it from DRAM once more): one C call with the GIL released. Without the
+        C extension: checksum, then one write. The sealed header; raises the write's OSError."""
+        value = pwrite_checksum(fd, src, offset, WRITE_PIECE, DEFAULT_CHECKSUM)
+        if value is None:
             sealed = seal(header, src)
             _pwrite_all(fd, src, offset)
             return sealed
-        n, value = len(src), None
-        for a in range(0, n, WRITE_PIECE):
-            b = min(a + WRITE_PIECE, n)
-            _pwrite_all(fd, src[a:b], offset + a)
-            value = range_update(state, src, a, b)
-        assert value is not None
         return sealed_with(header, value, DEFAULT_CHECKSUM)
 
     def _hash_while_writing(self, fd: int, header: ChunkHeader, src: memoryview, offset: int) -> ChunkHeader:
