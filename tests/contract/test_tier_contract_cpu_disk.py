@@ -195,3 +195,16 @@ def test_a_smaller_restart_drops_the_slots_past_its_capacity(tmp_path) -> None:
     again = DiskTier(tmp_path, big, NS)  # growing back does not resurrect them
     assert sorted(s for _, s, _ in again.list()) == [0, 1]
     again.close()
+
+
+def test_slab_files_of_the_older_layout_are_ignored_with_a_warning(tmp_path, caplog) -> None:
+    old = tmp_path / NS / "g000-4096.slab"
+    old.parent.mkdir(parents=True)
+    old.write_bytes(b"\x01" * 8192)
+    with caplog.at_level("WARNING"):
+        t = DiskTier(tmp_path, TierLayout(slot_bytes=(4096,), num_slots=(2,)), NS)
+    assert list(t.list()) == [] and t.corrupt_dropped == 0
+    t.close()
+    assert old.read_bytes() == b"\x01" * 8192  # left alone, not read, not truncated
+    msg = " ".join(r.getMessage() for r in caplog.records)
+    assert "older kvtier layout (g000-4096.slab)" in msg and "delete them" in msg

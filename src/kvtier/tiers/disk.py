@@ -201,6 +201,11 @@ class DiskTier(SlotTier):
             os.ftruncate(self._lock_fd, 0)
             os.pwrite(self._lock_fd, f"{os.getpid()}\n".encode(), 0)
         flags = os.O_RDONLY if self.read_only else os.O_RDWR | os.O_CREAT
+        old = sorted(p.name for p in self.dir.glob("g*-*.slab")) if self.dir.is_dir() else []
+        if old:  # the layout before payloads were page-aligned: never read, only in the way
+            log.warning("tier disk: %s holds %d slab file(s) of an older kvtier layout (%s%s), which this "
+                        "version ignores; delete them to free the space", self.dir, len(old),
+                        ", ".join(old[:3]), ", ..." if len(old) > 3 else "")
         self._fds: list[int | None] = []
         self._maps: list[tuple[mmap.mmap, memoryview, int] | None] = [None] * len(layout.slot_bytes)
         self.mapped_reads = 0  # payloads read through the mapping (bench reports it)
