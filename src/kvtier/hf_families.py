@@ -28,6 +28,9 @@ class Spec:
     attention_chunk: int | None = None
 
 
+MAX_LAYERS = 100_000  # far above any published model; a typo of 10**9 must not build a 10**9-entry list
+
+
 class Cfg:
     """A config dict with the family's transformers defaults and errors that name the field."""
 
@@ -48,6 +51,11 @@ class Cfg:
             raise ConfigError(
                 f"config.json of model_type {self.model_type!r} {what} {key!r}; "
                 "it must be a positive integer"
+            )
+        if key == "num_hidden_layers" and value > MAX_LAYERS:  # a list per layer is built from it
+            raise ConfigError(
+                f"config.json of model_type {self.model_type!r} has {value} for field {key!r}; "
+                f"kvtier reads models of at most {MAX_LAYERS} layers"
             )
         return value
 
@@ -155,10 +163,21 @@ def _gemma4(cfg: Cfg, d: int) -> list[tuple[int, Spec]]:
     kv, hd = cfg.int("num_key_value_heads"), _head_dim(cfg)
     # a config saved by transformers 5.x holds per-layer overrides instead of global_head_dim
     raw = cfg.data.get("per_layer_config")
-    overrides = {int(k): v for k, v in raw.items()} if isinstance(raw, Mapping) else None
+    overrides = None
+    if isinstance(raw, Mapping):
+        overrides = {}
+        for k, v in raw.items():
+            if not (isinstance(k, str) and k.isdigit() or isinstance(k, int) and not isinstance(k, bool)):
+                raise ConfigError(f"config.json of model_type {cfg.model_type!r} has per_layer_config key "
+                                  f"{k!r}; keys must be layer numbers")
+            if not isinstance(v, Mapping):
+                raise ConfigError(f"config.json of model_type {cfg.model_type!r} has per_layer_config[{k!r}]"
+                                  f"={v!r}; it must be an object")
+            overrides[int(k)] = v
     global_kv = cfg.data.get("num_global_key_value_heads")
     if not cfg.get("attention_k_eq_v") or global_kv is None:
         global_kv = kv
+    global_kv = _positive_field(cfg, "num_global_key_value_heads", global_kv)
     shared = cfg.data.get("num_kv_shared_layers") or 0
     if isinstance(shared, bool) or not isinstance(shared, int) or not 0 <= shared < n:
         raise ConfigError(
@@ -170,7 +189,8 @@ def _gemma4(cfg: Cfg, d: int) -> list[tuple[int, Spec]]:
         heads, dim = kv, hd
         if overrides is not None:
             o = overrides.get(i) or {}
-            heads, dim = o.get("num_key_value_heads", kv), o.get("head_dim", hd)
+            heads = _positive_field(cfg, f"per_layer_config[{i}].num_key_value_heads", o.get("num_key_value_heads", kv))
+            dim = _positive_field(cfg, f"per_layer_config[{i}].head_dim", o.get("head_dim", hd))
         elif t == "full_attention":
             heads, dim = global_kv, cfg.int("global_head_dim", fallback=512)
         b = 2 * heads * dim * d
@@ -181,6 +201,13 @@ def _gemma4(cfg: Cfg, d: int) -> list[tuple[int, Spec]]:
         else:
             raise UnsupportedModelError(f"layer {i} of gemma4 has layer type {t!r}")
     return out
+
+
+def _positive_field(cfg: Cfg, what: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"config.json of model_type {cfg.model_type!r} has {what}={value!r}; "
+                          "it must be a positive integer")
+    return value
 
 
 def _refuse_bidirectional(cfg: Cfg) -> None:

@@ -7,6 +7,7 @@ KV dtype. Attention bytes per token per layer = 2 (K and V) * kv * hd * d.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -303,3 +304,21 @@ def test_layer_patterns_must_be_positive_integers(hf_config, name, key, value) -
     cfg.pop("layer_types", None)
     with pytest.raises(ConfigError, match=key):
         geometry_from_hf_config(cfg | {key: value})
+
+
+@pytest.mark.parametrize("name, key, value, message", [
+    # found by the property test above: a list where gemma 4 wants a head count was a TypeError
+    ("gemma-4-like", "num_global_key_value_heads", [], "num_global_key_value_heads=[]; it must be a positive integer"),
+    ("gemma-4-like", "per_layer_config", {"x": {}}, "per_layer_config key 'x'; keys must be layer numbers"),
+    ("gemma-4-like", "per_layer_config", {"0": {"head_dim": []}}, "per_layer_config[0].head_dim=[]"),
+    # a typo of 10**9 layers used to build a 10**9-entry list (out of memory)
+    ("llama-3-8b", "num_hidden_layers", 10**9, "kvtier reads models of at most 100000 layers"),
+])
+def test_field_values_that_crashed_or_hung_the_reader_are_config_errors(name, key, value, message) -> None:
+    cfg = json.loads(json.dumps(_SHIPPED_DATA[name]))
+    target = cfg["text_config"] if "text_config" in cfg else cfg
+    target[key] = value
+    if key == "num_global_key_value_heads":
+        target["attention_k_eq_v"] = True  # the field is only read then
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        geometry_from_hf_config(cfg)
