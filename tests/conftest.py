@@ -6,9 +6,19 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+import os
+
 import pytest
+from hypothesis import settings
 
 import kvtier
+
+# CI (`.ci/run` sets KVTIER_CI=1) draws the same hypothesis examples every run, so a merge is never
+# blocked by an example first drawn there; local runs draw new examples each time and keep the
+# ones that failed in .hypothesis/ to replay them.
+settings.register_profile("ci", derandomize=True, database=None)
+if os.environ.get("KVTIER_CI"):
+    settings.load_profile("ci")
 
 DATA = Path(kvtier.__file__).parent / "data"
 
