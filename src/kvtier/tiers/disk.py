@@ -3,9 +3,9 @@
 Files: `ROOT/<namespace id>/g<group>-<slot bytes>.kvslab`. Slot s of a file starts at
 `s * stride` (stride = one 4 KiB page for the 128-byte payload header (`kvtier.payload`), then
 the slot bytes rounded up to 4 KiB) and holds the header, zero padding, and the payload from
-`DATA_OFFSET` (4 KiB) on. Page-aligned payloads make the kernel's copies and the mapped copies
-~10% faster than payloads right behind the header (measured; the old `.slab` layout, which
-this version does not read). The slot size is in the file name, so a
+`DATA_OFFSET` (4 KiB) on. Page-aligned payloads made the kernel's copies ~9% faster than
+payloads right behind the header (measured; that was the old `.slab` layout, which this version
+ignores with a warning). The slot size is in the file name, so a
 restart with another plan (another chunk size) never reads a slab with the wrong stride, and
 `kvtier inspect`/`check` read a directory without knowing the plan.
 
@@ -16,9 +16,10 @@ leaves each slot either with its old header (whose checksum no longer matches a 
 payload: a counted miss), with no header (a plain miss), or complete. Nothing reads back valid
 but wrong; fsync only decides what survives a power loss, not what a process kill can do.
 
-Writes are buffered `os.pwrite` straight from the caller's buffer (a memoryview of its tensor):
-no intermediate copy. Reads take one of two paths, both verifying every byte before they
-report success:
+Writes are buffered `pwrite`s straight from the caller's buffer (a memoryview of its tensor),
+1 MiB at a time, each piece checksummed right after the kernel copied it (in C, GIL released,
+where the extension is built). Reads take one of two paths, both verifying every byte before
+they report success:
 - resident (the common case: a cache re-read soon after it was written): each slab file is
   mapped read-only once (`mmap`, MAP_SHARED, the whole file, which is sized to its capacity at
   open). When `mincore` says every page of the slot is in the page cache, the payload is copied
@@ -362,10 +363,10 @@ class DiskTier(SlotTier):
         return None if value == stored.checksum else "payload checksum mismatch"
 
     # -- large payloads: copy and checksum overlapped on two threads --------------------------
-    # A verified load is one kernel copy (page cache -> buffer) plus one checksum pass; on one
-    # core it cannot beat copy / (copy + checksum) of a plain read (~0.6 here). Both os.preadv /
-    # os.pwrite and StreamingChecksum.update release the GIL, so with a helper thread doing the
-    # copy the two passes run on two cores. The rules are unchanged: every byte is verified
+    # A cold load (preadv path) is one kernel copy plus one checksum pass, and a save is a
+    # kernel copy plus a checksum; on one core neither beats copy / (copy + checksum) of plain
+    # I/O. os.preadv / os.pwrite, StreamingChecksum.update and the C checksum release the GIL,
+    # so with a helper thread doing the copy the two passes run on two cores. The rules are unchanged: every byte is verified
     # before a load reports success, and a save publishes its header only after the helper has
     # written the whole payload.
     def _use_helper(self) -> bool:
