@@ -281,44 +281,6 @@ static PyObject *py_xxh3(PyObject *self, PyObject *args, PyObject *kw) {
     return PyLong_FromUnsignedLongLong(h);
 }
 
-/* xxh3_range(state, src, start, end) -> int | None: fold src[start:end] into `state` (a writable
- * 64-byte buffer; zero-filled means "new"), the hash of all of src once end == len(src). */
-static PyObject *py_xxh3_range(PyObject *self, PyObject *args) {
-    Py_buffer st, src;
-    Py_ssize_t start, end;
-    if (!PyArg_ParseTuple(args, "w*y*nn", &st, &src, &start, &end)) return NULL;
-    PyObject *result = NULL;
-    if (st.len != 72 || src.len <= 240 || start < 0 || start >= end || end > src.len || start % BLOCK ||
-        (end != src.len && end % BLOCK)) {
-        PyErr_Format(PyExc_ValueError,
-                     "xxh3_range needs a 72-byte state, more than 240 bytes, and a range [%zd, %zd) that starts "
-                     "on a multiple of %d and ends on one or at the end (%zd)", start, end, BLOCK, src.len);
-        goto done;
-    }
-    uint64_t acc[8], h = 0, pos;
-    memcpy(acc, st.buf, 64);
-    memcpy(&pos, (uint8_t *)st.buf + 64, 8);
-    if (start == 0) memcpy(acc, k_init, sizeof acc);
-    else if (pos != (uint64_t)start) {
-        PyErr_Format(PyExc_ValueError, "xxh3_range: the state is at byte %llu, not %zd: feed ranges in order",
-                     (unsigned long long)pos, start);
-        goto done;
-    }
-    int fin;
-    int simd = have_avx2();
-    Py_BEGIN_ALLOW_THREADS
-    fin = xxh3_range(acc, NULL, (const uint8_t *)src.buf, (size_t)src.len, (size_t)start, (size_t)end, simd, &h);
-    Py_END_ALLOW_THREADS
-    pos = (uint64_t)end;
-    memcpy(st.buf, acc, 64);
-    memcpy((uint8_t *)st.buf + 64, &pos, 8);
-    result = fin ? PyLong_FromUnsignedLongLong(h) : (Py_INCREF(Py_None), Py_None);
-done:
-    PyBuffer_Release(&st);
-    PyBuffer_Release(&src);
-    return result;
-}
-
 /* pwrite_xxh3(fd, src, offset, piece) -> int: write all of src at `offset` of fd, `piece`
  * bytes (a multiple of 1024) per pwrite, folding each piece into XXH3-64 right after the kernel
  * copied it (still in cache); returns XXH3-64 of src. Raises OSError on a failed or empty write
@@ -371,9 +333,6 @@ static PyMethodDef methods[] = {
      "XXH3-64 of src; simd=None uses AVX2 where the CPU has it, False forces the scalar code."},
     {"xxh3", (PyCFunction)(void (*)(void))py_xxh3, METH_VARARGS | METH_KEYWORDS,
      "xxh3(src, simd=None) -> int: XXH3-64 of src (> 240 bytes)."},
-    {"xxh3_range", py_xxh3_range, METH_VARARGS,
-     "xxh3_range(state, src, start, end) -> int | None: fold src[start:end] into state (bytearray(72), "
-     "filled in order from start 0); returns XXH3-64 of all of src when end == len(src)."},
     {"pwrite_xxh3", py_pwrite_xxh3, METH_VARARGS,
      "pwrite_xxh3(fd, src, offset, piece) -> int: pwrite src at offset, piece bytes at a time, "
      "checksumming each piece right after it is written; returns XXH3-64 of src."},

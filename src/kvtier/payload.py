@@ -26,9 +26,11 @@ memcpy on most hosts, so disk throughput stays close to plain file I/O) and zlib
 otherwise (~1.5-3 GB/s); the kind travels in the header so either reader verifies either
 writer's slots. Where kvtier's small C extension `kvtier._xxcopy` was built (`pip install`
 compiles it; it is optional), payloads over 240 bytes are hashed by it: the same XXH3-64 value,
-with AVX2 where the CPU has it, and `copy_checksum` copies a payload and computes its checksum
-in one pass (the disk tier's verified loads). Rejected: blake2b/sha (0.5-1.5 GB/s: a secure hash buys nothing against
-torn writes and bit rot) and sums of words (blind to swapped blocks).
+with AVX2 where the CPU has it; `copy_checksum` copies a payload and computes its checksum in
+one pass (the disk tier's verified loads) and `pwrite_checksum` writes one, checksumming each
+piece right after the kernel copied it (its saves). Rejected: blake2b/sha (0.5-1.5 GB/s: a
+secure hash buys nothing against torn writes and bit rot) and sums of words (blind to swapped
+blocks).
 """
 
 from __future__ import annotations
@@ -155,13 +157,19 @@ def as_bytes_view(data: object) -> memoryview:
 
 
 def checksum(data: object, kind: int = DEFAULT_CHECKSUM) -> int:
+    """The payload checksum of `data`. It runs without the GIL for payloads over 240 bytes
+    (xxh3_64) or 5 KiB (crc32), so the disk tier can copy on another thread meanwhile."""
     view = as_bytes_view(data)
     if kind == CHECKSUM_XXH3:
         if _xxhash is None:
             raise RuntimeError("xxhash is not installed; `pip install xxhash` to verify xxh3_64 slots")
         if _xxcopy is not None and len(view) >= FUSED_MIN_BYTES:
             return _xxcopy.xxh3(view)  # type: ignore[no-any-return]
-        return _xxhash.xxh3_64_intdigest(view)
+        if len(view) < FUSED_MIN_BYTES:
+            return _xxhash.xxh3_64_intdigest(view)
+        h = _xxhash.xxh3_64()  # `update` releases the GIL; the one-shot intdigest does not
+        h.update(view)
+        return h.intdigest()
     if kind == CHECKSUM_CRC32:
         return zlib.crc32(view)
     raise ValueError(f"unknown checksum kind {kind}")
@@ -176,28 +184,14 @@ def copy_checksum(dst: memoryview, src: memoryview, kind: int) -> int | None:
     return _xxcopy.copy_xxh3(dst, src)  # type: ignore[no-any-return]
 
 
-RANGE_ALIGN = 1024  # xxh3_range's pieces start on multiples of this (one XXH3 block)
-
-
-def range_state(kind: int, n: int) -> bytearray | None:
-    """A state for checksumming an `n`-byte payload piece by piece with `range_update` (pieces
-    in order, each starting on a multiple of RANGE_ALIGN); None where the C extension cannot
-    (then checksum the whole payload with `checksum`)."""
-    if _xxcopy is None or kind != CHECKSUM_XXH3 or n < FUSED_MIN_BYTES:
-        return None
-    return bytearray(72)
-
-
-def range_update(state: bytearray, src: memoryview, start: int, end: int) -> int | None:
-    """Fold src[start:end] into `state`; the checksum of all of `src` once end == len(src)."""
-    return _xxcopy.xxh3_range(state, src, start, end)  # type: ignore[union-attr, no-any-return]
+PIECE_ALIGN = 1024  # pwrite_checksum's pieces: a multiple of one XXH3 block
 
 
 def pwrite_checksum(fd: int, src: memoryview, offset: int, piece: int, kind: int) -> int | None:
     """Write `src` at `offset` of `fd` in `piece`-byte writes, checksumming each piece right after
     it is written, in C with the GIL released; the checksum, or None (nothing written) where the
     C extension cannot (then write, and checksum, in Python). Raises OSError as os.pwrite does."""
-    if _xxcopy is None or kind != CHECKSUM_XXH3 or len(src) < FUSED_MIN_BYTES or piece % RANGE_ALIGN:
+    if _xxcopy is None or kind != CHECKSUM_XXH3 or len(src) < FUSED_MIN_BYTES or piece % PIECE_ALIGN:
         return None
     return _xxcopy.pwrite_xxh3(fd, src, offset, piece)  # type: ignore[no-any-return]
 

@@ -67,26 +67,20 @@ def test_payload_checksum_and_copy_checksum_agree_with_python_xxhash() -> None:
     assert payload.copy_checksum(memoryview(bytearray(4096)), memoryview(bytes(4096)), payload.CHECKSUM_CRC32) is None
 
 
-def test_xxh3_range_over_pieces_equals_the_one_shot_value() -> None:
+def test_pwrite_xxh3_over_pieces_equals_the_one_shot_value(tmp_path) -> None:
+    import os
+
     rng = np.random.default_rng(9)
-    for n in (241, 1024, 1025, 2048, 2049, 5000, 65536, 100_000):
-        src = rng.integers(0, 256, n, dtype=np.uint8)
-        want = xxhash.xxh3_64_intdigest(src)
-        for piece in (1024, 4096, 65536):
-            state = bytearray(72)
-            cuts = [*range(0, n, piece), n]
-            got = [xx.xxh3_range(state, src, a, b) for a, b in zip(cuts, cuts[1:])]
-            assert got[:-1] == [None] * (len(got) - 1) and got[-1] == want, (n, piece)
-
-
-def test_xxh3_range_refuses_misaligned_or_out_of_order_ranges() -> None:
-    src = bytes(5000)
-    with pytest.raises(ValueError, match="starts on a multiple of 1024"):
-        xx.xxh3_range(bytearray(72), src, 0, 1000)
-    state = bytearray(72)
-    xx.xxh3_range(state, src, 0, 1024)
-    with pytest.raises(ValueError, match="feed ranges in order"):
-        xx.xxh3_range(state, src, 2048, 3072)
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT)
+    try:
+        for n in (241, 1024, 1025, 2048, 2049, 5000, 65536, 100_000):
+            src = rng.integers(0, 256, n, dtype=np.uint8)
+            want = xxhash.xxh3_64_intdigest(src)
+            for piece in (1024, 4096, 65536):  # every piece boundary on or past the last block
+                assert xx.pwrite_xxh3(fd, src, 0, piece) == want, (n, piece)
+                assert os.pread(fd, n, 0) == src.tobytes(), (n, piece)
+    finally:
+        os.close(fd)
 
 
 def test_pwrite_xxh3_writes_every_byte_and_returns_the_checksum(tmp_path) -> None:
@@ -107,3 +101,10 @@ def test_pwrite_xxh3_writes_every_byte_and_returns_the_checksum(tmp_path) -> Non
     with pytest.raises(OSError) as err:  # no such descriptor: the errno comes back as OSError
         xx.pwrite_xxh3(1 << 24, bytes(5000), 0, 1024)
     assert err.value.errno == 9  # EBADF
+
+
+def test_checksum_without_the_extension_is_the_same_value(monkeypatch) -> None:
+    monkeypatch.setattr(payload, "_xxcopy", None)  # as where it was not compiled
+    for n in (1, 240, 241, 100_000):
+        data = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
+        assert payload.checksum(data) == xxhash.xxh3_64_intdigest(data), n

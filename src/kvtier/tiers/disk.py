@@ -75,11 +75,10 @@ from kvtier.payload import (
     Rejected,
     StreamingChecksum,
     as_bytes_view,
+    checksum,
     copy_checksum,
     decode_header,
     pwrite_checksum,
-    range_state,
-    range_update,
     encode_header,
     mismatch,
     seal,
@@ -365,10 +364,10 @@ class DiskTier(SlotTier):
     # -- large payloads: copy and checksum overlapped on two threads --------------------------
     # A cold load (preadv path) is one kernel copy plus one checksum pass, and a save is a
     # kernel copy plus a checksum; on one core neither beats copy / (copy + checksum) of plain
-    # I/O. os.preadv / os.pwrite, StreamingChecksum.update and the C checksum release the GIL,
-    # so with a helper thread doing the copy the two passes run on two cores. The rules are unchanged: every byte is verified
-    # before a load reports success, and a save publishes its header only after the helper has
-    # written the whole payload.
+    # I/O. os.preadv / os.pwrite, StreamingChecksum.update and `checksum` release the GIL, so
+    # with a helper thread doing the copy the two passes run on two cores. The rules are
+    # unchanged: every byte is verified before a load reports success, and a save publishes its
+    # header only after the helper has written the whole payload.
     def _use_helper(self) -> bool:
         if self.pipeline != "auto":
             return self.pipeline == "always"
@@ -431,17 +430,10 @@ class DiskTier(SlotTier):
         fut = self._helper().submit(_pwrite_all, fd, src, offset)
         self.helper_ios += 1
         try:
-            state = range_state(DEFAULT_CHECKSUM, len(src))
-            if state is not None:  # the C extension, which releases the GIL
-                value = range_update(state, src, 0, len(src))
-            else:
-                summer = StreamingChecksum(DEFAULT_CHECKSUM)
-                summer.update(src)  # one call: the GIL is released for all of it
-                value = summer.value()
+            value = checksum(src)  # runs without the GIL
         finally:
             wait_all([fut])
         fut.result()
-        assert value is not None
         return sealed_with(header, value, DEFAULT_CHECKSUM)
 
     def free(self, group: int, slot: int) -> None:
