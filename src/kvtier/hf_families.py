@@ -46,18 +46,23 @@ class Cfg:
         value = self.get(key)
         if value is None and fallback is not None:
             return fallback
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        if not _is_positive_int(value):
             what = "is missing field" if value is None else f"has {value!r} for field"
             raise ConfigError(
                 f"config.json of model_type {self.model_type!r} {what} {key!r}; "
                 "it must be a positive integer"
             )
-        if key == "num_hidden_layers" and value > MAX_LAYERS:  # a list per layer is built from it
+        return value  # type: ignore[return-value]
+
+    def layers(self) -> int:
+        """num_hidden_layers, bounded: every family builds a list with one entry per layer."""
+        n = self.int("num_hidden_layers")
+        if n > MAX_LAYERS:
             raise ConfigError(
-                f"config.json of model_type {self.model_type!r} has {value} for field {key!r}; "
+                f"config.json of model_type {self.model_type!r} has {n} for field 'num_hidden_layers'; "
                 f"kvtier reads models of at most {MAX_LAYERS} layers"
             )
-        return value
+        return n
 
     def opt_int(self, key: str) -> int | None:
         return None if self.get(key) is None else self.int(key)
@@ -80,7 +85,7 @@ def _head_dim(cfg: Cfg) -> int:
 
 
 def _layer_types(cfg: Cfg, default: Callable[[int], str]) -> list[str]:
-    n = cfg.int("num_hidden_layers")
+    n = cfg.layers()
     types = cfg.data.get("layer_types")
     if types is None:
         return [default(i) for i in range(n)]
@@ -156,7 +161,7 @@ def _gemma4(cfg: Cfg, d: int) -> list[tuple[int, Spec]]:
     """Gemma 4: global (full) layers have their own head size and KV heads; the last
     `num_kv_shared_layers` layers reuse earlier layers' KV and cache nothing themselves."""
     _refuse_bidirectional(cfg)
-    n = cfg.int("num_hidden_layers")
+    n = cfg.layers()
     types = _layer_types(cfg, lambda i: "full_attention" if (i + 1) % 6 == 0 else "sliding_attention")
     types = [*types[:-1], "full_attention"]  # transformers forces the last layer to full
     window = cfg.int("sliding_window")
@@ -203,8 +208,12 @@ def _gemma4(cfg: Cfg, d: int) -> list[tuple[int, Spec]]:
     return out
 
 
+def _is_positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
 def _positive_field(cfg: Cfg, what: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    if not _is_positive_int(value):
         raise ConfigError(f"config.json of model_type {cfg.model_type!r} has {what}={value!r}; "
                           "it must be a positive integer")
     return value
@@ -222,7 +231,7 @@ def _refuse_bidirectional(cfg: Cfg) -> None:
 def _mla(cfg: Cfg, d: int) -> list[tuple[int, Spec]]:
     """DeepSeek-V2/V3 MLA: the compressed latent plus the shared rope key, one head."""
     b = (cfg.int("kv_lora_rank") + cfg.int("qk_rope_head_dim")) * d
-    return [(i, Spec("mla", "mla", b)) for i in range(cfg.int("num_hidden_layers"))]
+    return [(i, Spec("mla", "mla", b)) for i in range(cfg.layers())]
 
 
 def _gated_deltanet(cfg: Cfg, d: int) -> list[tuple[int, Spec]]:
@@ -260,7 +269,7 @@ def _bamba(cfg: Cfg, d: int) -> list[tuple[int, Spec]]:
     attn = set(cfg.data.get("attn_layer_indices") or ())
     state = _mamba2_state(cfg, d, cfg.int("mamba_expand") * cfg.int("hidden_size"))
     full, mamba = Spec("full", "full", _attn_bytes(cfg, d)), Spec("mamba", "state", state_bytes_per_layer=state)
-    return [(i, full if i in attn else mamba) for i in range(cfg.int("num_hidden_layers"))]
+    return [(i, full if i in attn else mamba) for i in range(cfg.layers())]
 
 
 def _falcon_h1(cfg: Cfg, d: int) -> list[tuple[int, Spec]]:
@@ -269,7 +278,7 @@ def _falcon_h1(cfg: Cfg, d: int) -> list[tuple[int, Spec]]:
     full = Spec("full", "full", _attn_bytes(cfg, d))
     mamba = Spec("mamba", "state", state_bytes_per_layer=_mamba2_state(cfg, d, inter))
     out = []
-    for i in range(cfg.int("num_hidden_layers")):
+    for i in range(cfg.layers()):
         out += [(i, full), (i, mamba)]
     return out
 
@@ -284,14 +293,14 @@ def _jamba(cfg: Cfg, d: int) -> list[tuple[int, Spec]]:
     b = _attn_bytes(cfg, d)
     attn = Spec("sliding", "sliding", b, window=window) if window else Spec("full", "full", b)
     mamba = Spec("mamba", "state", state_bytes_per_layer=state)
-    return [(i, attn if i % period == offset else mamba) for i in range(cfg.int("num_hidden_layers"))]
+    return [(i, attn if i % period == offset else mamba) for i in range(cfg.layers())]
 
 
 def _llama4(cfg: Cfg, d: int) -> list[tuple[int, Spec]]:
     """Llama 4: chunked local attention (RoPE layers), full attention on the NoPE layers."""
     every = cfg.int("no_rope_layer_interval", fallback=4)
     no_rope = cfg.data.get("no_rope_layers") or [
-        int((i + 1) % every != 0) for i in range(cfg.int("num_hidden_layers"))
+        int((i + 1) % every != 0) for i in range(cfg.layers())
     ]
     chunk = cfg.opt_int("attention_chunk_size")
     types = _layer_types(
