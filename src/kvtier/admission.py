@@ -354,12 +354,7 @@ class AdaptiveAdmission:
             base = str(cand).partition(":")[0]
             if base == "adaptive":
                 raise ConfigError("adaptive admission: a candidate cannot be 'adaptive' itself")
-            opts: dict[str, object] = {}
-            if base == "prefix" and "horizon=" not in cand:
-                opts["horizon"] = self.horizon
-            elif base == "tinylfu" and "sample=" not in cand:
-                opts["sample"] = 10 * self.horizon  # as kvtier replay sizes it: W = 10 x capacity
-            self.candidates.append(make_admission(cand, **opts))
+            self.candidates.append(sized_admission(str(cand), self.horizon))
         self.names = [str(c) for c in candidates]
         self.slots = max(1, self.horizon // self.sample)
         self.minis: list[OrderedDict[int, None]] = [OrderedDict() for _ in self.candidates]
@@ -441,3 +436,17 @@ def make_admission(name: str, **opts: object) -> Admission:
         raise ConfigError(f"admission {name!r}: unknown option {unknown[0]!r}; {base} takes: "
                           f"{', '.join(accepted)} (e.g. {base}:{accepted[0]}=...)")
     return ADMISSIONS[base](**kwargs)
+
+
+def sized_admission(name: str, capacity_chunks: int) -> Admission:
+    """`make_admission(name)` sized for a first tier of `capacity_chunks` chunks (options given
+    in the name win): `prefix` and `adaptive` learn over one turnover (`horizon`), `tinylfu`
+    ages every 10 x capacity sightings (TinyLFU's W). How `kvtier replay` and `adaptive`'s
+    candidates are sized."""
+    base = name.partition(":")[0]
+    opts: dict[str, object] = {}
+    if base in ("prefix", "adaptive"):
+        opts["horizon"] = capacity_chunks
+    elif base == "tinylfu":
+        opts["sample"] = 10 * capacity_chunks
+    return make_admission(name, **opts)

@@ -210,15 +210,10 @@ def _admissions(values: list[str] | None, horizon_chunks: int) -> list[tuple[str
         if name == "oracle" or name.startswith("oracle:"):
             out.append((name, None))  # offline bound: built with the trace's future in run()
             continue
-        from kvtier.admission import make_admission
+        from kvtier.admission import sized_admission
 
-        opts: dict[str, int] = {}
-        if name.startswith(("prefix", "adaptive")) and "horizon=" not in name:
-            opts = {"horizon": horizon_chunks}
-        elif name.startswith("tinylfu") and "sample=" not in name:
-            opts = {"sample": 10 * horizon_chunks}  # TinyLFU's reset period: W = 10 x capacity
-        make_admission(name, **opts)  # unknown names fail before any replay
-        out.append((name, lambda name=name, opts=opts: make_admission(name, **opts)))
+        sized_admission(name, horizon_chunks)  # unknown names fail before any replay
+        out.append((name, lambda name=name: sized_admission(name, horizon_chunks)))
     return out
 
 
