@@ -379,8 +379,7 @@ class Store(TierIO):
             # anchors (full/mla) first, so a dependent chunk is never stored ahead of its prefix
             order = sorted(plan.cacheable_groups, key=lambda gp: gp.kind not in ("full", "mla"))
             wanted = {gp.index: set(plan.store_chunks(gp.index, n * plan.chunk_tokens)) for gp in order}
-            stored = 0
-            shared_batch: list[tuple[int, int, ChunkHeader, object]] = []
+            todo: list[tuple[bytes, int, ChunkHeader, object]] = []
             for i in range(n):
                 h = chunk_hashes[i]
                 for gp in order:
@@ -397,11 +396,12 @@ class Store(TierIO):
                         raise ConfigError(
                             f"payload of group {g} chunk {i} has {size} bytes; the plan "
                             f"says {header.payload_bytes} (plan.groups[{g}].chunk_bytes)")
-                    wrote = self._save_one(h, g, header, data)
-                    stored += wrote
-                    # a chunk a slot tier already held was shared when it was first saved
-                    if self.shared and (wrote or self.index is None):
-                        shared_batch.append((g, SHARED_SLOT, header, data))
+                    todo.append((h, g, header, data))
+            wrote = self._save_all(todo)
+            stored = sum(wrote)
+            # a chunk a slot tier already held was shared when it was first saved
+            shared_batch = [(g, SHARED_SLOT, header, data) for (_, g, header, data), w in zip(todo, wrote)
+                            if w or self.index is None]
             for tier in self.shared:
                 if shared_batch:
                     stored += self._shared_write(tier, shared_batch)
@@ -410,16 +410,26 @@ class Store(TierIO):
     def save_tokens(self, token_ids: Sequence[int], payloads: Buffers, extra_keys: Sequence[object] = ()) -> int:
         return self.save(self.hashes(token_ids, extra_keys), payloads, len(token_ids))
 
-    def _save_one(self, h: bytes, g: int, header: ChunkHeader, data: object) -> int:
+    def _save_all(self, todo: list[tuple[bytes, int, ChunkHeader, object]]) -> list[int]:
+        """Write each payload no slot tier holds yet to the first slot tier (every one with
+        write_through), one batch per tier; per payload, how many tiers it was written to."""
         if self.index is None:
-            return 0
-        if any(self.index.contains(h, g, t) for t in self.slot_tiers):
-            self.m.add("skipped_saves")
-            for t in self.slot_tiers:
-                self.index.touch(h, g, t)
-            return 0
+            return [0] * len(todo)
+        index = self.index
+        new = []
+        for k, (h, g, _, _) in enumerate(todo):
+            if any(index.contains(h, g, t) for t in self.slot_tiers):
+                self.m.add("skipped_saves")
+                for t in self.slot_tiers:
+                    index.touch(h, g, t)
+            else:
+                new.append(k)
+        wrote = [0] * len(todo)
         targets = list(self.slot_tiers) if self.write_through else list(self.slot_tiers)[:1]
-        return sum(self._store_in(t, h, g, header, data) for t in targets)
+        for t in targets:
+            for k, w in zip(new, self._store_many(t, [todo[k] for k in new])):
+                wrote[k] += w
+        return wrote
 
     # -- metrics and lifecycle ------------------------------------------------------------
     def metrics(self) -> dict[str, object]:

@@ -55,35 +55,70 @@ class TierIO:
 
     def _store_in(self, tier_name: str, h: bytes, g: int, header: ChunkHeader, data: object,
                   counted: bool = True) -> int:
-        """reserve -> demote the evicted -> write -> commit/abort; 1 if written. A promotion
-        that finds every slot pinned (`counted=False`) is not a failed save."""
+        """`_store_many` of one payload: 1 if written."""
+        return self._store_many(tier_name, [(h, g, header, data)], counted)[0]
+
+    def _store_many(self, tier_name: str, items: list[tuple[bytes, int, ChunkHeader, object]],
+                    counted: bool = True) -> list[int]:
+        """reserve each -> demote the evicted -> write them all (one `write_many`: the disk tier
+        runs it on two lanes) -> commit/abort each, in order; 1 per payload written. A
+        promotion that finds every slot pinned (`counted=False`) is not a failed save.
+
+        The order of index events is the one-by-one order except that the reservations come
+        before the writes: a reservation pins its slot, so a payload of this batch is never
+        evicted by a later one of the same batch. Where that leaves no slot (a tier smaller
+        than the batch), the payloads reserved so far are written and committed first, and the
+        reservation is tried again: then it evicts what one-by-one saving would have."""
         assert self.index is not None
-        res = self.index.reserve(h, g, tier_name)
-        if res.slot is None:
-            if res.status != "present" and counted:
-                self.m.add("failed_saves")
-                self.m.tg(tier_name, g)["save_failures"] += 1
-            return 0
+        out: list[int] = []
+        batch: list[tuple[bytes, int, ChunkHeader, object, int]] = []
+        for h, g, header, data in items:
+            res = self.index.reserve(h, g, tier_name)
+            if res.slot is None and res.status == "full" and batch:
+                out += self._write_batch(tier_name, batch)
+                batch = []
+                res = self.index.reserve(h, g, tier_name)
+            if res.slot is None:
+                if res.status != "present" and counted:
+                    self.m.add("failed_saves")
+                    self.m.tg(tier_name, g)["save_failures"] += 1
+                out.append(0)
+                continue
+            # write-back now, in reservation order (a demoted anchor revives its dependents before
+            # they are evicted in turn), while the evicted bytes are still in the slot
+            for ev in res.evicted:
+                self._demote(tier_name, ev.chunk_hash, ev.group, ev.slot, ev.dead)
+            batch.append((h, g, header, data, res.slot))
+        return out + self._write_batch(tier_name, batch)
+
+    def _write_batch(self, tier_name: str, batch: list[tuple[bytes, int, ChunkHeader, object, int]]) -> list[int]:
+        """Write the reserved payloads (one `write_many`), then commit or abort each, in order."""
+        assert self.index is not None
+        if not batch:
+            return []
         tier = self.slot_tiers[tier_name]
-        for ev in res.evicted:
-            self._demote(tier_name, ev.chunk_hash, ev.group, ev.slot, ev.dead)
         t0 = time.perf_counter()
         try:
-            good = tier.write(g, res.slot, header, data)
+            results = tier.write_many([(g, slot, header, data) for _, g, header, data, slot in batch])
         except OSError as exc:
             log.warning("tier %s: write failed: %s", tier_name, exc)
-            good = False
-        d = self.m.tg(tier_name, g)
-        d["save_seconds"] += time.perf_counter() - t0
-        if not good:
-            self.index.abort(h, g, tier_name)
-            self.m.add("failed_saves")
-            d["save_failures"] += 1
-            return 0
-        self.index.commit(h, g, tier_name)
-        d["save_chunks"] += 1
-        d["save_bytes"] += header.payload_bytes
-        return 1
+            results = [False] * len(batch)
+        share = (time.perf_counter() - t0) / max(1, sum(hd.payload_bytes for _, _, hd, _, _ in batch))
+        out = []
+        for (h, g, header, _, _), good in zip(batch, results):
+            d = self.m.tg(tier_name, g)
+            d["save_seconds"] += share * header.payload_bytes  # a batch's time, shared by bytes
+            if not good:
+                self.index.abort(h, g, tier_name)
+                self.m.add("failed_saves")
+                d["save_failures"] += 1
+                out.append(0)
+                continue
+            self.index.commit(h, g, tier_name)
+            d["save_chunks"] += 1
+            d["save_bytes"] += header.payload_bytes
+            out.append(1)
+        return out
 
     def _demote(self, tier_name: str, h: object, g: int, slot: int, dead: bool) -> None:
         """Copy an entry evicted from `tier_name` down to the next slot tier (write-back)."""

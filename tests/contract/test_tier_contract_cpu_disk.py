@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from tier_contract import LAYOUT, NS, TierContract, header, payload
@@ -9,7 +11,7 @@ from tier_contract import LAYOUT, NS, TierContract, header, payload
 from kvtier.errors import ConfigError
 from kvtier.tiers.base import TierLayout
 from kvtier.tiers.cpu import CpuTier
-from kvtier.tiers.disk import DATA_OFFSET, DiskTier
+from kvtier.tiers.disk import DATA_OFFSET, DiskTier, slab_name, split_lanes
 
 
 class SlotTierExtras:
@@ -162,13 +164,52 @@ class TestDiskTierPipelined(TestDiskTierPreadv):
         for t in made:
             t.close()
 
-    def test_large_payloads_go_through_the_helper(self, tier: DiskTier) -> None:
+    def test_large_cold_reads_go_through_the_helper_and_single_writes_do_not(self, tier: DiskTier) -> None:
         big, small = header(80, 2), header(81, 0)
-        assert tier.write(2, 0, big, payload(80, big.payload_bytes))
-        assert tier.write(0, 0, small, payload(81, small.payload_bytes))  # one piece: no hop
+        assert tier.write(2, 0, big, payload(80, big.payload_bytes))  # one payload: no lane to share
+        assert tier.write(0, 0, small, payload(81, small.payload_bytes))
+        assert tier.helper_ios == 0
         out = torch.zeros(big.payload_bytes, dtype=torch.uint8)
         assert tier.read(2, 0, big, out) and torch.equal(out, payload(80, big.payload_bytes))
+        assert tier.read(0, 0, small, out[:4096])  # one piece: no hop
+        assert tier.helper_ios == 1
+
+
+    def test_write_many_writes_two_lanes_and_counts_like_single_writes(self, tier: DiskTier) -> None:
+        items = [(g, s, header(90 + 4 * g + s, g)) for g in (0, 2) for s in range(2)]
+        items.append((1, 0, header(99, 1, nbytes=100)))  # below one piece: counted, no lane needed
+        datas = [payload(h.key[0][0], h.payload_bytes) for _, _, h in items]
+        assert tier.write_many([(g, s, h, d) for (g, s, h), d in zip(items, datas)]) == [True] * 5
+        # split_lanes: group 2 has 75% of the bytes, so payloads are dealt one by one to the
+        # lighter lane: this thread writes items 0, 2, 4, the helper items 1 and 3
         assert tier.helper_ios == 2
+        st = tier.stats()
+        assert (st.writes, st.failed_writes, st.bytes_written) == (5, 0, 2 * 4096 + 2 * 12289 + 100)
+        for (g, s, h), d in zip(items, datas):
+            out = torch.zeros(h.payload_bytes, dtype=torch.uint8)
+            assert tier.read(g, s, h, out) and torch.equal(out, d)
+
+    def test_a_failed_write_on_either_lane_is_counted_and_the_rest_land(self, tier: DiskTier) -> None:
+        items = [(g, s, header(110 + 4 * g + s, g)) for g in (0, 2) for s in range(2)]
+        datas = [payload(h.key[0][0], h.payload_bytes) for _, _, h in items]
+        for g in (0, 2):  # both lanes (items 0, 2 here; 1, 3 on the helper) write to read-only fds
+            os.close(tier._fds[g])
+            tier._fds[g] = os.open(tier.dir / slab_name(g, LAYOUT.slot_bytes[g]), os.O_RDONLY)
+        assert tier.write_many([(g, s, h, d) for (g, s, h), d in zip(items, datas)]) == [False] * 4
+        assert (tier.stats().failed_writes, tier.stats().writes) == (4, 0)
+        assert "Bad file descriptor" in tier.last_error
+        assert list(tier.list()) == []
+
+
+def test_split_lanes_by_file_where_balanced_else_by_payload() -> None:
+    bench = [(0, 8), (1, 8), (2, 2), (3, 4)] * 4  # per group 32, 32, 8, 16 of 88
+    # g0 -> lane 0, g1 -> lane 1, g3 -> lane 0 (48), g2 -> lane 1 (40): 48 <= 0.6 x 88
+    assert split_lanes(bench) == ([0, 3, 4, 7, 8, 11, 12, 15], [1, 2, 5, 6, 9, 10, 13, 14])
+    # one file: payloads dealt to the lighter lane (ties to lane 0)
+    assert split_lanes([(0, 5)] * 4) == ([0, 2], [1, 3])
+    # one group with 20 of 22 bytes: by payload, 10 | 1, then 10 -> lane 1 (1 < 10), 1 -> lane 0
+    assert split_lanes([(0, 10), (1, 1), (0, 10), (1, 1)]) == ([0, 3], [1, 2])
+    assert split_lanes([]) == ([], [])
 
 
 def test_capacity_zero_and_unknown_fsync_raise_at_construction(tmp_path) -> None:

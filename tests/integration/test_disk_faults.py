@@ -188,10 +188,12 @@ def test_pipelined_slots_carry_the_one_shot_checksum_and_read_back_either_way(tm
     data = _big_payload(1)
     h = make_header(NS.id, b"\x05" * 32, 0, 0, C, BIG)
     t = _pipelined(tmp_path)
-    assert t.write(0, 0, h, data)
-    assert t.helper_ios == 1
-    (rec,) = list(scan_dir(tmp_path, verify_payloads=True))
-    assert rec.problem is None and rec.header.checksum == checksum(data)  # streamed == one shot
+    h2, data2 = make_header(NS.id, b"\x06" * 32, 0, C, 2 * C, BIG), _big_payload(2)
+    assert t.write_many([(0, 0, h, data), (0, 1, h2, data2)]) == [True, True]
+    assert t.helper_ios == 1  # slot 1 was written on the helper's lane
+    recs = {r.slot: r for r in scan_dir(tmp_path, verify_payloads=True)}
+    assert all(r.problem is None for r in recs.values())
+    assert (recs[0].header.checksum, recs[1].header.checksum) == (checksum(data), checksum(data2))
     s = StreamingChecksum(DEFAULT_CHECKSUM)
     for a in range(0, BIG, 1000):  # pieces of any size give the same value
         s.update(data.numpy()[a:a + 1000])

@@ -189,6 +189,37 @@ def test_eight_equal_groups_with_room_for_sixteen_payloads_hold_sixteen() -> Non
     assert s.metrics()["evictions"] == 0
 
 
+def test_a_save_larger_than_the_disk_tier_keeps_what_saving_one_by_one_keeps(tmp_path, monkeypatch) -> None:
+    """Store.save hands the disk tier its payloads as one batch (two lanes); a batch that needs
+    more slots than the tier has is written in parts, so LRU ends where one-by-one saving does."""
+    import kvtier.tiers.disk as disk
+
+    monkeypatch.setattr(disk, "PIPELINE", "always")
+    monkeypatch.setattr(disk, "PIECE_BYTES", 4096)  # every 4 KiB payload may take a lane
+    geom = Geometry(groups=tuple(Group(f"g{k}", "full", num_layers=2, tokens_per_block=16,
+                                       bytes_per_token_per_layer=64) for k in range(2)), tokens_per_hash=16)
+    plan = make_plan(geom, chunk_tokens=C)
+    ns = Namespace("batch", geom.fingerprint(), "bfloat16")
+    chunk = plan.groups[0].chunk_bytes  # 2 layers x 32 tokens x 64 = 4096
+    s = Store(plan, ns, disk_dir=tmp_path, disk_bytes=2 * 2 * chunk)  # 2 slots a group
+    toks = tokens(4 * C + 1)
+    hashes = s.hashes(toks)
+    pl = {(g, i): torch.full((chunk,), 10 * g + i, dtype=torch.uint8) for g in range(2) for i in range(4)}
+    # one by one: chunks 0, 1 fill each group; 2 evicts 0, 3 evicts 1
+    assert s.save(hashes, pl, len(toks)) == 8
+    m = s.metrics()
+    assert (m["failed_saves"], m["evictions"]) == (0, 4)
+    assert s.slot_tiers["disk"].helper_ios > 0
+    held = {(g, i) for g in range(2) for i in range(4) if s.index.contains(hashes[i], g, "disk")}
+    assert held == {(0, 2), (0, 3), (1, 2), (1, 3)}
+    tier = s.slot_tiers["disk"]
+    for g, slot, header in tier.list():
+        out = torch.empty(chunk, dtype=torch.uint8)
+        assert tier.read(g, slot, header, out)
+        assert torch.equal(out, pl[(g, header.token_start // C)])
+    s.close()
+
+
 def test_construction_errors_are_clear(tmp_path) -> None:
     with pytest.raises(ConfigError, match="capacity 0"):
         Store(PLAN, NS, cpu_bytes=0)

@@ -42,8 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch intra-op threads for both sides (default 1: on a busy host torch's "
                         "thread pool makes a 2 MiB copy several times slower)")
     p.add_argument("--disk-pipeline", choices=("auto", "always", "never"), default=None,
-                   help="disk tier: overlap copy and checksum of payloads >= 2 MiB on a helper thread "
-                        "(auto: while the load average leaves half a core free; default: the tier's own)")
+                   help="disk tier: write a save's payloads on two lanes (this thread and a helper) and "
+                        "overlap cold reads with their checksum (auto: while the load average leaves half "
+                        "a core free; default: the tier's own)")
     p.add_argument("--disk-reads", choices=("mapped", "preadv"), default=None,
                    help="disk tier loads: mapped (copy + checksum from the mapped page cache, for "
                         "resident slots; the default) or preadv (always one preadv + one checksum pass)")
@@ -217,7 +218,7 @@ def _run(args: argparse.Namespace) -> int:
                 c_ours_l.append(lo[1])
         load_bytes = sum(src[k].numel() for k in hit_keys)
         m = store.metrics()
-        if tier == "disk":  # how many payloads went through the helper thread (--disk-pipeline)
+        if tier == "disk":  # how many payloads the helper thread moved (--disk-pipeline)
             out["disk_helper_ios"] = store.slot_tiers["disk"].helper_ios  # type: ignore[attr-defined]
             out["disk_mapped_reads"] = store.slot_tiers["disk"].mapped_reads  # type: ignore[attr-defined]
         store.close()
@@ -256,8 +257,10 @@ def _run(args: argparse.Namespace) -> int:
           f"could reach at most ~{out['two_pass_load_ratio_bound']} of a plain read on one core")
     print(f"disk reads {out['disk_reads']}: {out['disk_mapped_reads']} resident payloads copied from the mapped "
           "page cache and checksummed in the same pass (the rest: preadv + one checksum pass)")
-    print(f"disk pipeline {out['disk_pipeline']}: {out['disk_helper_ios']} payloads copied on the helper "
-          "thread while this one checksummed them (auto: only while the load average leaves half a core free)")
+    print(f"disk pipeline {out['disk_pipeline']}: {out['disk_helper_ios']} payloads moved by the helper thread "
+          "(saves: the second of two write lanes; cold loads: pieces read while this thread checksums) "
+          "(auto: only while the load average leaves half a core free; the CPU-time ratios above "
+          "charge the helper)")
     print(f"lookup of a 131072-token prompt ({out['lookup_prompt_chunks']} chunks x 4 groups): "
           f"{out['lookup_ms_128k']} ms, {out['lookup_chunks_per_s']:.0f} chunks/s; "
           f"hashing it: {out['hash_ms_128k']} ms")
