@@ -52,6 +52,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="admission policy (repeat): all (default), nth[:N], tinylfu, prefix, adaptive; "
                         "oracle[:D] is an offline bound (store only chunks used again [within D "
                         "requests]; oracle:chunks=D: within D chunks requested); see docs/admission.md")
+    p.add_argument("--online-bound", action="append", metavar="FEATURES",
+                   help="add the upper bound on any online cache that knows these features of a chunk "
+                        "(repeat): 'none' or a comma list of sightings, position, length, depth, "
+                        "popular, fill, arrival; in-sample and cross-fitted, at the first tier's "
+                        "capacity in chunks of every group (docs/admission.md, 'A bound for online rules')")
     p.add_argument("--chunk-tokens", type=int, metavar="N",
                    help="tokens per chunk (default: the trace's block size when the plan allows)")
     p.add_argument("--trace-block-tokens", type=int, default=512, metavar="N",
@@ -150,6 +155,9 @@ def run(args: argparse.Namespace) -> int:
         points = [{**base, names[0]: parse_size(s, footprint)} for s in sweep.split(",") if s.strip()]
     shares = [_share(args.share)] + (["row-per-key"] if args.compare_accounting else [])
     _admissions(args.admission, 1)  # bad names fail before any replay
+    from kvtier.replay_bound import online_bound, parse_features
+
+    bound_features = [parse_features(f) for f in args.online_bound or []]
     runs = len(points) * len(shares) * (len(policies) * len(args.admission or ["all"]) + 1)
     bar = _progress(runs * len(trace.requests), args.json)
     future = next_uses(trace)
@@ -167,6 +175,9 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if bar:
             bar.close()
+    bounds = [{"tiers": caps, "capacity_chunks": caps[names[0]] // plan.chunk_bytes_all_groups,
+               **online_bound(trace, caps[names[0]] // plan.chunk_bytes_all_groups, f, plan.chunk_tokens).to_dict()}
+              for caps in points for f in bound_features]
     doc = {
         "trace": trace.name,
         "requests": len(trace.requests),
@@ -180,6 +191,8 @@ def run(args: argparse.Namespace) -> int:
                        "bandwidth": dict(cost.bandwidth)},
         "policies": [{"tiers": caps, **res.to_dict()} for caps, res in rows],
     }
+    if bounds:
+        doc["online_bounds"] = bounds
     if args.plot:
         from kvtier.replay_plot import plot_sweep
 
@@ -192,6 +205,11 @@ def run(args: argparse.Namespace) -> int:
         from kvtier.replay_plot import render_table
 
         print(render_table(doc, plan, rows))
+        for b in bounds:
+            feats = ",".join(b["features"])  # type: ignore[arg-type]
+            print(f"online bound, {names[0]} {b['capacity_chunks']} chunks, features {feats} "
+                  f"({b['classes']} classes): {b['in_sample_pct']:.2f}% (cross-fitted rule: "
+                  f"{b['cross_fitted_pct']:.2f}%)")
         if args.plot:
             print(f"plot written to {args.plot}")
     return 0
