@@ -131,6 +131,8 @@ class Store(TierIO):
         self.write_through = write_through
         self.promote = promote
         self._lock = threading.RLock()
+        self._pending = {}  # writes queued by TierIO._store_many, per slot tier
+        self._io_depth = 0
         self._chunk_bytes = [gp.chunk_bytes for gp in plan.groups]
         self._dtypes = [gp.group.dtype if gp.group.dtype in DTYPE_CODES else "uint8" for gp in plan.groups]
         self.rebuilt = self._rebuild()
@@ -411,24 +413,17 @@ class Store(TierIO):
         return self.save(self.hashes(token_ids, extra_keys), payloads, len(token_ids))
 
     def _save_all(self, todo: list[tuple[bytes, int, ChunkHeader, object]]) -> list[int]:
-        """Write each payload no slot tier holds yet to the first slot tier (every one with
-        write_through), one batch per tier; per payload, how many tiers it was written to."""
+        """Write each payload no slot tier holds yet to the first slot tier (to every one with
+        write_through, tier after tier); per payload, how many tiers it was written to."""
         if self.index is None:
             return [0] * len(todo)
-        index = self.index
-        new = []
-        for k, (h, g, _, _) in enumerate(todo):
-            if any(index.contains(h, g, t) for t in self.slot_tiers):
-                self.m.add("skipped_saves")
-                for t in self.slot_tiers:
-                    index.touch(h, g, t)
-            else:
-                new.append(k)
-        wrote = [0] * len(todo)
         targets = list(self.slot_tiers) if self.write_through else list(self.slot_tiers)[:1]
-        for t in targets:
+        first = self._store_many(targets[0], todo, skip_held=True)
+        wrote = [w or 0 for w in first]
+        new = [k for k, w in enumerate(first) if w is not None]
+        for t in targets[1:]:
             for k, w in zip(new, self._store_many(t, [todo[k] for k in new])):
-                wrote[k] += w
+                wrote[k] += w or 0
         return wrote
 
     # -- metrics and lifecycle ------------------------------------------------------------

@@ -27,6 +27,8 @@ class TierIO:
     slot_tiers: dict[str, Tier]
     promote: bool
     m: StoreMetrics
+    _pending: dict[str, list[tuple[bytes, int, ChunkHeader, object, int, list[int | None], int, bool]]]
+    _io_depth: int
 
     def _timed_read(self, tier: Tier, g: int, slot: int, header: ChunkHeader, out: object) -> bool:
         before = tier.corrupt_dropped
@@ -55,70 +57,97 @@ class TierIO:
 
     def _store_in(self, tier_name: str, h: bytes, g: int, header: ChunkHeader, data: object,
                   counted: bool = True) -> int:
-        """`_store_many` of one payload: 1 if written."""
-        return self._store_many(tier_name, [(h, g, header, data)], counted)[0]
+        """`_store_many` of one payload: 1 if written (0 while nested: see `_store_many`)."""
+        return self._store_many(tier_name, [(h, g, header, data)], counted)[0] or 0
 
+    # Writes are deferred, the index is not. `_store_many` walks its payloads one by one through
+    # the index exactly as saving one by one does (held? touch; else reserve -> demote what
+    # the reservation evicted -> commit), so every eviction policy sees the same sequence of
+    # events, but it only *queues* the write (`_pending`, per tier). The queue is written by one
+    # `write_many` per tier (the disk tier's two write lanes) when the outermost call returns.
+    # Rules that keep every byte right:
+    # - a queued payload's bytes stay put until written: they are the caller's buffers (a save)
+    #   or an evicted cpu slot (a demotion), and that slot is overwritten only by a payload
+    #   queued for the cpu tier, so tiers are written lowest first (disk before cpu);
+    # - a reservation that evicts an entry still queued in its tier writes that tier's queue
+    #   (and the lower tiers') first: the evicted payload lands, is demoted from where it landed,
+    #   and its slot's new payload is queued behind it;
+    # - a write that fails removes its entry from the index (it was committed when queued); a
+    #   failure does not free a slot for the reservations after it as an abort would, which is
+    #   the one difference from one-by-one saving. The store's lock is held throughout, so no
+    #   lookup or load sees a queued entry before it is written.
     def _store_many(self, tier_name: str, items: list[tuple[bytes, int, ChunkHeader, object]],
-                    counted: bool = True) -> list[int]:
-        """reserve each -> demote the evicted -> write them all (one `write_many`: the disk tier
-        runs it on two lanes) -> commit/abort each, in order; 1 per payload written. A
-        promotion that finds every slot pinned (`counted=False`) is not a failed save.
+                    counted: bool = True, skip_held: bool = False, demotion: bool = False,
+                    ) -> list[int | None]:
+        """Per payload: 1 if written, 0 if not, None if `skip_held` found it held by a slot
+        tier already (touched in every tier, counted as a skipped save). A nested call (a
+        demotion inside a save) returns before its writes are done; its list is filled in when
+        they are. A promotion that finds every slot pinned (`counted=False`) is not a failed
+        save; `demotion=True` counts each payload written as a demotion."""
+        index = self.index
+        assert index is not None
+        out: list[int | None] = [0] * len(items)
+        queue = self._pending
+        self._io_depth += 1
+        try:
+            for k, (h, g, header, data) in enumerate(items):
+                if skip_held and any(index.contains(h, g, t) for t in self.slot_tiers):
+                    self.m.add("skipped_saves")
+                    for t in self.slot_tiers:
+                        index.touch(h, g, t)
+                    out[k] = None
+                    continue
+                res = index.reserve(h, g, tier_name)
+                if res.slot is None:
+                    if res.status != "present" and counted:
+                        self.m.add("failed_saves")
+                        self.m.tg(tier_name, g)["save_failures"] += 1
+                    continue
+                waiting = {(w[1], w[4]) for w in queue.get(tier_name, ())}
+                if any((ev.group, ev.slot) in waiting for ev in res.evicted):
+                    self._write_queued(tier_name)
+                for ev in res.evicted:
+                    self._demote(tier_name, ev.chunk_hash, ev.group, ev.slot, ev.dead)
+                index.commit(h, g, tier_name)
+                queue.setdefault(tier_name, []).append((h, g, header, data, res.slot, out, k, demotion))
+        finally:
+            self._io_depth -= 1
+            if self._io_depth == 0:
+                self._write_queued(next(iter(self.slot_tiers)))
+        return out
 
-        The order of index events is the one-by-one order except that the reservations come
-        before the writes: a reservation pins its slot, so a payload of this batch is never
-        evicted by a later one of the same batch. Where that leaves no slot (a tier smaller
-        than the batch), the payloads reserved so far are written and committed first, and the
-        reservation is tried again: then it evicts what one-by-one saving would have."""
-        assert self.index is not None
-        out: list[int] = []
-        batch: list[tuple[bytes, int, ChunkHeader, object, int]] = []
-        for h, g, header, data in items:
-            res = self.index.reserve(h, g, tier_name)
-            if res.slot is None and res.status == "full" and batch:
-                out += self._write_batch(tier_name, batch)
-                batch = []
-                res = self.index.reserve(h, g, tier_name)
-            if res.slot is None:
-                if res.status != "present" and counted:
-                    self.m.add("failed_saves")
-                    self.m.tg(tier_name, g)["save_failures"] += 1
-                out.append(0)
-                continue
-            # write-back now, in reservation order (a demoted anchor revives its dependents before
-            # they are evicted in turn), while the evicted bytes are still in the slot
-            for ev in res.evicted:
-                self._demote(tier_name, ev.chunk_hash, ev.group, ev.slot, ev.dead)
-            batch.append((h, g, header, data, res.slot))
-        return out + self._write_batch(tier_name, batch)
+    def _write_queued(self, tier_name: str) -> None:
+        """Write the queues of `tier_name` and every tier below it, lowest first."""
+        names = list(self.slot_tiers)
+        for name in reversed(names[names.index(tier_name):]):
+            batch = self._pending.pop(name, None)
+            if batch:
+                self._write_batch(name, batch)
 
-    def _write_batch(self, tier_name: str, batch: list[tuple[bytes, int, ChunkHeader, object, int]]) -> list[int]:
-        """Write the reserved payloads (one `write_many`), then commit or abort each, in order."""
+    def _write_batch(self, tier_name: str,
+                     batch: list[tuple[bytes, int, ChunkHeader, object, int, list[int | None], int, bool]]) -> None:
         assert self.index is not None
-        if not batch:
-            return []
         tier = self.slot_tiers[tier_name]
         t0 = time.perf_counter()
         try:
-            results = tier.write_many([(g, slot, header, data) for _, g, header, data, slot in batch])
+            results = tier.write_many([(g, slot, header, data) for _, g, header, data, slot, *_ in batch])
         except OSError as exc:
             log.warning("tier %s: write failed: %s", tier_name, exc)
             results = [False] * len(batch)
-        share = (time.perf_counter() - t0) / max(1, sum(hd.payload_bytes for _, _, hd, _, _ in batch))
-        out = []
-        for (h, g, header, _, _), good in zip(batch, results):
+        share = (time.perf_counter() - t0) / max(1, sum(w[2].payload_bytes for w in batch))
+        for (h, g, header, _, _, out, k, demotion), good in zip(batch, results):
             d = self.m.tg(tier_name, g)
             d["save_seconds"] += share * header.payload_bytes  # a batch's time, shared by bytes
             if not good:
-                self.index.abort(h, g, tier_name)
+                self.index.remove(h, g, tier_name)  # committed when queued (unless evicted since)
                 self.m.add("failed_saves")
                 d["save_failures"] += 1
-                out.append(0)
                 continue
-            self.index.commit(h, g, tier_name)
             d["save_chunks"] += 1
             d["save_bytes"] += header.payload_bytes
-            out.append(1)
-        return out
+            out[k] = 1
+            if demotion:
+                self.m.add("demotions")
 
     def _demote(self, tier_name: str, h: object, g: int, slot: int, dead: bool) -> None:
         """Copy an entry evicted from `tier_name` down to the next slot tier (write-back)."""
@@ -136,8 +165,7 @@ class TierIO:
         old = src.header(g, slot)
         if old is None or old.key != (h.ljust(HASH_BYTES, b"\0"), g):
             return
-        if self._store_in(lower, h, g, old, src.view(g, slot, old.payload_bytes)):
-            self.m.add("demotions")
+        self._store_many(lower, [(h, g, old, src.view(g, slot, old.payload_bytes))], demotion=True)
 
     def _shared_write(self, tier: Tier, batch: list[tuple[int, int, ChunkHeader, object]]) -> int:
         """Write what the shared tier lacks (one exists_many, then one write_many)."""

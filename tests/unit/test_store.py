@@ -220,6 +220,73 @@ def test_a_save_larger_than_the_disk_tier_keeps_what_saving_one_by_one_keeps(tmp
     s.close()
 
 
+@pytest.mark.parametrize("policy", ["lru", "arc", "s3fifo"])
+def test_queued_writes_leave_the_index_where_saving_one_by_one_does(tmp_path, monkeypatch, policy) -> None:
+    """Store.save walks the index payload by payload (held: touch; else reserve, demote,
+    commit) and only queues the writes; the same saves made one payload per call (each written
+    before the next reservation) must leave every tier holding the same chunks, with the same
+    evictions and demotions, and the batched store must restore the right bytes."""
+    import random
+    import types
+
+    import kvtier.tiers.disk as disk
+    from kvtier.store_io import TierIO
+
+    monkeypatch.setattr(disk, "PIPELINE", "always")
+    monkeypatch.setattr(disk, "PIECE_BYTES", 4096)  # the full group's 4 KiB payloads take lanes
+    mk = lambda d: Store(PLAN, NS, cpu_bytes=3 * ROW, disk_dir=tmp_path / d, disk_bytes=6 * ROW,  # noqa: E731
+                         policy=policy)
+    batched, single = mk("a"), mk("b")
+
+    def one_by_one(self, tier, items, *args, **kw):  # type: ignore[no-untyped-def]
+        return [w for it in items for w in TierIO._store_many(self, tier, [it], *args, **kw)]
+
+    single._store_many = types.MethodType(one_by_one, single)  # type: ignore[method-assign]
+    rng = random.Random(11)
+    seen: set[bytes] = set()
+    for _ in range(40):
+        seed, n = rng.randint(0, 3), rng.randint(1, 5)
+        toks = tokens(n * C + 1, seed)
+        for s in (batched, single):
+            s.save_tokens(toks, payloads(n * C, seed))
+        seen.update(batched.hashes(toks))
+        for g in range(3):
+            for h in seen:
+                assert sorted(batched.index.where(h, g)) == sorted(single.index.where(h, g))
+    mb, ms = batched.metrics(), single.metrics()
+    assert mb["evictions"] == ms["evictions"] and mb["demotions"] == ms["demotions"] > 0
+    assert (mb["failed_saves"], mb["corrupt_dropped"]) == (0, 0)
+    assert batched.slot_tiers["disk"].helper_ios > 0  # demotions were written on two lanes
+    for seed in range(4):
+        toks = tokens(5 * C + 1, seed)
+        hit = batched.lookup_tokens(toks)
+        bufs = buffers(hit)
+        got = batched.load(hit, bufs)
+        want = payloads(5 * C, seed)
+        for g, loads in enumerate(hit.chunks):
+            for ld in loads:
+                if (ld.chunk_index + 1) * C <= got:
+                    assert torch.equal(bufs[(g, ld.chunk_index)], want[(g, ld.chunk_index)])
+    batched.close()
+    single.close()
+
+
+def test_a_save_that_meets_chunks_it_holds_keeps_the_one_by_one_order() -> None:
+    """Held chunks are touched in their turn, not before the new ones are reserved: with room
+    for 2 and h1, h2 held, saving h0, h1, h2 evicts h1 (for h0), h2 (for h1), h0 (for h2)."""
+    geom = Geometry(groups=(Group("full", "full", num_layers=1, tokens_per_block=16,
+                                  bytes_per_token_per_layer=16),), tokens_per_hash=16)
+    plan = make_plan(geom, chunk_tokens=C)
+    s = Store(plan, Namespace("order", geom.fingerprint(), "bfloat16"), cpu_bytes=2 * plan.groups[0].chunk_bytes)
+    h0, h1, h2 = (bytes([k]) * 32 for k in range(3))
+    pl = lambda hs: {(0, i): torch.full((plan.groups[0].chunk_bytes,), i, dtype=torch.uint8)  # noqa: E731
+                     for i in range(len(hs))}
+    assert s.save([h1, h2], pl([h1, h2]), 2 * C) == 2
+    assert s.save([h0, h1, h2], pl([h0, h1, h2]), 3 * C) == 3
+    assert {h for h in (h0, h1, h2) if s.index.contains(h, 0, "cpu")} == {h1, h2}
+    assert s.metrics()["evictions"] == 3
+
+
 def test_construction_errors_are_clear(tmp_path) -> None:
     with pytest.raises(ConfigError, match="capacity 0"):
         Store(PLAN, NS, cpu_bytes=0)

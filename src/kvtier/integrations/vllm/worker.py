@@ -36,7 +36,7 @@ from vllm.v1.kv_offload.base import (
 )
 
 from kvtier.errors import ConfigError
-from kvtier.payload import make_header
+from kvtier.payload import ChunkHeader, make_header
 from kvtier.tiers.base import Tier, TierLayout
 
 from .common import ChunkItem, KvtierLoadStoreSpec, Metrics, SpecContext
@@ -201,10 +201,14 @@ class KvtierWorker(OffloadingWorker):
                 view = buf[:, ref.offset:ref.offset + ref.page_bytes * self.bpc]
                 view = view.view(len(placed), self.bpc, ref.page_bytes)
                 view[ci, pos] = self._gather(ref, bids)
+            writes: dict[str, list[tuple[int, int, ChunkHeader, torch.Tensor]]] = {}
             for k, (item, _) in enumerate(placed):
                 header = self._header(item)
                 for tier, slot in item.places:
-                    if self.tiers[tier].write(g, slot, header, buf[k]):
+                    writes.setdefault(tier, []).append((g, slot, header, buf[k]))
+            for tier, batch in writes.items():  # one batch a tier: the disk tier's two write lanes
+                for good in self.tiers[tier].write_many(batch):
+                    if good:
                         total += nbytes
                         self.metrics.add(f"stored_chunks_{tier}")
                     else:
