@@ -26,8 +26,9 @@ The class distributions are taken from the trace itself: the cache is given them
 is generous to it. `in_sample` is that figure. It over-states B(F) when classes are small (each
 class's tau is chosen with hindsight); `cross_fitted` fits each class's tau on the even requests
 and scores the odd ones, and the other way round (the mean): what such a rule, learned, reaches
-on requests it did not see. A feature set whose in-sample figure rises while its cross-fitted
-one falls is memorising the trace, not predicting it.
+on requests it did not see. It is an estimate, not a replay: the scored half's space use is not
+checked against its share of the capacity. A feature set whose in-sample figure rises while its
+cross-fitted one falls is memorising the trace, not predicting it.
 """
 
 from __future__ import annotations
@@ -198,10 +199,17 @@ def _fit_taus(acc: _Accesses, groups: dict[object, np.ndarray], budget: float) -
     return taus
 
 
-def online_bound(trace: Trace, capacity_chunks: int, features: Sequence[str], chunk_tokens: int) -> Bound:
+def accesses(trace: Trace, chunk_tokens: int) -> _Accesses:
+    """What `online_bound` reads from a trace (compute once, pass to every call)."""
+    return _accesses(trace, chunk_tokens)
+
+
+def online_bound(trace: Trace, capacity_chunks: int, features: Sequence[str], chunk_tokens: int,
+                 acc: _Accesses | None = None) -> Bound:
     """B(F) for a cache of `capacity_chunks` chunks (see the module docstring)."""
     feats = tuple(features)
-    acc = _accesses(trace, chunk_tokens)
+    if acc is None:
+        acc = _accesses(trace, chunk_tokens)
     n = len(acc.gap)
     R = len(trace.requests)
     if n == 0 or R < 2:

@@ -55,8 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--online-bound", action="append", metavar="FEATURES",
                    help="add the upper bound on any online cache that knows these features of a chunk "
                         "(repeat): 'none' or a comma list of sightings, position, length, depth, "
-                        "popular, fill, arrival; in-sample and cross-fitted, at the first tier's "
-                        "capacity in chunks of every group (docs/admission.md, 'A bound for online rules')")
+                        "popular, fill, arrival; in-sample and cross-fitted, for a cache of the first tier's "
+                        "capacity in anchor-group chunks (docs/admission.md, 'A bound for online rules')")
     p.add_argument("--chunk-tokens", type=int, metavar="N",
                    help="tokens per chunk (default: the trace's block size when the plan allows)")
     p.add_argument("--trace-block-tokens", type=int, default=512, metavar="N",
@@ -155,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
         points = [{**base, names[0]: parse_size(s, footprint)} for s in sweep.split(",") if s.strip()]
     shares = [_share(args.share)] + (["row-per-key"] if args.compare_accounting else [])
     _admissions(args.admission, 1)  # bad names fail before any replay
+    from kvtier.replay_bound import accesses as bound_accesses
     from kvtier.replay_bound import online_bound, parse_features
 
     bound_features = [parse_features(f) for f in args.online_bound or []]
@@ -175,9 +176,15 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if bar:
             bar.close()
-    bounds = [{"tiers": caps, "capacity_chunks": caps[names[0]] // plan.chunk_bytes_all_groups,
-               **online_bound(trace, caps[names[0]] // plan.chunk_bytes_all_groups, f, plan.chunk_tokens).to_dict()}
-              for caps in points for f in bound_features]
+    # the bound is for one cache: the first tier, in chunks of the anchor group under the share
+    # (as the admission horizon; on a one-group geometry, simply its capacity in chunks)
+    acc = bound_accesses(trace, plan.chunk_tokens) if bound_features else None
+    bounds = []
+    for caps in points:
+        cap = admission_horizon(plan, names[0], caps[names[0]], shares[0])
+        for f in bound_features:
+            b = online_bound(trace, cap, f, plan.chunk_tokens, acc)
+            bounds.append({"tiers": caps, "capacity_chunks": cap, **b.to_dict()})
     doc = {
         "trace": trace.name,
         "requests": len(trace.requests),
