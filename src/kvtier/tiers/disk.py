@@ -98,8 +98,8 @@ PIECE_BYTES = 1 << 20
 # "always": `write_many` of >= 2 payloads of >= 1 piece runs on two lanes, and cold reads of
 # >= 2 pieces use the helper; "never": one thread does everything; "auto": the helper only while
 # the load average (which counts this process too) leaves half a core free. Measured on a 2-core
-# host (`kvtier bench store`, 16 payloads a save on 4 slab files): two lanes 1.03-1.05 of a plain
-# write, one lane 0.69-0.77 (docs/store.md). Writing one payload on the helper while the caller
+# host (`kvtier bench store`, 16 payloads a save on 4 slab files): two lanes 0.98-1.17 of a plain
+# write, one lane 0.70-0.76 (docs/store.md). Writing one payload on the helper while the caller
 # checksummed it (the previous design) gave 0.43-0.53 with the helper always on.
 # Both module values are read at construction (`kvtier bench store --disk-pipeline` sets one).
 PIPELINE_MODES = ("auto", "always", "never")
