@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import NamedTuple
 
 from kvtier.index import Index
 from kvtier.metrics import StoreMetrics
@@ -20,6 +21,17 @@ from kvtier.tiers.cpu import CpuTier
 log = logging.getLogger("kvtier.store")
 
 
+class _Queued(NamedTuple):
+    """A write `_store_many` queued; its result lands in `out[k]`."""
+
+    chunk_hash: bytes
+    header: ChunkHeader
+    data: object
+    out: list[int | None]
+    k: int
+    demotion: bool
+
+
 class TierIO:
     """Needs from the host class: index, slot_tiers (in tier order), promote, m."""
 
@@ -27,7 +39,7 @@ class TierIO:
     slot_tiers: dict[str, Tier]
     promote: bool
     m: StoreMetrics
-    _pending: dict[str, list[tuple[bytes, int, ChunkHeader, object, int, list[int | None], int, bool]]]
+    _pending: dict[str, dict[tuple[int, int], _Queued]]  # tier -> (group, slot) -> write, in order
     _io_depth: int
 
     def _timed_read(self, tier: Tier, g: int, slot: int, header: ChunkHeader, out: object) -> bool:
@@ -103,13 +115,12 @@ class TierIO:
                         self.m.add("failed_saves")
                         self.m.tg(tier_name, g)["save_failures"] += 1
                     continue
-                waiting = {(w[1], w[4]) for w in queue.get(tier_name, ())}
-                if any((ev.group, ev.slot) in waiting for ev in res.evicted):
+                if any((ev.group, ev.slot) in queue.get(tier_name, {}) for ev in res.evicted):
                     self._write_queued(tier_name)
                 for ev in res.evicted:
                     self._demote(tier_name, ev.chunk_hash, ev.group, ev.slot, ev.dead)
                 index.commit(h, g, tier_name)
-                queue.setdefault(tier_name, []).append((h, g, header, data, res.slot, out, k, demotion))
+                queue.setdefault(tier_name, {})[(g, res.slot)] = _Queued(h, header, data, out, k, demotion)
         finally:
             self._io_depth -= 1
             if self._io_depth == 0:
@@ -124,29 +135,28 @@ class TierIO:
             if batch:
                 self._write_batch(name, batch)
 
-    def _write_batch(self, tier_name: str,
-                     batch: list[tuple[bytes, int, ChunkHeader, object, int, list[int | None], int, bool]]) -> None:
+    def _write_batch(self, tier_name: str, batch: dict[tuple[int, int], _Queued]) -> None:
         assert self.index is not None
         tier = self.slot_tiers[tier_name]
         t0 = time.perf_counter()
         try:
-            results = tier.write_many([(g, slot, header, data) for _, g, header, data, slot, *_ in batch])
+            results = tier.write_many([(g, slot, q.header, q.data) for (g, slot), q in batch.items()])
         except OSError as exc:
             log.warning("tier %s: write failed: %s", tier_name, exc)
             results = [False] * len(batch)
-        share = (time.perf_counter() - t0) / max(1, sum(w[2].payload_bytes for w in batch))
-        for (h, g, header, _, _, out, k, demotion), good in zip(batch, results):
+        share = (time.perf_counter() - t0) / max(1, sum(q.header.payload_bytes for q in batch.values()))
+        for ((g, _), q), good in zip(batch.items(), results):
             d = self.m.tg(tier_name, g)
-            d["save_seconds"] += share * header.payload_bytes  # a batch's time, shared by bytes
+            d["save_seconds"] += share * q.header.payload_bytes  # a batch's time, shared by bytes
             if not good:
-                self.index.remove(h, g, tier_name)  # committed when queued (unless evicted since)
+                self.index.remove(q.chunk_hash, g, tier_name)  # committed when queued (unless evicted since)
                 self.m.add("failed_saves")
                 d["save_failures"] += 1
                 continue
             d["save_chunks"] += 1
-            d["save_bytes"] += header.payload_bytes
-            out[k] = 1
-            if demotion:
+            d["save_bytes"] += q.header.payload_bytes
+            q.out[q.k] = 1
+            if q.demotion:
                 self.m.add("demotions")
 
     def _demote(self, tier_name: str, h: object, g: int, slot: int, dead: bool) -> None:
