@@ -78,7 +78,6 @@ from kvtier.payload import (
     Rejected,
     StreamingChecksum,
     as_bytes_view,
-    checksum,
     copy_checksum,
     decode_header,
     pwrite_checksum,
@@ -398,13 +397,13 @@ class DiskTier(SlotTier):
             value = summer.value()
         return None if value == stored.checksum else "payload checksum mismatch"
 
-    # -- large payloads: copy and checksum overlapped on two threads --------------------------
+    # -- the helper thread: a second core for saves and cold loads ---------------------------
     # A cold load (preadv path) is one kernel copy plus one checksum pass, and a save is a
     # kernel copy plus a checksum; on one core neither beats copy / (copy + checksum) of plain
-    # I/O. os.preadv / os.pwrite, StreamingChecksum.update and `checksum` release the GIL, so
-    # with a helper thread doing the copy the two passes run on two cores. The rules are
-    # unchanged: every byte is verified before a load reports success, and a save publishes its
-    # header only after the helper has written the whole payload.
+    # I/O. os.preadv, pwrite_xxh3 and StreamingChecksum.update release the GIL, so the helper
+    # reads a cold payload's pieces while this thread checksums them, and `write_many` gives it
+    # a lane of whole payloads. The rules are unchanged: every byte is verified before a load
+    # reports success, and each payload's header is published only after its whole payload.
     def _use_helper(self) -> bool:
         if self.pipeline != "auto":
             return self.pipeline == "always"
