@@ -88,22 +88,18 @@ class _Accesses:
     records: list[dict[str, object]]
 
 
-def _accesses(trace: Trace, chunk_tokens: int) -> _Accesses:
+def accesses(trace: Trace, chunk_tokens: int, future: list[list[float]] | None = None) -> _Accesses:
+    """What `online_bound` reads from a trace (compute once, pass to every call). `future`:
+    `kvtier.replay.next_uses(trace)` where the caller has it already."""
+    from kvtier.replay import next_uses
+
     reqs = trace.requests
     R = len(reqs)
-    nxt: dict[object, int] = {}
-    gaps_rev: list[list[float]] = []
-    for r in range(R - 1, -1, -1):
-        row = []
-        for h in reqs[r].chunks:
-            j = nxt.get(h)
-            row.append(math.inf if j is None else float(j - r))
-        for h in reqs[r].chunks:
-            nxt[h] = r
-        gaps_rev.append(row)
+    if future is None:
+        future = next_uses(trace)
     seen: dict[object, int] = {}
     gap, cap, req, records = [], [], [], []
-    for r, (request, row) in enumerate(zip(reqs, reversed(gaps_rev))):
+    for r, (request, row) in enumerate(zip(reqs, future)):
         chunks = request.chunks
         n = len(chunks)
         k = 0
@@ -122,7 +118,7 @@ def _accesses(trace: Trace, chunk_tokens: int) -> _Accesses:
                 "fill": fill,
                 "arrival": 10 * r // R,
             })
-            g = row[i]
+            g = row[i] - r  # inf stays inf: no next use
             gap.append(g)
             cap.append(g if g != math.inf else float(R - 1 - r))
             req.append(r)
@@ -199,17 +195,12 @@ def _fit_taus(acc: _Accesses, groups: dict[object, np.ndarray], budget: float) -
     return taus
 
 
-def accesses(trace: Trace, chunk_tokens: int) -> _Accesses:
-    """What `online_bound` reads from a trace (compute once, pass to every call)."""
-    return _accesses(trace, chunk_tokens)
-
-
 def online_bound(trace: Trace, capacity_chunks: int, features: Sequence[str], chunk_tokens: int,
                  acc: _Accesses | None = None) -> Bound:
     """B(F) for a cache of `capacity_chunks` chunks (see the module docstring)."""
     feats = tuple(features)
     if acc is None:
-        acc = _accesses(trace, chunk_tokens)
+        acc = accesses(trace, chunk_tokens)
     n = len(acc.gap)
     R = len(trace.requests)
     if n == 0 or R < 2:
