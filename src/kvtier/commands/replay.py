@@ -163,11 +163,11 @@ def run(args: argparse.Namespace) -> int:
     bar = _progress(runs * len(trace.requests), args.json)
     future = next_uses(trace)
     rows = []
+    # the first tier's capacity in chunks of the anchor group under the (first) share: the
+    # admission's learning horizon, `adaptive`'s miniature cache size and the online bound's cache
+    horizons = [admission_horizon(plan, names[0], caps[names[0]], shares[0]) for caps in points]
     try:
-        for caps in points:
-            # the first tier's capacity in chunks of the anchor group under the (first) share:
-            # the admission's learning horizon and `adaptive`'s miniature cache size
-            horizon = admission_horizon(plan, names[0], caps[names[0]], shares[0])
+        for caps, horizon in zip(points, horizons):
             admissions = [(n, f if not n.startswith("oracle") else _oracle(n, future))
                           for n, f in _admissions(args.admission, horizon)]
             for res in run_all(plan, trace, caps, policies, admissions, shares, cost,
@@ -176,12 +176,10 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if bar:
             bar.close()
-    # the bound is for one cache: the first tier, in chunks of the anchor group under the share
-    # (as the admission horizon; on a one-group geometry, simply its capacity in chunks)
-    acc = bound_accesses(trace, plan.chunk_tokens) if bound_features else None
+    # the bound is for one cache: the first tier (on a one-group geometry, its capacity in chunks)
+    acc = bound_accesses(trace, plan.chunk_tokens, future) if bound_features else None
     bounds = []
-    for caps in points:
-        cap = admission_horizon(plan, names[0], caps[names[0]], shares[0])
+    for caps, cap in zip(points, horizons):
         for f in bound_features:
             b = online_bound(trace, cap, f, plan.chunk_tokens, acc)
             bounds.append({"tiers": caps, "capacity_chunks": cap, **b.to_dict()})
