@@ -46,12 +46,14 @@ class TestCpuTier(TierContract, SlotTierExtras):
 
 
 class TestDiskTier(TierContract, SlotTierExtras):
+    options: dict[str, object] = {}  # DiskTier keyword arguments; the subclasses below vary them
+
     @pytest.fixture
     def make_tier(self, tmp_path):
         made: list[DiskTier] = []
 
         def make(layout: TierLayout) -> DiskTier:
-            t = DiskTier(tmp_path, layout, NS)
+            t = DiskTier(tmp_path, layout, NS, **self.options)  # type: ignore[arg-type]
             made.append(t)
             return t
 
@@ -124,18 +126,7 @@ class TestDiskTier(TierContract, SlotTierExtras):
 class TestDiskTierPreadv(TestDiskTier):
     """The same contract with the mapping off: every read is one preadv + one checksum pass."""
 
-    @pytest.fixture
-    def make_tier(self, tmp_path):
-        made: list[DiskTier] = []
-
-        def make(layout: TierLayout) -> DiskTier:
-            t = DiskTier(tmp_path, layout, NS, mapped_reads=False)
-            made.append(t)
-            return t
-
-        yield make
-        for t in made:
-            t.close()
+    options = {"mapped_reads": False}
 
     def test_resident_slots_are_read_through_the_mapping_and_cold_ones_with_preadv(self, tier: DiskTier) -> None:
         h = header(62, 2)
@@ -148,21 +139,11 @@ class TestDiskTierPreadv(TestDiskTier):
 
 
 class TestDiskTierPipelined(TestDiskTierPreadv):
-    """The same contract with every payload of >= 2 pieces copied on the helper thread (group 2's
-    12289-byte slots: 3 pieces of 4096 + 1 byte)."""
+    """The same contract with the helper thread always on and 4 KiB pieces: `write_many` of two
+    or more payloads runs two lanes, and cold reads of >= 2 pieces (group 2's 12289-byte slots:
+    3 pieces of 4096 + 1 byte) stream their pieces through the helper."""
 
-    @pytest.fixture
-    def make_tier(self, tmp_path):
-        made: list[DiskTier] = []
-
-        def make(layout: TierLayout) -> DiskTier:
-            t = DiskTier(tmp_path, layout, NS, pipeline="always", piece_bytes=4096, mapped_reads=False)
-            made.append(t)
-            return t
-
-        yield make
-        for t in made:
-            t.close()
+    options = {"pipeline": "always", "piece_bytes": 4096, "mapped_reads": False}
 
     def test_large_cold_reads_go_through_the_helper_and_single_writes_do_not(self, tier: DiskTier) -> None:
         big, small = header(80, 2), header(81, 0)
