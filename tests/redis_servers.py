@@ -311,6 +311,10 @@ class RedisSentinelServers:
         out = cli(self.sentinel_port, "sentinel", "get-master-addr-by-name", self.SERVICE)
         return int(out.split()[1])
 
+    def sentinel_masters(self) -> str:
+        """What Sentinel says of the service (flags, address, failover state): for messages."""
+        return " ".join(cli(self.sentinel_port, "sentinel", "master", self.SERVICE).split())
+
     def start(self, timeout_s: float = 20.0) -> RedisSentinelServers:
         try:
             self.master.start()

@@ -128,6 +128,7 @@ def test_killed_mid_run_then_restarted(server: RedisServer, clock: FakeClock,
     assert ok == [False] * 4 + [True] * 2  # what died with the server is a miss
     assert torch.equal(outs[5], data(5))
     assert len(warnings(caplog)) == 2  # "unreachable" once, "is back" once
+    assert "Connection refused" in tier.last_error  # the message, not just redis-py's class
     tier.close()
 
 
@@ -222,6 +223,23 @@ def test_half_written_or_foreign_payload_is_a_miss_and_removed(
     assert tier.corrupt_dropped == 1 and tier.misses == 1
     assert r.exists(tier.key(h)) == 0  # dropped, so no other process trips on it
     assert len(warnings(caplog)) == 1 and "bad payload" in warnings(caplog)[0]
+    r.close()
+    tier.close()
+
+
+def test_an_error_reply_is_a_counted_miss_that_says_why(server: RedisServer, clock: FakeClock,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    tier = make(server.url, clock)
+    write(tier, range(2))
+    r = redis.Redis.from_url(server.url)
+    r.delete(tier.key(hdr(1)))
+    r.rpush(tier.key(hdr(1)), b"x")  # GET on a list: a WRONGTYPE reply for that key alone
+    ok, outs = read(tier, range(2))
+    assert ok == [True, False] and torch.equal(outs[0], data(0))
+    m = tier.metrics()
+    assert m["errors"] == 1 and m["misses"] == 1 and m["up"] is True
+    assert "WRONGTYPE" in tier.last_error
+    assert len(warnings(caplog)) == 1 and "WRONGTYPE" in warnings(caplog)[0]
     r.close()
     tier.close()
 

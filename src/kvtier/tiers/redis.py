@@ -47,6 +47,7 @@ from kvtier.tiers.redis_conn import (
     RedisOptions,
     WriteBudget,
     build_client,
+    describe_error,
     is_connection_error,
     redact,
 )
@@ -157,9 +158,9 @@ class RedisTier(Tier):
                 self._breaker.failure(exc)
                 self._drop_client()
             else:
-                self._log.warn("error", f"redis tier call failed: {exc!r}")
+                self._log.warn("error", f"redis tier call failed: {describe_error(exc)}")
                 self._count("errors")
-            self.last_error = repr(exc)
+            self.last_error = describe_error(exc)
             self._count(skipped, n)
             return None
         conn_errors = [r for r in results if isinstance(r, Exception) and is_connection_error(r)]
@@ -354,8 +355,8 @@ class RedisTier(Tier):
             else:  # e.g. an OOM reply under maxmemory noeviction
                 self._count("failed_writes")
                 self._count("skipped_saves")
-                self.last_error = repr(r)
-                self._log.warn("save", f"redis tier save failed: {r!r}")
+                self.last_error = describe_error(r)
+                self._log.warn("save", f"redis tier save failed: {self.last_error}")
 
     def _read_batch(self, items: list[tuple[int, int, ChunkHeader, object]], start: int,
                     end: int, ok: list[bool]) -> None:
@@ -389,9 +390,11 @@ class RedisTier(Tier):
                 self._count("vanished")  # never stored, expired, or evicted since lookup
                 self._count("misses")
                 continue
-            if not isinstance(raw, bytes):
+            if not isinstance(raw, bytes):  # an error reply for this key
                 self._count("errors")
                 self._count("misses")
+                self.last_error = describe_error(raw)
+                self._log.warn("error", f"redis tier read failed: {self.last_error}")
                 continue
             reason = check_payload(header, raw)
             if reason is not None:

@@ -204,6 +204,15 @@ def is_connection_error(exc: BaseException) -> bool:
     return isinstance(exc, kinds)
 
 
+def describe_error(exc: object) -> str:
+    """`Type: message` for logs and `last_error` (redis-py 8's repr drops the message: it
+    prints `network:ConnectionError`)."""
+    if not isinstance(exc, BaseException):
+        return f"unexpected reply {exc!r}"[:200]
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 class Breaker:
     """Skip calls after a connection failure until a backoff deadline; then let calls through.
 
