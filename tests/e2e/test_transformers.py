@@ -169,6 +169,32 @@ def test_store_of_another_model_is_a_namespace_miss(load_tiny, prompt) -> None: 
         torch.testing.assert_close(logits, full_pass_logits(model, prompt), atol=1e-4, rtol=1e-4)
 
 
+def test_new_weights_under_the_same_name_are_a_miss(load_tiny, prompt, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A re-saved fine-tune at the same path: same config, same name, other weights. Restoring
+    the old weights' KV would give wrong logits with valid checksums; the weights digest in the
+    namespace makes it a miss."""
+    import copy
+
+    kw = dict(disk_dir=str(tmp_path / "kv"), disk_bytes=8 << 20)
+    old = load_tiny("llama")
+    first = PrefixCache.for_model(old, chunk_tokens=C, **kw)
+    first.forward(prompt)
+    first.store.close()
+    tuned = copy.deepcopy(old)
+    with torch.no_grad():
+        tuned.model.layers[0].self_attn.k_proj.weight.mul_(1.01)
+    assert tuned.config._name_or_path == old.config._name_or_path
+    pc = PrefixCache.for_model(tuned, chunk_tokens=C, **kw)
+    assert pc.namespace.model != first.namespace.model and "#weights=" in pc.namespace.model
+    logits, stats = pc.forward(prompt, save=False)
+    assert stats.restored_tokens == 0 and stats.lookup_tokens == 0
+    torch.testing.assert_close(logits, full_pass_logits(tuned, prompt), atol=1e-4, rtol=1e-4)
+    pc.store.close()
+    again = PrefixCache.for_model(old, chunk_tokens=C, **kw)  # the old weights still hit
+    assert again.forward(prompt, save=False)[1].restored_tokens > 0
+    again.store.close()
+
+
 def test_store_of_another_dtype_is_a_miss(load_tiny, prompt, tmp_path) -> None:  # type: ignore[no-untyped-def]
     kw = dict(disk_dir=str(tmp_path / "kv"), disk_bytes=8 << 20)
     f32 = load_tiny("gemma3")

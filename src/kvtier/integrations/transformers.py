@@ -44,6 +44,7 @@ log = logging.getLogger("kvtier.transformers")
 from kvtier.keys import Namespace, chunk_hashes
 from kvtier.plan import Plan, make_plan
 from kvtier.store import Store
+from kvtier.weights import module_digest, with_weights
 
 # transformers model types whose Mamba-1 mixers restart the scan from zero on a multi-token
 # forward: a restored state would be silently ignored, so they are refused.
@@ -130,7 +131,9 @@ def model_plan(model: torch.nn.Module, *, chunk_tokens: int | None = None, block
                 f"only {', '.join(_RESTORABLE_KINDS)} groups"
             )
     plan = make_plan(geometry, chunk_tokens=chunk_tokens)
-    ns = Namespace(model=model_id or model_id_of(model), geometry_fingerprint=geometry.fingerprint(), dtype=dtype)
+    # the weights' digest too: new weights under an old name must not restore the old KV
+    model_field = with_weights(model_id or model_id_of(model), module_digest(model))
+    ns = Namespace(model=model_field, geometry_fingerprint=geometry.fingerprint(), dtype=dtype)
     return plan, ns
 
 

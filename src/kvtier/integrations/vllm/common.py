@@ -20,6 +20,7 @@ from vllm.v1.kv_offload.base import LoadStoreSpec, OffloadKey
 from kvtier.index import Index
 from kvtier.keys import Namespace, chunk_hashes_from_block_hashes
 from kvtier.plan import Plan
+from kvtier.weights import files_digest, with_weights
 
 from .config import VllmTierConfig
 
@@ -132,9 +133,11 @@ def read_info(directory: str | os.PathLike[str]) -> dict[str, int]:
 
 
 def model_identity(model: str) -> str:
-    """The namespace's model field: the model path/name plus a digest of its config.json when
-    it is a local directory (two different checkpoints at one path never share chunks)."""
+    """The namespace's model field: the model path/name plus, for a local directory, a digest of
+    its config.json and of its weight files (`kvtier.weights`: every tensor's name, dtype, shape
+    and first, middle and last 4 KiB), so two checkpoints at one path never share chunks."""
     cfg = Path(model) / "config.json"
+    out = model
     if cfg.is_file():
-        return f"{model}#{hashlib.blake2b(cfg.read_bytes(), digest_size=8).hexdigest()}"
-    return model
+        out = f"{model}#{hashlib.blake2b(cfg.read_bytes(), digest_size=8).hexdigest()}"
+    return with_weights(out, files_digest(model))
