@@ -110,7 +110,9 @@ def _add_file(h: hashlib._Hash, path: Path) -> None:
                 info = header[tname]
                 try:
                     lo, hi = (int(x) for x in info["data_offsets"])
-                    dtype, shape = str(info["dtype"]), info["shape"]
+                    dtype, shape = str(info["dtype"]), [int(x) for x in info["shape"]]
+                    if not 0 <= lo <= hi <= size - start:
+                        raise ValueError(f"data_offsets {lo}..{hi} outside the file")
                 except (KeyError, TypeError, ValueError):
                     _add_tensor(h, tname, "?", [], [json.dumps(info).encode()])
                     continue

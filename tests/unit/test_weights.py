@@ -122,3 +122,13 @@ def test_vllm_model_identity_names_config_and_weights(tmp_path: Path) -> None:
     _save(d, state)
     assert model_identity(str(d)) != ident
     assert model_identity("org/some-hub-id") == "org/some-hub-id"  # nothing local to read
+
+
+def test_a_safetensors_header_pointing_past_the_file_is_hashed_not_read(tmp_path: Path) -> None:
+    import json as _json
+
+    d = tmp_path / "m"
+    d.mkdir()
+    header = _json.dumps({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 1 << 40]}}).encode()
+    (d / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + bytes(16))
+    assert files_digest(d) is not None  # no exception, no read past the end
