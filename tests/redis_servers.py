@@ -22,6 +22,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -58,25 +59,43 @@ def have_redis() -> bool:
     return shutil.which(SERVER) is not None and shutil.which(CLI) is not None
 
 
+_GIVEN: set[int] = set()  # ports this process handed out: never twice
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        lo, hi = (int(x) for x in open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
     """A loopback TCP port nobody listens on (bound once and released; Redis binds it next).
 
-    Cluster mode also needs port+10000 (the cluster bus) free, so only ports below 55536 are
-    returned and the bus port is checked too.
+    Chosen so that the port and its cluster bus port (port+10000, which cluster mode needs free
+    too) lie below the kernel's ephemeral range: a client connecting to a killed server's port
+    in that range can be given the same port as its source and connect to itself (TCP
+    self-connect), reading its own commands back as replies. A port is handed out once per
+    process, so servers set up together never draw the same one before any has bound it.
     """
-    for _ in range(200):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port >= 55536:
+    lo, _ = _ephemeral_range()
+    top = min(lo, 65536) - 10000  # the bus port too stays below the ephemeral range
+    candidates = list(range(max(1024, top - 10000), top))
+    random.shuffle(candidates)
+    for port in candidates:
+        if port in _GIVEN:
             continue
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind(("127.0.0.1", port))
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
                 s.bind(("127.0.0.1", port + 10000))
-            except OSError:
-                continue
+        except OSError:
+            continue
+        _GIVEN.add(port)
         return port
-    raise RuntimeError("no free loopback port pair found")
+    raise RuntimeError("no free loopback port pair found below the ephemeral range")
 
 
 def _ping(port: int, timeout_s: float = 0.2, tls: TlsFiles | None = None) -> bool:
