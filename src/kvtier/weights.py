@@ -54,6 +54,21 @@ def _add_tensor(h: hashlib._Hash, name: str, dtype: str, shape: Iterable[int],
         h.update(len(part).to_bytes(8, "little") + part)
 
 
+def _tensor_windows(t: object) -> list[bytes]:
+    """The windows of a tensor's bytes; its float32 values for a dtype without a byte view; and
+    `unreadable` for a tensor subclass that allows neither (e.g. a sharded DTensor)."""
+    import torch
+
+    flat = t.detach().contiguous().reshape(-1)  # type: ignore[attr-defined]
+    for convert in (lambda x: x.view(torch.uint8), lambda x: x.to(torch.float32).view(torch.uint8)):
+        try:
+            raw = convert(flat)
+            return [raw[a:b].cpu().numpy().tobytes() for a, b in windows(raw.numel())]
+        except (RuntimeError, TypeError, NotImplementedError, AttributeError):
+            continue
+    return [b"unreadable"]
+
+
 def module_digest(model: object) -> str:
     """16 hex digits over the `state_dict()` of a torch module (parameters and buffers).
 
@@ -71,13 +86,7 @@ def module_digest(model: object) -> str:
         if t.device.type == "meta":
             _add_tensor(h, name, dtype, t.shape, [b"meta"])
             continue
-        flat = t.detach().contiguous().reshape(-1)
-        try:
-            raw = flat.view(torch.uint8)
-        except RuntimeError:  # a dtype without a byte view: hash its float32 values
-            raw = flat.to(torch.float32).view(torch.uint8)
-        _add_tensor(h, name, dtype, t.shape,
-                    [raw[a:b].cpu().numpy().tobytes() for a, b in windows(raw.numel())])
+        _add_tensor(h, name, dtype, t.shape, _tensor_windows(t))
     return h.hexdigest()
 
 
