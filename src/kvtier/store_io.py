@@ -64,13 +64,8 @@ class TierIO:
         first = next(iter(self.slot_tiers), None)
         if first is None or self.index is None or self.index.contains(h, g, first):
             return
-        if self._store_in(first, h, g, header, data, counted=False):
+        if self._store_many(first, [(h, g, header, data)], counted=False)[0]:
             self.m.add("promotions")
-
-    def _store_in(self, tier_name: str, h: bytes, g: int, header: ChunkHeader, data: object,
-                  counted: bool = True) -> int:
-        """`_store_many` of one payload: 1 if written (0 while nested: see `_store_many`)."""
-        return self._store_many(tier_name, [(h, g, header, data)], counted)[0] or 0
 
     # Writes are deferred, the index is not. `_store_many` walks its payloads one by one through
     # the index exactly as saving one by one does (held? touch; else reserve -> demote what
