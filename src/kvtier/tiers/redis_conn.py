@@ -247,9 +247,9 @@ class Breaker:
                 self.up = False
                 self._backoff_s = self._initial_s
                 self._log.warning(
-                    "redis tier %s unreachable (%s: %s); saves skipped and lookups miss, "
-                    "retrying with backoff up to %.0fs", self._describe, type(exc).__name__,
-                    exc, self._max_s)
+                    "redis tier %s unreachable (%s); saves skipped and lookups miss, "
+                    "retrying with backoff up to %.0fs", self._describe, describe_error(exc),
+                    self._max_s)
             else:
                 self._backoff_s = min(self._backoff_s * 2, self._max_s)
             self._open_until = self._clock() + self._backoff_s
