@@ -59,10 +59,9 @@ def _tensor_windows(t: object) -> list[bytes]:
     `unreadable` for a tensor subclass that allows neither (e.g. a sharded DTensor)."""
     import torch
 
-    flat = t.detach().contiguous().reshape(-1)  # type: ignore[attr-defined]
     for convert in (lambda x: x.view(torch.uint8), lambda x: x.to(torch.float32).view(torch.uint8)):
         try:
-            raw = convert(flat)
+            raw = convert(t.detach().contiguous().reshape(-1))  # type: ignore[attr-defined]
             return [raw[a:b].cpu().numpy().tobytes() for a, b in windows(raw.numel())]
         except (RuntimeError, TypeError, NotImplementedError, AttributeError):
             continue
