@@ -1,12 +1,12 @@
 """Only the C extension lives here; everything else is in pyproject.toml.
 
-kvtier._xxcopy copies a payload and computes its XXH3-64 checksum in one pass (the disk tier's
-verified loads; src/kvtier/_xxcopy.c). It is optional: where it cannot be compiled (no C
+kvtier.store._xxcopy copies a payload and computes its XXH3-64 checksum in one pass (the disk tier's
+verified loads; src/kvtier/store/_xxcopy.c). It is optional: where it cannot be compiled (no C
 compiler), kvtier installs without it and checksums with python-xxhash (slower loads, the same
 values).
 """
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("kvtier._xxcopy", ["src/kvtier/_xxcopy.c"], optional=True,
+setup(ext_modules=[Extension("kvtier.store._xxcopy", ["src/kvtier/store/_xxcopy.c"], optional=True,
                              extra_compile_args=["-O3"])])

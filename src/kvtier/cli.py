@@ -9,11 +9,10 @@ Errors are one line on stderr starting `error:`; tracebacks only with KVTIER_DEB
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import os
 import sys
 
+from kvtier.commands import Parser, available
 from kvtier.errors import ConfigError, KvtierError
 
 # Order is the order `kvtier --help` lists them. A name whose module does not exist is skipped,
@@ -21,28 +20,12 @@ from kvtier.errors import ConfigError, KvtierError
 COMMANDS = ("plan", "demo", "replay", "inspect", "check", "bench")
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2, as every kvtier error
-        sys.stderr.write(f"error: {message} (see `{self.prog} --help`)\n")
-        sys.exit(2)
-
-
-def available(package: str, names: tuple[str, ...]) -> list[tuple[str, object]]:
-    out = []
-    for name in names:
-        modname = f"{package}.{name}"
-        if importlib.util.find_spec(modname) is None:
-            continue
-        out.append((name, importlib.import_module(modname)))
-    return out
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="kvtier", description="Hybrid-aware tiered KV-cache offloading.")
+    parser = Parser(prog="kvtier", description="Hybrid-aware tiered KV-cache offloading.")
     from kvtier import __version__
 
     parser.add_argument("--version", action="version", version=f"kvtier {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="SUBCOMMAND", parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", metavar="SUBCOMMAND", parser_class=Parser)
     sub.required = True
     for name, mod in available("kvtier.commands", COMMANDS):
         p = sub.add_parser(name, help=getattr(mod, "HELP", ""), description=getattr(mod, "HELP", ""))

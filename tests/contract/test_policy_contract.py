@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtier.errors import ConfigError
-from kvtier.policies import POLICIES, make_policy
+from kvtier.index.policies import POLICIES, make_policy
 
 NAMES = sorted(POLICIES)
 

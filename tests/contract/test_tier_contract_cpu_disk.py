@@ -9,9 +9,10 @@ import torch
 from tier_contract import LAYOUT, NS, TierContract, header, payload
 
 from kvtier.errors import ConfigError
-from kvtier.tiers.base import TierLayout
-from kvtier.tiers.cpu import CpuTier
-from kvtier.tiers.disk import DATA_OFFSET, DiskTier, slab_name, split_lanes
+from kvtier.store.tiers.base import TierLayout
+from kvtier.store.tiers.cpu import CpuTier
+from kvtier.store.tiers.disk import DiskTier, split_lanes
+from kvtier.store.tiers.disk_files import DATA_OFFSET, resident, slab_name
 
 
 class SlotTierExtras:
@@ -99,7 +100,7 @@ class TestDiskTier(TierContract, SlotTierExtras):
         os.fsync(fd)  # DONTNEED drops clean, unmapped pages only
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         m = tier._maps[2]
-        assert m is not None and not tier._resident(m[2], tier.strides[2], DATA_OFFSET + h.payload_bytes)
+        assert m is not None and not resident(m[2], tier.strides[2], DATA_OFFSET + h.payload_bytes)
         out = torch.zeros(h.payload_bytes, dtype=torch.uint8)
         assert tier.read(2, 1, h, out) and torch.equal(out, data)
         assert tier.mapped_reads == 0  # cold: preadv, which also brings the pages in

@@ -10,7 +10,7 @@ import pytest
 import torch
 from tier_contract import NS, TierContract, header, payload
 
-from kvtier.tiers.redis import RedisTier
+from kvtier.store.tiers.redis import RedisTier
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from redis_servers import redis_cluster, redis_server  # noqa: E402

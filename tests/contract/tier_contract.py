@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtier.payload import ChunkHeader, make_header
-from kvtier.tiers.base import Tier, TierLayout
+from kvtier.store.payload import ChunkHeader, make_header
+from kvtier.store.tiers.base import Tier, TierLayout
 
 NS = "00112233aabbccdd"
 OTHER_NS = "ffeeddcc33221100"

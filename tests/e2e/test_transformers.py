@@ -16,7 +16,7 @@ import torch
 
 from kvtier.errors import ConfigError, UnsupportedModelError
 from kvtier.integrations.transformers import PrefixCache, model_plan
-from kvtier.store import Store
+from kvtier.store.store import Store
 
 # the supported families (issue 4: Llama, Gemma 3, gpt-oss, Qwen3-Next and Qwen3.5, a Mamba-2
 # hybrid (Bamba); Falcon-H1 runs attention and Mamba-2 side by side in every layer)
@@ -122,7 +122,7 @@ def test_cpu_and_disk_tiers_together(family: str, load_tiny, prompt, tmp_path) -
 
 
 def _corrupt(store: Store, pc: PrefixCache, prompt: torch.Tensor, group: int, chunk: int) -> None:
-    from kvtier.tiers.disk import DATA_OFFSET, slab_name, slot_stride
+    from kvtier.store.tiers.disk_files import DATA_OFFSET, slab_name, slot_stride
 
     h = store.hashes(prompt[0].tolist())[chunk]
     [(tier, slot)] = store.index.where(h, group)  # type: ignore[union-attr]
@@ -235,7 +235,7 @@ def test_prefill_to_an_earlier_end_restores_only_up_to_it(load_tiny, prompt) -> 
 def test_tiny_random_dir_is_deterministic_and_checks_the_family(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from safetensors.torch import load_file
 
-    from kvtier.models import tiny_random_dir
+    from kvtier.integrations.models import tiny_random_dir
 
     a = tiny_random_dir("llama", tmp_path / "a", seed=7)
     b = tiny_random_dir("llama", tmp_path / "b", seed=7)

@@ -22,12 +22,12 @@ pytest.importorskip("vllm")
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key  # noqa: E402
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager  # noqa: E402
 
-from kvtier.geometry import Geometry, Group  # noqa: E402
+from kvtier.core.geometry import Geometry, Group  # noqa: E402
 from kvtier.integrations.vllm.common import Metrics, SpecContext  # noqa: E402
 from kvtier.integrations.vllm.config import parse_config  # noqa: E402
 from kvtier.integrations.vllm.manager import KvtierManager  # noqa: E402
-from kvtier.keys import Namespace  # noqa: E402
-from kvtier.plan import make_plan  # noqa: E402
+from kvtier.core.keys import Namespace  # noqa: E402
+from kvtier.core.plan import make_plan  # noqa: E402
 
 G = 4
 TOKENS = 128

@@ -46,7 +46,7 @@ def test_tiny_llama_reload_from_cpu_tier_and_full_tier_skips(tmp_path: Path) -> 
 
 
 def test_gemma3_270m_reload_hybrid_groups(tmp_path: Path) -> None:
-    from kvtier.models import gemma3_270m_dir
+    from kvtier.integrations.models import gemma3_270m_dir
 
     kv = kv_transfer_config(tmp_path, tiers="cpu", cpu_bytes="256MiB")
     # 640 tokens: 5 full chunks; a hit is at most 639 tokens -> 512 (4 chunks). vLLM makes six

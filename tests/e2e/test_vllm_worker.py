@@ -22,13 +22,13 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
     make_offload_key,
 )
 
-from kvtier.geometry import Geometry, Group  # noqa: E402
+from kvtier.core.geometry import Geometry, Group  # noqa: E402
 from kvtier.integrations.vllm.common import Metrics, SpecContext  # noqa: E402
 from kvtier.integrations.vllm.config import parse_config  # noqa: E402
 from kvtier.integrations.vllm.manager import KvtierManager  # noqa: E402
 from kvtier.integrations.vllm.worker import KvtierWorker  # noqa: E402
-from kvtier.keys import Namespace  # noqa: E402
-from kvtier.plan import make_plan  # noqa: E402
+from kvtier.core.keys import Namespace  # noqa: E402
+from kvtier.core.plan import make_plan  # noqa: E402
 
 TPB = 16  # tokens per block
 BPC = 2  # blocks per chunk
@@ -105,7 +105,8 @@ def _roundtrip(tmp_path: Path, tiers: str, corrupt: bool = False,
     assert [manager.lookup(k, rc2) for k in keys2] == [LookupResult.HIT] * 3 + [
         LookupResult.MISS] + [LookupResult.HIT] * 2
     if corrupt:
-        from kvtier.tiers.disk import DATA_OFFSET, scan_dir, slot_stride
+        from kvtier.store.tiers.disk_files import DATA_OFFSET, slot_stride
+        from kvtier.store.tiers.disk_scan import scan_dir
 
         rec = next(r for r in scan_dir(tmp_path / "disk") if r.group == 0)
         with open(rec.path, "r+b") as f:

@@ -10,11 +10,11 @@ from pathlib import Path
 import torch
 
 from kvtier.cli import main
-from kvtier.geometry import Geometry, Group
-from kvtier.keys import Namespace
-from kvtier.plan import make_plan
-from kvtier.store import Store
-from kvtier.tiers.disk import DATA_OFFSET, slab_name, slot_stride
+from kvtier.core.geometry import Geometry, Group
+from kvtier.core.keys import Namespace
+from kvtier.core.plan import make_plan
+from kvtier.store.store import Store
+from kvtier.store.tiers.disk_files import DATA_OFFSET, slab_name, slot_stride
 
 C = 32
 GEOM = Geometry(

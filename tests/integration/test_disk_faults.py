@@ -14,12 +14,13 @@ import zlib
 import pytest
 import torch
 
-from kvtier.geometry import Geometry, Group
-from kvtier.keys import Namespace
-from kvtier.payload import HEADER_BYTES, make_header
-from kvtier.plan import make_plan
-from kvtier.store import Store
-from kvtier.tiers.disk import DATA_OFFSET, scan_dir, slab_name, slot_stride
+from kvtier.core.geometry import Geometry, Group
+from kvtier.core.keys import Namespace
+from kvtier.store.payload import HEADER_BYTES, make_header
+from kvtier.core.plan import make_plan
+from kvtier.store.store import Store
+from kvtier.store.tiers.disk_files import DATA_OFFSET, slab_name, slot_stride
+from kvtier.store.tiers.disk_scan import scan_dir
 
 C = 32
 GEOM = Geometry(
@@ -146,8 +147,8 @@ def test_header_from_a_newer_format_version(tmp_path) -> None:
 def test_torn_overwrite_old_header_over_new_payload(tmp_path) -> None:
     """A writer killed while overwriting a slot leaves the old header over a payload that is
     partly (or wholly) the new chunk's: the old header's checksum rejects both."""
-    from kvtier.tiers.base import TierLayout
-    from kvtier.tiers.disk import DiskTier
+    from kvtier.store.tiers.base import TierLayout
+    from kvtier.store.tiers.disk import DiskTier
 
     n = 8192
     layout = TierLayout(slot_bytes=(n,), num_slots=(1,))
@@ -171,8 +172,8 @@ BIG = 5 * PIECE + 123  # 6 pieces, the last one short
 
 
 def _pipelined(tmp_path, mode: str = "always", mapped: bool = False):
-    from kvtier.tiers.base import TierLayout
-    from kvtier.tiers.disk import DiskTier
+    from kvtier.store.tiers.base import TierLayout
+    from kvtier.store.tiers.disk import DiskTier
 
     return DiskTier(tmp_path, TierLayout(slot_bytes=(BIG,), num_slots=(2,)), NS.id,
                     pipeline=mode, piece_bytes=PIECE, mapped_reads=mapped)
@@ -183,7 +184,7 @@ def _big_payload(seed: int) -> torch.Tensor:
 
 
 def test_pipelined_slots_carry_the_one_shot_checksum_and_read_back_either_way(tmp_path) -> None:
-    from kvtier.payload import DEFAULT_CHECKSUM, StreamingChecksum, checksum
+    from kvtier.store.payload import DEFAULT_CHECKSUM, StreamingChecksum, checksum
 
     data = _big_payload(1)
     h = make_header(NS.id, b"\x05" * 32, 0, 0, C, BIG)
@@ -213,12 +214,12 @@ def test_pipelined_slots_carry_the_one_shot_checksum_and_read_back_either_way(tm
 # mapped: resident reads copy from the mapping, in one fused pass (C extension) or piece by piece
 @pytest.mark.parametrize("mapped", [False, "fused", "pieces"])
 def test_pipelined_read_rejects_a_flipped_byte_in_any_piece(tmp_path, monkeypatch, mapped) -> None:
-    import kvtier.payload
-    import kvtier.tiers.disk as disk
+    import kvtier.store.payload
+    import kvtier.store.tiers.disk as disk
 
     monkeypatch.setattr(disk, "MAP_PIECE", PIECE)  # the mapped path's pieces, as small as the helper's
     if mapped == "pieces":
-        monkeypatch.setattr(kvtier.payload, "_xxcopy", None)  # as where the extension is not built
+        monkeypatch.setattr(kvtier.store.payload, "_xxcopy", None)  # as where the extension is not built
     data = _big_payload(2)
     h = make_header(NS.id, b"\x06" * 32, 0, 0, C, BIG)
     t = _pipelined(tmp_path, mapped=bool(mapped))

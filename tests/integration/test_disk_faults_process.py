@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvtier.geometry import Geometry, Group
-from kvtier.keys import Namespace
-from kvtier.plan import make_plan
-from kvtier.store import Store
+from kvtier.core.geometry import Geometry, Group
+from kvtier.core.keys import Namespace
+from kvtier.core.plan import make_plan
+from kvtier.store.store import Store
 
 C = 256
 GEOM = Geometry(
@@ -34,13 +34,13 @@ ROW = sum(gp.chunk_bytes for gp in PLAN.groups)
 
 WRITER = textwrap.dedent("""
     import sys, torch
-    from kvtier.geometry import Geometry, Group
-    from kvtier.keys import Namespace
-    from kvtier.plan import make_plan
-    from kvtier.store import Store
+    from kvtier.core.geometry import Geometry, Group
+    from kvtier.core.keys import Namespace
+    from kvtier.core.plan import make_plan
+    from kvtier.store.store import Store
     sys.path.insert(0, {here!r})
     from test_disk_faults_process import PLAN, NS, ROW, pattern
-    import kvtier.tiers.disk as disk
+    import kvtier.store.tiers.disk as disk
     disk.PIPELINE, disk.PIECE_BYTES = {pipeline!r}, 64 << 10  # "always": 512 KiB payloads in 8 pieces
     s = Store(PLAN, NS, disk_dir={root!r}, disk_bytes=6 * ROW)
     print("ready", flush=True)
@@ -106,7 +106,7 @@ def tiny_fs(tmp_path: Path):
 
 @pytest.mark.parametrize("pipeline", ["never", "always"])  # always: ENOSPC raised on the helper thread
 def test_disk_full_is_a_counted_failed_save(tiny_fs: Path, pipeline: str, monkeypatch) -> None:
-    import kvtier.tiers.disk as disk
+    import kvtier.store.tiers.disk as disk
 
     monkeypatch.setattr(disk, "PIPELINE", pipeline)
     monkeypatch.setattr(disk, "PIECE_BYTES", 64 << 10)
@@ -156,9 +156,9 @@ FSIZE_WRITER = textwrap.dedent("""
     resource.setrlimit(resource.RLIMIT_FSIZE, (600_000, 600_000))
     sys.path.insert(0, {here!r})
     from test_disk_faults_process import PLAN, NS, ROW, pattern
-    import kvtier.tiers.disk as disk
+    import kvtier.store.tiers.disk as disk
     disk.PIPELINE, disk.PIECE_BYTES = {pipeline!r}, 64 << 10  # "always": 512 KiB payloads in 8 pieces
-    from kvtier.store import Store
+    from kvtier.store.store import Store
     s = Store(PLAN, NS, disk_dir={root!r}, disk_bytes=6 * ROW)
     toks = [(7 * i) % 40000 for i in range(3 * 256 + 1)]
     h = s.hashes(toks)
@@ -183,15 +183,15 @@ def test_file_size_limit_is_a_counted_failed_save(tmp_path: Path, pipeline: str)
 
 
 def test_a_second_writer_process_is_refused_naming_the_holder(tmp_path: Path) -> None:
-    from kvtier.tiers.base import TierLayout
-    from kvtier.tiers.disk import DiskTier
+    from kvtier.store.tiers.base import TierLayout
+    from kvtier.store.tiers.disk import DiskTier
 
     layout = TierLayout(slot_bytes=(4096,), num_slots=(2,))
     holder = DiskTier(tmp_path, layout, NS.id)
     code = textwrap.dedent(f"""
         from kvtier.errors import TierError
-        from kvtier.tiers.base import TierLayout
-        from kvtier.tiers.disk import DiskTier
+        from kvtier.store.tiers.base import TierLayout
+        from kvtier.store.tiers.disk import DiskTier
         try:
             DiskTier({str(tmp_path)!r}, TierLayout(slot_bytes=(4096,), num_slots=(2,)), {NS.id!r})
         except TierError as exc:

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvtier.payload import make_header
-from kvtier.tiers.redis import RedisTier
-from kvtier.tiers.redis_conn import Breaker, LogOnce
+from kvtier.store.payload import make_header
+from kvtier.store.tiers.redis import RedisTier
+from kvtier.store.tiers.redis_conn import Breaker, LogOnce
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from redis_servers import redis_server  # noqa: E402

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvtier.payload import ChunkHeader, make_header
-from kvtier.tiers.redis import RedisOptions, RedisTier
+from kvtier.store.payload import ChunkHeader, make_header
+from kvtier.store.tiers.redis import RedisOptions, RedisTier
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from redis_servers import RedisClusterServers, cli, redis_cluster  # noqa: E402

@@ -15,14 +15,14 @@ import pytest
 import redis
 import torch
 
-from kvtier.payload import ChunkHeader, encode_header, make_header, seal
-from kvtier.tiers.redis import RedisOptions, RedisTier
+from kvtier.store.payload import ChunkHeader, encode_header, make_header, seal
+from kvtier.store.tiers.redis import RedisOptions, RedisTier
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from redis_servers import RedisServer, free_port, redis_server  # noqa: E402
 
 NS = "5a5a5a5a01234567"
-LOGGER = "kvtier.tiers.redis"
+LOGGER = "kvtier.store.tiers.redis"
 
 
 class FakeClock:

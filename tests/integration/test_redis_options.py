@@ -13,8 +13,8 @@ import pytest
 
 from kvtier.cli import main
 from kvtier.errors import ConfigError
-from kvtier.tiers.redis import RedisOptions, RedisTier
-from kvtier.tiers.redis_conn import options_from_mapping, redact
+from kvtier.store.tiers.redis import RedisOptions, RedisTier
+from kvtier.store.tiers.redis_conn import options_from_mapping, redact
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from redis_servers import cli, free_port, redis_cluster, redis_server  # noqa: E402
@@ -133,7 +133,7 @@ def test_bench_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_importing_the_tier_loads_neither_torch_nor_redis_py() -> None:
     # the vLLM scheduler process builds a RedisTier for existence checks: it must stay light
-    code = ("import sys, kvtier.tiers.redis as r; r.RedisTier.from_url('redis://h:1/0'); "
+    code = ("import sys, kvtier.store.tiers.redis as r; r.RedisTier.from_url('redis://h:1/0'); "
             "print('torch' in sys.modules, 'redis' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr

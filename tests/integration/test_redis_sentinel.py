@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from kvtier.errors import ConfigError
-from kvtier.payload import ChunkHeader, make_header
-from kvtier.tiers.redis import RedisOptions, RedisTier
-from kvtier.tiers.redis_conn import sentinel_parts
+from kvtier.store.payload import ChunkHeader, make_header
+from kvtier.store.tiers.redis import RedisOptions, RedisTier
+from kvtier.store.tiers.redis_conn import sentinel_parts
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from redis_servers import redis_sentinel  # noqa: E402

@@ -24,11 +24,11 @@ EXPECTED_HIT = 192
 
 
 def _setup(url: str):  # noqa: ANN202 - (store, tokens), imported inside the child
-    from kvtier.geometry import Geometry, Group
-    from kvtier.keys import Namespace
-    from kvtier.plan import make_plan
-    from kvtier.store import Store
-    from kvtier.tiers.redis import RedisTier
+    from kvtier.core.geometry import Geometry, Group
+    from kvtier.core.keys import Namespace
+    from kvtier.core.plan import make_plan
+    from kvtier.store.store import Store
+    from kvtier.store.tiers.redis import RedisTier
 
     geometry = Geometry(groups=(
         Group("full", "full", 2, 16, bytes_per_token_per_layer=64),
@@ -129,7 +129,7 @@ def test_a_chunk_evicted_between_lookup_and_load_shrinks_the_hit() -> None:
     import torch
     from redis_servers import redis_server
 
-    from kvtier.store import Store
+    from kvtier.store.store import Store
 
     with redis_server() as srv:
         writer, plan, tokens = _setup(srv.url)
@@ -161,8 +161,8 @@ def test_a_prefix_from_redis_is_read_in_one_batched_call() -> None:
     import torch
     from redis_servers import redis_server
 
-    from kvtier.store import Store
-    from kvtier.tiers.redis import RedisTier
+    from kvtier.store.store import Store
+    from kvtier.store.tiers.redis import RedisTier
 
     class CountingRedisTier(RedisTier):  # the real tier; it only counts the calls it gets
         calls: dict[str, int]

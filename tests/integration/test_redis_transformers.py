@@ -28,8 +28,8 @@ def child(url: str) -> dict[str, object]:
     from transformers import AutoModelForCausalLM
 
     from kvtier.integrations.transformers import PrefixCache
-    from kvtier.models import tiny_random_dir
-    from kvtier.tiers.redis import RedisTier
+    from kvtier.integrations.models import tiny_random_dir
+    from kvtier.store.tiers.redis import RedisTier
 
     model = AutoModelForCausalLM.from_pretrained(tiny_random_dir("gemma3"), dtype=torch.float32)
     pc = PrefixCache.for_model(model.eval(), chunk_tokens=CHUNK_TOKENS, cpu_bytes=64 << 20,

@@ -1,4 +1,4 @@
-"""Hypothesis state machine for kvtier.index against a plain model of every entry.
+"""Hypothesis state machine for kvtier.index.index against a plain model of every entry.
 
 Invariants after every step: no slot double-booked, every slot in range, capacity never
 exceeded, pinned and reserved entries never evicted, lookup returns only committed entries
@@ -11,9 +11,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from kvtier.geometry import Geometry, Group
-from kvtier.index import Index
-from kvtier.plan import make_plan
+from kvtier.core.geometry import Geometry, Group
+from kvtier.index.index import Index
+from kvtier.core.plan import make_plan
 
 PLAN = make_plan(
     Geometry(

@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvtier.errors import ConfigError
-from kvtier.geometry import Geometry, Group
-from kvtier.plan import Plan, hit_unit, make_plan
+from kvtier.core.geometry import Geometry, Group
+from kvtier.core.plan import Plan, hit_unit, make_plan
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 BLOCKS = [1, 2, 3, 4, 8, 16, 32, 48, 64, 256]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvtier.cli import _Parser, available
+from kvtier.commands import Parser, available
 
 BENCHES = ("store", "ttft", "vllm", "redis", "replay")
 
@@ -17,7 +17,7 @@ HELP = "benchmarks: kvtier against a plain baseline, as ratios (store, ttft, vll
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="bench", metavar="BENCH", parser_class=_Parser)
+    sub = parser.add_subparsers(dest="bench", metavar="BENCH", parser_class=Parser)
     sub.required = True
     for name, mod in available("kvtier.commands", tuple(f"bench_{b}" for b in BENCHES)):
         short = name.removeprefix("bench_")

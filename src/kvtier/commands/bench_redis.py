@@ -97,9 +97,9 @@ def measure(url: str, chunk_bytes: int, chunks: int, rounds: int) -> dict[str, o
     import redis
     import torch
 
-    from kvtier.payload import CHECKSUM_NAMES, DEFAULT_CHECKSUM, make_header
-    from kvtier.tiers.redis import RedisOptions, RedisTier
-    from kvtier.tiers.redis_conn import build_client, redact
+    from kvtier.store.payload import CHECKSUM_NAMES, DEFAULT_CHECKSUM, make_header
+    from kvtier.store.tiers.redis import RedisOptions, RedisTier
+    from kvtier.store.tiers.redis_conn import build_client, redact
 
     opts = RedisOptions(url=url, key_prefix=KEY_PREFIX, socket_timeout_s=30.0,
                         connect_timeout_s=5.0)

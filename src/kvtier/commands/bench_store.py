@@ -13,7 +13,7 @@ fast as the plain copy).
   tier uses fsync="always"). Both run against the page cache (warm), as a cache re-read is.
 - lookup: `Store.lookup` of a 131072-token prompt fully cached on the 4-group geometry
   (512 chunks): `lookup_chunks_per_s` = prompt chunks / median lookup time; chunk hashing
-  (kvtier.keys) is reported apart (`hash_ms_128k`).
+  (kvtier.core.keys) is reported apart (`hash_ms_128k`).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def bench_geometry(small: bool = False):  # type: ignore[no-untyped-def]
     """4 groups: full, sliding (W=512), MLA, state. `small`: same layout, 64x fewer bytes (for
     the lookup bench: lookup never touches payloads, and its slabs then stay small)."""
-    from kvtier.geometry import Geometry, Group
+    from kvtier.core.geometry import Geometry, Group
 
     d = 64 if small else 1
     return Geometry(
@@ -82,7 +82,7 @@ def _median_ratio(plain: list[float], ours: list[float]) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvtier.tiers import disk as disk_mod
+    from kvtier.store.tiers import disk as disk_mod
 
     default_mode, default_mapped = disk_mod.PIPELINE, disk_mod.MAPPED_READS
     try:
@@ -95,9 +95,9 @@ def _run(args: argparse.Namespace) -> int:
     import torch
 
     from kvtier.errors import ConfigError
-    from kvtier.keys import Namespace
-    from kvtier.plan import make_plan
-    from kvtier.store import Store
+    from kvtier.core.keys import Namespace
+    from kvtier.core.plan import make_plan
+    from kvtier.store.store import Store
 
     if args.rounds < 1 or args.chunks < 1 or args.torch_threads < 1:
         raise ConfigError(f"--rounds {args.rounds}, --chunks {args.chunks} and --torch-threads "
@@ -133,7 +133,7 @@ def _run(args: argparse.Namespace) -> int:
         f()
         return time.perf_counter() - t0, time.process_time() - c0
 
-    from kvtier.tiers import disk as disk_mod
+    from kvtier.store.tiers import disk as disk_mod
 
     if args.disk_pipeline is not None:
         disk_mod.PIPELINE = args.disk_pipeline  # read by the Store's DiskTier at construction
@@ -276,7 +276,7 @@ def _checksum_bound() -> dict[str, object]:
     where the C extension is built (`checksum_path`); its cold loads and every save still pay it."""
     import numpy as np
 
-    from kvtier.payload import CHECKSUM_NAMES, DEFAULT_CHECKSUM, checksum, fused_checksum_name
+    from kvtier.store.payload import CHECKSUM_NAMES, DEFAULT_CHECKSUM, checksum, fused_checksum_name
 
     bufs = [np.random.default_rng(k).integers(0, 256, 8 << 20, dtype=np.uint8) for k in range(8)]
     dst = np.empty(8 << 20, dtype=np.uint8)
@@ -302,9 +302,9 @@ def _checksum_bound() -> dict[str, object]:
 
 def _lookup_bench(rounds: int) -> dict[str, object]:
     """Lookup of a fully cached 128k-token prompt; payloads are tiny (lookup never reads them)."""
-    from kvtier.keys import Namespace, chunk_hashes
-    from kvtier.plan import make_plan
-    from kvtier.store import Store
+    from kvtier.core.keys import Namespace, chunk_hashes
+    from kvtier.core.plan import make_plan
+    from kvtier.store.store import Store
 
     geom = bench_geometry(small=True)
     plan = make_plan(geom, chunk_tokens=256)

@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     from kvtier.integrations.hf.cache_fill import cache_kwarg
     from kvtier.integrations.hf.runner import load_model, warm_up
     from kvtier.integrations.transformers import PrefixCache, model_plan
-    from kvtier.store import Store
+    from kvtier.store.store import Store
 
     lm = load_model(args.model, args.dtype, threads=args.threads)
     model = lm.model

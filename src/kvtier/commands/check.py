@@ -26,7 +26,7 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from kvtier.errors import ConfigError, KvtierError
-    from kvtier.tiers.disk import drop_slot, scan_dir
+    from kvtier.store.tiers.disk_scan import drop_slot, scan_dir
 
     root = Path(args.dir)
     if not root.is_dir():

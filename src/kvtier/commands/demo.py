@@ -18,8 +18,8 @@ import tempfile
 
 HELP = "run Gemma 3 270M on a shared document and a multi-turn chat: TTFT with and without kvtier"
 
-DOC_MODULES = ("kvtier.plan", "kvtier.store", "kvtier.keys", "kvtier.geometry", "kvtier.hf_config",
-               "kvtier.index", "kvtier.payload")
+DOC_MODULES = ("kvtier.core.plan", "kvtier.store.store", "kvtier.core.keys", "kvtier.core.geometry", "kvtier.core.hf_config",
+               "kvtier.index.index", "kvtier.store.payload")
 DOC_MIN_TOKENS = 1200
 QUESTIONS = (
     "What is a chunk?",
@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
 
     from kvtier.integrations.hf.runner import cached_generate, load_model, plain_generate, warm_up
     from kvtier.integrations.transformers import PrefixCache, model_plan
-    from kvtier.store import Store
+    from kvtier.store.store import Store
 
     lm = load_model(args.model, args.dtype, threads=args.threads)
     model, tok = lm.model, lm.tokenizer

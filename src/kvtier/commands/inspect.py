@@ -39,15 +39,16 @@ def summarize(root: str) -> dict[str, object]:
     import os
     from pathlib import Path
 
-    from kvtier.payload import ChunkHeader
-    from kvtier.tiers.disk import _SLAB_RE, scan_dir, slot_stride
+    from kvtier.store.payload import ChunkHeader
+    from kvtier.store.tiers.disk_files import SLAB_RE, slot_stride
+    from kvtier.store.tiers.disk_scan import scan_dir
 
     now = time.time_ns()
     spaces: dict[str, dict[str, object]] = {}
     for nsdir in sorted(p for p in Path(root).iterdir() if p.is_dir()) if Path(root).is_dir() else ():
         groups = {}
         for f in sorted(nsdir.iterdir()):
-            m = _SLAB_RE.match(f.name)
+            m = SLAB_RE.match(f.name)
             if m:
                 g, sb = int(m.group(1)), int(m.group(2))
                 groups[(g, sb)] = {"group": g, "slot_bytes": sb, "file": f.name,

@@ -8,9 +8,9 @@ import os
 import sys
 
 from kvtier.errors import ConfigError
-from kvtier.geometry import load_geometry
-from kvtier.plan import Plan, make_plan
-from kvtier.units import human_bytes
+from kvtier.core.load import load_geometry
+from kvtier.core.plan import Plan, make_plan
+from kvtier.core.units import human_bytes
 
 HELP = "show the chunk plan of a geometry JSON or a Hugging Face config.json"
 

@@ -115,12 +115,13 @@ def _pairs(values: list[str] | None, what: str) -> list[tuple[str, str]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvtier.geometry import load_geometry
-    from kvtier.plan import make_plan
-    from kvtier.policies import POLICIES
-    from kvtier.replay import (DEFAULT_BANDWIDTH, CostModel, admission_horizon, footprint_bytes,
-                               next_uses, parse_size, run_all)
-    from kvtier.replay_trace import load_trace
+    from kvtier.core.load import load_geometry
+    from kvtier.core.plan import make_plan
+    from kvtier.index.policies import POLICIES
+    from kvtier.replay.run import (DEFAULT_BANDWIDTH, CostModel, admission_horizon, footprint_bytes,
+                               parse_size, run_all)
+    from kvtier.replay.oracle import next_uses
+    from kvtier.replay.trace import load_trace
 
     geometry = load_geometry(resolve_geometry(args.geometry), dtype=args.dtype, block_size=args.block_size)
     chunk_tokens = args.chunk_tokens
@@ -155,8 +156,8 @@ def run(args: argparse.Namespace) -> int:
         points = [{**base, names[0]: parse_size(s, footprint)} for s in sweep.split(",") if s.strip()]
     shares = [_share(args.share)] + (["row-per-key"] if args.compare_accounting else [])
     _admissions(args.admission, 1)  # bad names fail before any replay
-    from kvtier.replay_bound import accesses as bound_accesses
-    from kvtier.replay_bound import online_bound, parse_features
+    from kvtier.replay.bound import accesses as bound_accesses
+    from kvtier.replay.bound import online_bound, parse_features
 
     bound_features = [parse_features(f) for f in args.online_bound or []]
     runs = len(points) * len(shares) * (len(policies) * len(args.admission or ["all"]) + 1)
@@ -199,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
     if bounds:
         doc["online_bounds"] = bounds
     if args.plot:
-        from kvtier.replay_plot import plot_sweep
+        from kvtier.replay.plot import plot_sweep
 
         plot_sweep(rows, names[0], footprint, args.plot,
                    title=f"{trace.name} on {geometry.name or args.geometry} (chunk {plan.chunk_tokens})")
@@ -207,7 +208,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(doc))
     else:
-        from kvtier.replay_plot import render_table
+        from kvtier.replay.plot import render_table
 
         print(render_table(doc, plan, rows))
         for b in bounds:
@@ -233,7 +234,7 @@ def _admissions(values: list[str] | None, horizon_chunks: int) -> list[tuple[str
         if name == "oracle" or name.startswith("oracle:"):
             out.append((name, None))  # offline bound: built with the trace's future in run()
             continue
-        from kvtier.admission import sized_admission
+        from kvtier.index.admission import sized_admission
 
         sized_admission(name, horizon_chunks)  # unknown names fail before any replay
         out.append((name, lambda name=name: sized_admission(name, horizon_chunks)))
@@ -255,7 +256,7 @@ def _share(text: str) -> str | dict[str, float]:
 
 
 def _oracle(name: str, future: list[list[float]]):
-    from kvtier.replay import OracleAdmission
+    from kvtier.replay.oracle import OracleAdmission
 
     _, _, rest = name.partition(":")
     if rest.startswith("chunks="):

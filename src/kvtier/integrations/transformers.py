@@ -7,7 +7,7 @@ compute only the rest, save the new chunks.
     logits, stats = pc.forward(input_ids)                # a plain prefill of the whole prompt
 
 How a prompt of P tokens runs:
-1. chunk hashes of the prompt (kvtier.keys, namespace = model id + geometry fingerprint + dtype);
+1. chunk hashes of the prompt (kvtier.core.keys, namespace = model id + geometry fingerprint + dtype);
    `store.lookup` gives the largest hit T (a multiple of chunk_tokens, <= P-1) every group can
    restore under the planner's rules; `store.load` reads the payloads (and shrinks T if one is
    bad: a corrupt chunk is never restored).
@@ -37,14 +37,14 @@ from dataclasses import dataclass
 import torch
 
 from kvtier.errors import ConfigError, UnsupportedModelError
-from kvtier.hf_config import geometry_from_pretrained_config
+from kvtier.core.hf_config import geometry_from_pretrained_config
 from kvtier.integrations.hf import cache_fill, layout as lay
 
 log = logging.getLogger("kvtier.transformers")
-from kvtier.keys import Namespace, chunk_hashes
-from kvtier.plan import Plan, make_plan
-from kvtier.store import Store
-from kvtier.weights import module_digest, with_weights
+from kvtier.core.keys import Namespace, chunk_hashes
+from kvtier.core.plan import Plan, make_plan
+from kvtier.store.store import Store
+from kvtier.integrations.weights import module_digest, with_weights
 
 # transformers model types whose Mamba-1 mixers restart the scan from zero on a multi-token
 # forward: a restored state would be silently ignored, so they are refused.

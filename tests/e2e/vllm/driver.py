@@ -20,7 +20,8 @@ from pathlib import Path
 
 def corrupt_disk(directory: str) -> int:
     """Flip payload bytes of every occupied slot of every slab under `directory`/disk."""
-    from kvtier.tiers.disk import DATA_OFFSET, scan_dir, slot_stride
+    from kvtier.store.tiers.disk_files import DATA_OFFSET, slot_stride
+    from kvtier.store.tiers.disk_scan import scan_dir
 
     n = 0
     for rec in scan_dir(Path(directory) / "disk"):

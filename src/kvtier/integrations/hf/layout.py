@@ -23,7 +23,7 @@ import torch
 
 from kvtier.errors import UnsupportedModelError
 from kvtier.integrations.hf.cache_fill import cache_kwarg
-from kvtier.plan import Plan
+from kvtier.core.plan import Plan
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +85,7 @@ def probe_layouts(model: torch.nn.Module, plan: Plan, make_cache) -> dict[int, L
         if not g.layers:
             raise UnsupportedModelError(
                 f"group {g.name!r} does not say which model layers it covers; the transformers "
-                "integration needs a geometry read from the model's config (kvtier.hf_config)"
+                "integration needs a geometry read from the model's config (kvtier.core.hf_config)"
             )
         shapes = set()
         for li in g.layers:

@@ -17,10 +17,10 @@ from pathlib import Path
 
 from vllm.v1.kv_offload.base import LoadStoreSpec, OffloadKey
 
-from kvtier.index import Index
-from kvtier.keys import Namespace, chunk_hashes_from_block_hashes
-from kvtier.plan import Plan
-from kvtier.weights import files_digest, with_weights
+from kvtier.index.index import Index
+from kvtier.core.keys import Namespace, chunk_hashes_from_block_hashes
+from kvtier.core.plan import Plan
+from kvtier.integrations.weights import files_digest, with_weights
 
 from .config import VllmTierConfig
 
@@ -134,7 +134,7 @@ def read_info(directory: str | os.PathLike[str]) -> dict[str, int]:
 
 def model_identity(model: str) -> str:
     """The namespace's model field: the model path/name plus, for a local directory, a digest of
-    its config.json and of its weight files (`kvtier.weights`: every tensor's name, dtype, shape
+    its config.json and of its weight files (`kvtier.integrations.weights`: every tensor's name, dtype, shape
     and first, middle and last 4 KiB), so two checkpoints at one path never share chunks."""
     cfg = Path(model) / "config.json"
     out = model

@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kvtier.errors import ConfigError
-from kvtier.units import parse_bytes
+from kvtier.core.units import parse_bytes
 
 PREFIX = "kvtier."
 KEYS = ("tiers", "cpu_bytes", "disk_bytes", "redis_bytes", "directory", "policy", "share",
@@ -115,7 +115,7 @@ def parse_config(extra_config: Mapping[str, object]) -> VllmTierConfig:
     elif "disk" in tiers:
         raise ConfigError("kvtier.directory is missing: the disk tier needs an existing directory")
     policy = ours.get("policy", "lru")
-    from kvtier.policies import POLICIES  # control plane, no torch
+    from kvtier.index.policies import POLICIES  # control plane, no torch
 
     if not isinstance(policy, str) or policy not in POLICIES:
         raise ConfigError(f"kvtier.policy={policy!r} is unknown; use one of: {', '.join(POLICIES)}")

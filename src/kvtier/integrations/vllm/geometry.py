@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.errors import ConfigError, UnsupportedModelError
-from kvtier.geometry import Geometry, Group, dtype_bytes
-from kvtier.hf_config import geometry_from_hf_config
+from kvtier.core.geometry import Geometry, Group, dtype_bytes
+from kvtier.core.hf_config import geometry_from_hf_config
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 

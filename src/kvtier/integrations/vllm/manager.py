@@ -27,7 +27,7 @@ from vllm.v1.kv_offload.base import (
     RequestOffloadingContext,
 )
 
-from kvtier.index import Index
+from kvtier.index.index import Index
 
 from .common import ChunkItem, KvtierLoadStoreSpec, Metrics, SpecContext
 
@@ -46,7 +46,7 @@ class KvtierManager(OffloadingManager):
         self._loads: dict[str, list[tuple[bytes, int]]] = {}  # req_id -> chunks of its load
         self._redis = None
         if "redis" in ctx.config.tiers:
-            from kvtier.tiers.redis import RedisTier  # no torch; the client connects lazily
+            from kvtier.store.tiers.redis import RedisTier  # no torch; the client connects lazily
 
             # shared with other engines: a key this index lacks may still be in Redis
             self._redis = RedisTier.from_url(str(ctx.config.redis_url), namespace_id=ctx.namespace.id)
@@ -89,7 +89,7 @@ class KvtierManager(OffloadingManager):
         tier: one EXISTS round trip, then the index tracks it like its own entries."""
         if self._redis is None:
             return False
-        from kvtier.payload import make_header
+        from kvtier.store.payload import make_header
 
         header = make_header(self.ctx.namespace.id, h, g, 0, 0, self.ctx.plan.groups[g].chunk_bytes)
         if not self._redis.exists_many([header])[0]:
@@ -233,7 +233,7 @@ class KvtierManager(OffloadingManager):
         root = self.ctx.disk_root
         if root is None or not root.is_dir():
             return
-        from kvtier.tiers.disk import scan_dir  # no torch
+        from kvtier.store.tiers.disk_scan import scan_dir  # no torch
 
         ns = self.ctx.namespace.id
         found: list[tuple[int, bytes, int, int]] = []

@@ -29,8 +29,8 @@ from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingManager, Offloa
 from vllm.v1.kv_offload.config import OffloadingConfig
 
 from kvtier.errors import ConfigError
-from kvtier.keys import Namespace
-from kvtier.plan import make_plan
+from kvtier.core.keys import Namespace
+from kvtier.core.plan import make_plan
 
 from .common import Metrics, SpecContext, model_identity
 from .config import parse_config

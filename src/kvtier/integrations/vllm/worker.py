@@ -36,8 +36,8 @@ from vllm.v1.kv_offload.base import (
 )
 
 from kvtier.errors import ConfigError
-from kvtier.payload import ChunkHeader, make_header
-from kvtier.tiers.base import Tier, TierLayout
+from kvtier.store.payload import ChunkHeader, make_header
+from kvtier.store.tiers.base import Tier, TierLayout
 
 from .common import ChunkItem, KvtierLoadStoreSpec, Metrics, SpecContext
 
@@ -81,7 +81,7 @@ class KvtierWorker(OffloadingWorker):
         self.tiers: dict[str, Tier] = {}
         for tier in ctx.config.tiers:
             if tier == "redis":  # key-addressed: no slots to lay out
-                from kvtier.tiers.redis import RedisTier
+                from kvtier.store.tiers.redis import RedisTier
 
                 self.tiers[tier] = RedisTier.from_url(str(ctx.config.redis_url),
                                                       namespace_id=ctx.namespace.id)
@@ -296,11 +296,11 @@ def _index(placed: list[tuple[ChunkItem, list[tuple[int, int]]]]):
 
 def _make_tier(name: str, layout: TierLayout, ctx: SpecContext) -> Tier:
     if name == "cpu":
-        from kvtier.tiers.cpu import CpuTier
+        from kvtier.store.tiers.cpu import CpuTier
 
         return CpuTier(layout)
     if name == "disk":
-        from kvtier.tiers.disk import DiskTier
+        from kvtier.store.tiers.disk import DiskTier
 
         root = ctx.disk_root
         assert root is not None

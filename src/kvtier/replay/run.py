@@ -1,0 +1,334 @@
+"""Trace replay: the real index, policies and admission, no payloads.
+
+`replay(plan, trace, capacities, policy, ...)` drives `kvtier.index.index.Index` exactly as the store
+(`kvtier.store.store`) does, minus the bytes:
+1. requests in timestamp order; per request, `Index.lookup(chunks, P)` before anything of the
+   request is stored: the hit is the largest T every cacheable group restores (plan rules);
+   the loaded chunks are touched. A chunk loaded from a lower tier is promoted (put into the
+   first tier, evicting there as a save would).
+2. admission (optional) says how many leading chunks may be stored: `admit(chunks)`.
+3. save: for every admitted chunk in prefix order, anchor groups (full/mla) first, the groups'
+   `plan.store_chunks`: a chunk already held is touched in every tier; a new one is put into the
+   first tier; an entry evicted there is demoted to the next tier unless it is dead or already
+   there (write-back), and so on down.
+Hit rate = hit chunks / all chunks (full chunks of every request).
+
+Belady's MIN ("min") is the reference row: on every pool, evict the entry whose next use (the
+next request that contains its hash) is farthest; and it does not store a chunk no later request
+contains (bypass: an optimal offline cache never spends a slot on a chunk that is never read
+again; a request's chunks with a later use are always a prefix, because hashes are chained).
+
+Cost model (`CostModel`): prefill compute saved = hit tokens * flops_per_token / flops; load time
+= bytes loaded per tier / that tier's bandwidth; saved = compute saved - load time, summed over
+requests. flops_per_token = 2 * active parameters (the dense matmuls; attention's quadratic
+term is ignored, so savings on long prompts are underestimated).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+from kvtier.errors import ConfigError
+from kvtier.index.index import ChunkHash, Index
+from kvtier.core.plan import Plan
+from kvtier.index.policies import POLICIES
+from kvtier.replay.oracle import NEVER, Belady, next_uses
+from kvtier.replay.trace import Trace
+from kvtier.core.units import UNIT_NAMES, parse_bytes
+
+DEFAULT_BANDWIDTH = {"cpu": 25e9, "disk": 5e9, "redis": 1.25e9}  # bytes/s: PCIe, NVMe, 10 GbE
+
+
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    active_params: float = 8e9  # parameters used per token (MoE: the active ones)
+    flops: float = 400e12  # sustained prefill FLOP/s of the accelerator
+    bandwidth: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_BANDWIDTH))
+
+    def __post_init__(self) -> None:
+        if self.active_params <= 0 or self.flops <= 0:
+            raise ConfigError("cost model: active parameters and FLOP/s must be positive")
+        if any(v <= 0 for v in self.bandwidth.values()):
+            raise ConfigError(f"cost model: bandwidths {dict(self.bandwidth)} must be positive")
+
+    @property
+    def seconds_per_token(self) -> float:
+        return 2.0 * self.active_params / self.flops
+
+    def load_seconds(self, tier: str, num_bytes: int) -> float:
+        bw = self.bandwidth.get(tier)
+        if bw is None:
+            raise ConfigError(f"cost model has no bandwidth for tier {tier!r}; give --bandwidth {tier}=RATE")
+        return num_bytes / bw
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    policy: str
+    admission: str
+    share: str
+    hit_chunks: int
+    total_chunks: int
+    hit_tokens: int
+    total_tokens: int
+    hit_requests: int
+    requests: int
+    loads: dict[str, dict[str, int]]  # tier -> group name -> chunks loaded
+    loaded_bytes: dict[str, dict[str, int]]
+    written_bytes: dict[str, dict[str, int]]  # saves + promotions + demotions
+    evictions: dict[str, dict[str, int]]
+    dead_evictions: dict[str, dict[str, int]]
+    prefill_seconds_saved: float  # compute saved minus load time
+    compute_seconds_saved: float
+    load_seconds: float
+    prefill_seconds_total: float  # compute of every prompt token with no cache
+    wall_seconds: float
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_chunks / self.total_chunks if self.total_chunks else 0.0
+
+    @property
+    def token_hit_rate(self) -> float:
+        return self.hit_tokens / self.total_tokens if self.total_tokens else 0.0
+
+    def to_dict(self) -> dict[str, object]:
+        d = {name: getattr(self, name) for name in self.__slots__}  # type: ignore[attr-defined]
+        d["hit_rate"] = self.hit_rate
+        d["token_hit_rate"] = self.token_hit_rate
+        d["written_bytes_total"] = sum(sum(v.values()) for v in self.written_bytes.values())
+        d["loaded_bytes_total"] = sum(sum(v.values()) for v in self.loaded_bytes.values())
+        return d
+
+
+class _NoAdmission:
+    name = "all"
+
+    def admit(self, chunk_hashes: list[ChunkHash]) -> int:
+        return len(chunk_hashes)
+
+
+def replay(
+    plan: Plan,
+    trace: Trace,
+    capacities: Mapping[str, int],
+    policy: str = "lru",
+    *,
+    admission: object | None = None,
+    admission_name: str = "all",
+    share: str | Mapping[str, float] = "proportional",
+    cost: CostModel | None = None,
+    progress: Callable[[int], None] | None = None,
+    future: list[list[float]] | None = None,
+    tail_endpoints: int | None = None,
+) -> Result:
+    """Replay `trace` through a fresh Index; `policy` is a POLICIES name or "min"."""
+    t_start = time.perf_counter()
+    cost = cost or CostModel()
+    for tier in capacities:
+        cost.load_seconds(tier, 0)  # every tier needs a bandwidth: fail before the replay
+    is_min = policy == "min"
+    if not is_min and policy not in POLICIES:
+        raise ConfigError(f"unknown eviction policy {policy!r}; use one of: {', '.join(POLICIES)}, min")
+    next_use: dict[ChunkHash, float] = {}
+    if is_min:
+        future = future if future is not None else next_uses(trace)
+        index = Index(plan, capacities, policy=lambda slots: Belady(slots, next_use), share=share)
+    else:
+        index = Index(plan, capacities, policy=policy, share=share)
+    adm = admission if admission is not None else _NoAdmission()
+    tiers = list(capacities)
+    first = tiers[0]
+    c = plan.chunk_tokens
+    cacheable = plan.cacheable_groups
+    order = sorted(cacheable, key=lambda gp: gp.kind not in ("full", "mla"))  # anchors first
+    names = {gp.index: gp.name for gp in cacheable}
+    chunk_bytes = {gp.index: gp.chunk_bytes for gp in cacheable}
+    zero = lambda: {t: {gp.name: 0 for gp in cacheable} for t in tiers}  # noqa: E731
+    loads, loaded, written = zero(), zero(), zero()
+    store_cache: dict[int, list[tuple[int, set[int] | None, set[int] | None]]] = {}
+
+    def wanted(n: int) -> list[tuple[int, set[int] | None, set[int] | None]]:
+        # per group (anchors first): the chunk indices worth storing (None = all of 0..n-1) and,
+        # with tail endpoints, the warm ones (the rest is stored cold and not touched)
+        got = store_cache.get(n)
+        if got is None:
+            got = []
+            for gp in order:
+                idx = plan.store_chunks(gp.index, n * c)
+                warm = None
+                if tail_endpoints and gp.kind not in ("full", "mla"):
+                    warm = set(tail_chunks(plan, gp.index, n, tail_endpoints))
+                got.append((gp.index, None if idx == list(range(n)) else set(idx), warm))
+            store_cache[n] = got
+        return got
+
+    def put(h: ChunkHash, g: int, level: int, cold: bool = False) -> None:
+        tier = tiers[level]
+        r = index.put(h, g, tier, cold=cold)
+        if r.slot is None:
+            return
+        written[tier][names[g]] += chunk_bytes[g]
+        for ev in r.evicted:  # write-back demotion, cascading down the tiers
+            if ev.dead or level + 1 >= len(tiers) or index.contains(ev.chunk_hash, g, tiers[level + 1]):
+                continue
+            put(ev.chunk_hash, g, level + 1)
+
+    hit_chunks = hit_tokens = hit_requests = 0
+    compute_saved = load_secs = 0.0
+    spt = cost.seconds_per_token
+    contains, touch_all = index.contains, index.touch_all
+    for r, req in enumerate(trace.requests):
+        chunks = req.chunks
+        if is_min:
+            assert future is not None
+            fut = future[r]
+            for i, h in enumerate(chunks):
+                next_use[h] = fut[i]
+        hit = index.lookup(chunks, req.prompt_tokens)
+        if hit.tokens:
+            hit_requests += 1
+            n_hit = hit.tokens // c
+            hit_chunks += n_hit
+            tok = min(hit.tokens, req.input_tokens)
+            hit_tokens += tok
+            compute_saved += tok * spt
+            for g, group_loads in enumerate(hit.chunks):
+                for ld in group_loads:
+                    name = names[g]
+                    loads[ld.tier][name] += 1
+                    loaded[ld.tier][name] += chunk_bytes[g]
+                    load_secs += cost.load_seconds(ld.tier, chunk_bytes[g])
+                    if ld.tier != first and not contains(ld.chunk_hash, g, first):
+                        put(ld.chunk_hash, g, 0)  # promotion
+        n = len(chunks)
+        if is_min:
+            assert future is not None
+            k = 0
+            while k < n and future[r][k] != NEVER:
+                k += 1
+            n = k
+        admitted = adm.admit(list(chunks))  # type: ignore[attr-defined]  (every request: oracles count calls)
+        n = min(n, int(admitted))
+        if n:
+            for g, idx, warm in wanted(n):
+                for i in range(n):
+                    if idx is not None and i not in idx:
+                        continue
+                    if warm is not None and i not in warm:
+                        if not contains(chunks[i], g):
+                            put(chunks[i], g, 0, True)
+                    elif not touch_all(chunks[i], g):
+                        put(chunks[i], g, 0)
+        if progress is not None:
+            progress(1)
+    evictions = {t: {names[g]: index.counters(g, t)["evictions"] for g in names} for t in tiers}
+    dead = {t: {names[g]: index.counters(g, t)["dead_evictions"] for g in names} for t in tiers}
+    return Result(
+        policy=policy,
+        admission=admission_name if not is_min else "oracle",
+        share=share if isinstance(share, str) else ",".join(f"{k}={v:g}" for k, v in share.items()),
+        hit_chunks=hit_chunks,
+        total_chunks=trace.total_chunks,
+        hit_tokens=hit_tokens,
+        total_tokens=trace.total_input_tokens,
+        hit_requests=hit_requests,
+        requests=len(trace.requests),
+        loads=loads,
+        loaded_bytes=loaded,
+        written_bytes=written,
+        evictions=evictions,
+        dead_evictions=dead,
+        prefill_seconds_saved=compute_saved - load_secs,
+        compute_seconds_saved=compute_saved,
+        load_seconds=load_secs,
+        prefill_seconds_total=trace.total_input_tokens * spt,
+        wall_seconds=time.perf_counter() - t_start,
+    )
+
+
+def tail_chunks(plan: Plan, group: int, num_chunks: int, endpoints: int) -> list[int]:
+    """What a non-anchor group must hold so hits can end at the prompt's last `endpoints` chunk
+    boundaries: the union of `plan.chunks_for_hit` over T = j*C, j = n-endpoints+1 .. n.
+
+    Why: a sliding window or a state checkpoint serves only hits that end near it, and follow-up
+    requests (the next turn of a chat) hit at the end of an earlier prompt, so a sliding group's
+    early chunks and a state group's early checkpoints are bytes few hits read. With
+    endpoints=2 a Mooncake next turn (which repeats all but the last, partial block) still hits.
+    The replay stores these warm; the group's other chunks are stored *cold* (evicted before
+    any warm entry, never refreshed by a save), so they cost nothing while there is room and
+    still serve a prompt that branches in the middle of a cached one.
+    """
+    if endpoints <= 0:
+        raise ConfigError(f"tail endpoints {endpoints} must be a positive number of chunk boundaries")
+    c = plan.chunk_tokens
+    out: set[int] = set()
+    for j in range(max(1, num_chunks - endpoints + 1), num_chunks + 1):
+        out.update(plan.chunks_for_hit(group, j * c))
+    return sorted(out)
+
+
+def admission_horizon(plan: Plan, tier: str, capacity: int, share: str | Mapping[str, float]) -> int:
+    """The learning horizon replay gives `prefix`, `tinylfu` and `adaptive`: how many chunks the
+    first tier holds for the anchor group (the first full/MLA group; else the first cacheable
+    one) under `share`, i.e. one cache turnover of the chunks every hit needs. Proportional
+    share: capacity // (bytes of one chunk of every group)."""
+    from kvtier.index.pool import _slots
+
+    cacheable = plan.cacheable_groups
+    slots = _slots(plan, tier, capacity, share)
+    anchors = [i for i, gp in enumerate(cacheable) if gp.kind in ("full", "mla")]
+    return max(1, slots[anchors[0] if anchors else 0])
+
+
+def footprint_bytes(plan: Plan, trace: Trace) -> int:
+    """Bytes to hold every unique chunk of the trace in every cacheable group."""
+    return trace.unique_chunks * plan.chunk_bytes_all_groups
+
+
+def parse_size(text: str, footprint: int | None = None) -> int:
+    """`1234`, `64K`, `8MiB`, `2G`, `1.5GB`; or `10%` of `footprint` (the trace's unique chunks)."""
+    s = text.strip()
+    if s.endswith("%"):
+        if footprint is None:
+            raise ConfigError(f"size {text!r} is a percentage, but there is nothing to take it of")
+        try:
+            pct = float(s[:-1])
+        except ValueError:
+            raise ConfigError(f"size {text!r} is not a number followed by %") from None
+        if pct <= 0:
+            raise ConfigError(f"size {text!r} must be > 0%")
+        return max(1, int(footprint * pct / 100))
+    value = parse_bytes(s)
+    if value is None:
+        unit = s.lstrip("0123456789. ")
+        what = f"has unknown unit {unit!r}" if unit and s[: len(s) - len(unit)].strip() else \
+            "is not a byte count like 64GiB, 500M, 1234 or 10%"
+        raise ConfigError(f"size {text!r} {what}; units: {UNIT_NAMES} or %")
+    if value <= 0:
+        raise ConfigError(f"size {text!r} must be positive")
+    return value
+
+
+def run_all(plan: Plan, trace: Trace, capacities: Mapping[str, int], policies: Iterable[str],
+            admissions: Iterable[tuple[str, Callable[[], object] | None]] = (("all", None),),
+            shares: Iterable[str | Mapping[str, float]] = ("proportional",),
+            cost: CostModel | None = None,
+            progress: Callable[[int], None] | None = None,
+            future: list[list[float]] | None = None,
+            tail_endpoints: int | None = None) -> list[Result]:
+    """Every (share, admission, policy), then MIN per share; MIN's future is computed once."""
+    out: list[Result] = []
+    future = future if future is not None else next_uses(trace)
+    admissions = list(admissions)
+    for share in shares:
+        for adm_name, make in admissions:
+            for pol in policies:
+                out.append(replay(plan, trace, capacities, pol, admission=make() if make else None,
+                                  admission_name=adm_name, share=share, cost=cost,
+                                  progress=progress, tail_endpoints=tail_endpoints))
+        out.append(replay(plan, trace, capacities, "min", share=share, cost=cost,
+                          progress=progress, future=future, tail_endpoints=tail_endpoints))
+    return out

@@ -1,0 +1,453 @@
+"""The store: lookup / load / save of chunk payloads across tiers, the facade integrations use.
+
+Tier order is fastest first: `cpu` -> `disk` -> shared key-addressed tiers (`redis`). The
+index (`kvtier.index.index`) knows which (chunk hash, group) sits in which cpu/disk slot; shared
+tiers are asked at lookup, once per prompt, with one batched `exists_many` for the chunks the
+local index lacks.
+
+- lookup(chunk_hashes, prompt_tokens) -> Hit: the largest T every cacheable group can
+  restore (plan rules), and per group the chunks to load, each from the first tier holding it.
+- load(hit, buffers) -> tokens restored. Each payload is read into the caller's buffer
+  `buffers[(group, chunk_index)]` and checked (disk and redis: header + checksum). A missing or
+  bad copy is dropped from its tier and the index (counted); the next tier's copy is tried, and
+  without one the hit shrinks to the largest T every group can still restore from what was
+  read, so wrong KV is never used.
+  A chunk read from disk/redis is promoted (copied up to cpu) when a cpu tier exists.
+- save(chunk_hashes, payloads, num_tokens): stores only what `plan.store_chunks` says some hit
+  reads, only the leading chunks the admission policy admits, skips chunks already held.
+  Write-back (default): saves go to the first slot tier; cpu evictions are demoted (written to
+  disk) before their slot is reused. Write-through: every slot tier gets the save. Shared tiers
+  get the chunks they lack at save time, in one batch, so other processes see them at once.
+  A failed write (ENOSPC, read-only directory, server down) is a counted failure, never an
+  exception: inference goes on.
+
+Restart: a disk tier's slots are listed and fed to `Index.rebuild`, so a restarted process
+keeps its cache. One lock serializes the calls, I/O included (the index is not thread-safe).
+Rejected: I/O outside the lock with pins held across it; the engines we serve call the store
+from one thread per process, and the single lock keeps demotion/promotion ordering simple.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvtier.errors import ConfigError
+from kvtier.index.index import Index, Load
+from kvtier.core.keys import Namespace, chunk_hashes as _chunk_hashes
+from kvtier.store.metrics import StoreMetrics, metrics_dict, register_prometheus
+from kvtier.store.payload import DTYPE_CODES, HASH_BYTES, ChunkHeader, as_bytes_view, make_header
+from kvtier.core.plan import Plan
+from kvtier.store.tiers.base import Tier, TierLayout
+from kvtier.store.tiers.cpu import CpuTier, as_u8
+from kvtier.store.tiers.disk import DiskTier
+from kvtier.store.io import TierIO
+
+log = logging.getLogger("kvtier.store.store")
+
+Buffers = Mapping[tuple[int, int], torch.Tensor] | Callable[[int, int], "torch.Tensor | None"]
+SHARED_SLOT = -1  # the slot of a Load from a key-addressed tier
+
+
+@dataclass(frozen=True, slots=True)
+class Hit:
+    """What a prompt can restore. `chunks[g]`: the loads of group g (chunk_index, tier, slot)."""
+
+    tokens: int
+    chunks: tuple[tuple[Load, ...], ...]
+    chunk_hashes: tuple[bytes, ...]
+    prompt_tokens: int
+
+    def buffers_needed(self) -> list[tuple[int, int]]:
+        return [(g, ld.chunk_index) for g, loads in enumerate(self.chunks) for ld in loads]
+
+
+def _getter(buffers: Buffers) -> Callable[[tuple[int, int]], object]:
+    if isinstance(buffers, Mapping):
+        return buffers.get
+    if callable(buffers):
+        return lambda key: buffers(*key)
+    raise ConfigError(f"buffers must be a mapping (group, chunk_index) -> tensor or a callable, not {type(buffers).__name__}")
+
+
+class Store(TierIO):
+    """The tiered chunk store of one (plan, namespace). See the module docstring."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        namespace: Namespace,
+        *,
+        cpu_bytes: int | None = None,
+        disk_dir: str | os.PathLike[str] | None = None,
+        disk_bytes: int | None = None,
+        shared: Sequence[Tier] = (),
+        policy: str = "lru",
+        share: str | Mapping[str, float] = "proportional",
+        admission: object | str | None = None,
+        write_through: bool = False,
+        promote: bool = True,
+        fsync: str = "never",
+        pin_memory: bool | None = None,
+    ) -> None:
+        self.plan = plan
+        self.namespace = namespace
+        self.ns_id = namespace.id
+        if (disk_dir is None) != (disk_bytes is None):
+            raise ConfigError("give both disk_dir and disk_bytes for a disk tier, or neither")
+        capacities: dict[str, int] = {}
+        if cpu_bytes is not None:
+            capacities["cpu"] = cpu_bytes
+        if disk_bytes is not None:
+            capacities["disk"] = disk_bytes
+        for t in shared:
+            if not getattr(t, "shared", False):
+                raise ConfigError(f"tier {t.name!r} is slot-addressed; pass cpu_bytes/disk_dir instead of shared=")
+        if not capacities and not shared:
+            raise ConfigError("the store has no tier; give cpu_bytes, disk_dir + disk_bytes, or shared=[...]")
+        if isinstance(admission, str):
+            from kvtier.index.admission import make_admission
+
+            admission = make_admission(admission)  # unknown names raise ConfigError here
+        if admission is not None and not callable(getattr(admission, "admit", None)):
+            raise ConfigError(f"admission {admission!r} has no admit(chunk_hashes) method; use kvtier.index.admission.make_admission")
+        self.index: Index | None = Index(plan, capacities, policy=policy, share=share) if capacities else None
+        self.m = StoreMetrics()
+        self.slot_tiers: dict[str, Tier] = {}
+        for name in capacities:
+            layout = self._layout(name)
+            if name == "cpu":
+                self.slot_tiers[name] = CpuTier(layout, pin_memory=pin_memory)
+            else:
+                assert disk_dir is not None
+                self.slot_tiers[name] = DiskTier(disk_dir, layout, self.ns_id, fsync=fsync)
+        self.shared: tuple[Tier, ...] = tuple(shared)
+        self.admission = admission
+        self.write_through = write_through
+        self.promote = promote
+        self._lock = threading.RLock()
+        self._pending = {}  # writes queued by TierIO._store_many, per slot tier
+        self._io_depth = 0
+        self._chunk_bytes = [gp.chunk_bytes for gp in plan.groups]
+        self._dtypes = [gp.group.dtype if gp.group.dtype in DTYPE_CODES else "uint8" for gp in plan.groups]
+        self.rebuilt = self._rebuild()
+
+    # -- construction helpers -------------------------------------------------------------
+    def _layout(self, tier: str) -> TierLayout:
+        assert self.index is not None
+        slots = tuple(self.index.slots(gp.index, tier) if gp.cacheable else 0 for gp in self.plan.groups)
+        sizes = tuple(gp.chunk_bytes if gp.cacheable else 0 for gp in self.plan.groups)
+        return TierLayout(slot_bytes=sizes, num_slots=slots)
+
+    def header(self, chunk_hash: bytes, group: int, chunk_index: int) -> ChunkHeader:
+        """The header a (chunk, group) payload of this store carries (unsealed)."""
+        c = self.plan.chunk_tokens
+        if len(chunk_hash) != HASH_BYTES:  # kvtier.core.keys gives 32 bytes; others go the checked way
+            return make_header(self.ns_id, chunk_hash, group, chunk_index * c, (chunk_index + 1) * c,
+                               self.plan.groups[group].chunk_bytes, self._dtypes[group])
+        return ChunkHeader(self.ns_id, chunk_hash, group, chunk_index * c, (chunk_index + 1) * c,
+                           self._chunk_bytes[group], self._dtypes[group])
+
+    def _rebuild(self) -> int:
+        """Feed what persistent slot tiers hold to the index; free what it refuses."""
+        count = 0
+        for name, tier in self.slot_tiers.items():
+            if not tier.persistent or self.index is None:
+                continue
+            c = self.plan.chunk_tokens
+            entries, bad = [], []
+            for g, slot, h in tier.list():
+                gp = self.plan.groups[g]
+                if (not gp.cacheable or h.payload_bytes != gp.chunk_bytes or h.token_end - h.token_start != c
+                        or h.token_start % c or h.dtype != self._dtypes[g]):
+                    bad.append((g, slot))
+                    continue
+                entries.append((h.chunk_hash, g, name, slot))
+            refused = self.index.rebuild(entries)  # e.g. a key found twice: keep the first
+            self.m.add("corrupt_dropped", tier.corrupt_dropped + len(bad))
+            self.m.add("rebuild_refused", len(refused))
+            for g, slot in [*bad, *((e.group, e.slot) for e in refused)]:
+                tier.free(g, slot)
+            count += len(entries) - len(refused)
+        return count
+
+    # -- lookup ---------------------------------------------------------------------------
+    def lookup(self, chunk_hashes: Sequence[bytes], prompt_tokens: int) -> Hit:
+        hashes = tuple(chunk_hashes)
+        with self._lock:
+            self.m.add("lookups")
+            self.m.add("lookup_tokens", prompt_tokens)
+            in_shared = self._shared_presence(hashes, prompt_tokens) if self.shared else {}
+            if not in_shared and self.index is not None:
+                ih = self.index.lookup(hashes, prompt_tokens)
+                hit = Hit(ih.tokens, ih.chunks, hashes, prompt_tokens)
+            else:
+                hit = self._lookup_with_shared(hashes, prompt_tokens, in_shared)
+            if hit.tokens:
+                self.m.add("hit_lookups")
+                self.m.add("hit_tokens", hit.tokens)
+            return hit
+
+    def lookup_tokens(self, token_ids: Sequence[int], extra_keys: Sequence[object] = ()) -> Hit:
+        """`lookup` from token ids (hashes with kvtier.core.keys in this store's namespace)."""
+        return self.lookup(self.hashes(token_ids, extra_keys), len(token_ids))
+
+    def hashes(self, token_ids: Sequence[int], extra_keys: Sequence[object] = ()) -> list[bytes]:
+        return _chunk_hashes(self.plan, self.namespace, token_ids, extra_keys)
+
+    def _local(self, h: bytes, g: int) -> tuple[str, int] | None:
+        if self.index is None:
+            return None
+        where = self.index.where(h, g)
+        return where[0] if where else None
+
+    def _shared_presence(self, hashes: tuple[bytes, ...], prompt_tokens: int) -> dict[tuple[int, int], Tier]:
+        """(group, chunk) -> shared tier, for chunks the local index lacks; one query per tier."""
+        n = min(len(hashes), self.plan.max_hit_tokens(prompt_tokens) // self.plan.chunk_tokens)
+        wanted = [(gp.index, i) for gp in self.plan.cacheable_groups for i in range(n)
+                  if self._local(hashes[i], gp.index) is None]
+        found: dict[tuple[int, int], Tier] = {}
+        for tier in self.shared:
+            ask = [k for k in wanted if k not in found]
+            if not ask:
+                break
+            self.m.add("shared_exists_queries")
+            try:
+                present = tier.exists_many([self.header(hashes[i], g, i) for g, i in ask])
+            except Exception as exc:  # a shared tier going away is a miss, not an error
+                log.warning("shared tier %s: exists_many failed: %s", tier.name, exc)
+                continue
+            for k, yes in zip(ask, present):
+                if yes:
+                    found[k] = tier
+        return found
+
+    def _lookup_with_shared(self, hashes: tuple[bytes, ...], prompt_tokens: int,
+                            in_shared: dict[tuple[int, int], Tier]) -> Hit:
+        def has(g: int, i: int) -> bool:
+            return i < len(hashes) and ((g, i) in in_shared or self._local(hashes[i], g) is not None)
+
+        tokens = self.plan.best_hit(prompt_tokens, has)
+        chunks: list[tuple[Load, ...]] = []
+        for gp in self.plan.groups:
+            loads = []
+            for i in self.plan.chunks_for_hit(gp.index, tokens):
+                where = self._local(hashes[i], gp.index)
+                if where is not None:
+                    assert self.index is not None
+                    self.index.touch(hashes[i], gp.index, where[0])
+                    loads.append(Load(i, hashes[i], where[0], where[1]))
+                else:
+                    loads.append(Load(i, hashes[i], in_shared[(gp.index, i)].name, SHARED_SLOT))
+            chunks.append(tuple(loads))
+        return Hit(tokens, tuple(chunks), hashes, prompt_tokens)
+
+    # -- load -----------------------------------------------------------------------------
+    def load(self, hit: Hit, buffers: Buffers) -> int:
+        """Fill the caller's buffers for `hit`; returns the tokens every group restored."""
+        if hit.tokens == 0:
+            return 0
+        get = _getter(buffers)
+        ok: set[tuple[int, int]] = set()
+        bad: set[tuple[int, int]] = set()
+        with self._lock:
+            # pin what the hit names, so a promotion's eviction cannot push out a chunk this
+            # same load still has to read
+            pinned = [(ld.chunk_hash, g, ld.tier) for g, loads in enumerate(hit.chunks) for ld in loads
+                      if ld.tier in self.slot_tiers and self.index is not None
+                      and self.index.pin(ld.chunk_hash, g, ld.tier)]
+            try:
+                tokens = self._load_locked(hit, get, ok, bad)
+            finally:
+                for key in pinned:
+                    self.index.unpin(*key)  # type: ignore[union-attr]
+            self.m.add("restored_tokens", tokens)
+            return tokens
+
+    def _load_locked(self, hit: Hit, get: Callable[[tuple[int, int]], object],
+                     ok: set[tuple[int, int]], bad: set[tuple[int, int]]) -> int:
+        plan = self.plan
+        tokens = hit.tokens
+        if self.shared:
+            self._prefetch_shared(hit, get, ok, bad)
+        for _ in range(4 * len(plan.groups) + 4):  # each round loads or drops something
+            for gp in plan.cacheable_groups:
+                for i in plan.chunks_for_hit(gp.index, tokens):
+                    if (gp.index, i) in ok or (gp.index, i) in bad:
+                        continue
+                    if self._load_one(hit.chunk_hashes, gp.index, i, get):
+                        ok.add((gp.index, i))
+                    else:
+                        bad.add((gp.index, i))
+            got = plan.best_hit(tokens + 1, lambda g, i: (g, i) in ok)
+            if got == tokens:
+                break
+            # something was bad: the best hit below `tokens` from what is still available
+            tokens = plan.best_hit(
+                tokens + 1,
+                lambda g, i: (g, i) in ok or ((g, i) not in bad and self._available(hit, g, i, get)),
+            )
+        else:  # pragma: no cover - bounded by construction
+            tokens = plan.best_hit(tokens + 1, lambda g, i: (g, i) in ok)
+        return tokens
+
+    def _prefetch_shared(self, hit: Hit, get: Callable[[tuple[int, int]], object],
+                         ok: set[tuple[int, int]], bad: set[tuple[int, int]]) -> None:
+        """Read the hit's chunks that only shared tiers hold with one `read_many` per tier.
+
+        A chunk no shared tier returned goes to `bad` (no local copy exists to fall back to),
+        so the per-chunk pass after this does not ask for it again; it shrinks the hit there.
+        """
+        want: list[tuple[int, int, ChunkHeader, object]] = []
+        for g, loads in enumerate(hit.chunks):
+            for ld in loads:
+                if ld.slot != SHARED_SLOT or self._local(ld.chunk_hash, g) is not None:
+                    continue
+                out = get((g, ld.chunk_index))
+                if out is None:
+                    continue
+                out_u8 = as_u8(out) if isinstance(out, torch.Tensor) else out
+                want.append((g, ld.chunk_index, self.header(ld.chunk_hash, g, ld.chunk_index), out_u8))
+        for tier in self.shared:
+            if not want:
+                return
+            results = self._shared_read(tier, [(g, header, out) for g, _, header, out in want])
+            rest = []
+            for item, good in zip(want, results):
+                g, i, header, out = item
+                if good:
+                    ok.add((g, i))
+                    if self.promote and self.index is not None:
+                        self._promote(hit.chunk_hashes[i], g, header, out)
+                else:
+                    rest.append(item)
+            want = rest
+        bad.update((g, i) for g, i, _, _ in want)
+
+    def load_tokens(self, token_ids: Sequence[int], buffers: Buffers, extra_keys: Sequence[object] = ()) -> int:
+        return self.load(self.lookup_tokens(token_ids, extra_keys), buffers)
+
+    def _available(self, hit: Hit, g: int, i: int, get: Callable[[tuple[int, int]], object]) -> bool:
+        if i >= len(hit.chunk_hashes) or get((g, i)) is None:
+            return False
+        h = hit.chunk_hashes[i]
+        return self._local(h, g) is not None or any(t.exists_many([self.header(h, g, i)])[0] for t in self.shared)
+
+    def _load_one(self, hashes: tuple[bytes, ...], g: int, i: int, get: Callable[[tuple[int, int]], object]) -> bool:
+        out = get((g, i))
+        if out is None:
+            return False
+        h = hashes[i]
+        header = self.header(h, g, i)
+        out_u8 = as_u8(out) if isinstance(out, torch.Tensor) else out
+        # every copy in tier order: a bad cpu copy falls back to the disk one (write-through)
+        for tier_name, slot in self.index.where(h, g) if self.index is not None else ():
+            assert self.index is not None
+            if not self.index.pin(h, g, tier_name):
+                continue
+            try:
+                good = self._timed_read(self.slot_tiers[tier_name], g, slot, header, out_u8)
+            finally:
+                self.index.unpin(h, g, tier_name)
+            if not good:
+                self.index.remove(h, g, tier_name)
+                continue
+            if tier_name != "cpu" and self.promote:
+                self._promote(h, g, header, out_u8)
+            return True
+        for tier in self.shared:
+            if self._timed_read(tier, g, SHARED_SLOT, header, out_u8):
+                if self.promote and self.index is not None:
+                    self._promote(h, g, header, out_u8)
+                return True
+        return False
+
+    # -- save -----------------------------------------------------------------------------
+    def save(self, chunk_hashes: Sequence[bytes], payloads: Buffers, num_tokens: int) -> int:
+        """Store the chunks worth storing; returns how many (group, chunk) payloads were written."""
+        get = _getter(payloads)
+        plan = self.plan
+        with self._lock:
+            n = min(len(chunk_hashes), num_tokens // plan.chunk_tokens)
+            if self.admission is not None:
+                admitted = int(self.admission.admit(list(chunk_hashes[:n])))  # type: ignore[attr-defined]
+                self.m.add("not_admitted", n - min(n, admitted))
+                n = min(n, admitted)
+            # anchors (full/mla) first, so a dependent chunk is never stored ahead of its prefix
+            order = sorted(plan.cacheable_groups, key=lambda gp: gp.kind not in ("full", "mla"))
+            wanted = {gp.index: set(plan.store_chunks(gp.index, n * plan.chunk_tokens)) for gp in order}
+            todo: list[tuple[bytes, int, ChunkHeader, object]] = []
+            for i in range(n):
+                h = chunk_hashes[i]
+                for gp in order:
+                    g = gp.index
+                    if i not in wanted[g]:
+                        continue
+                    data = get((g, i))
+                    if data is None:
+                        continue
+                    data = as_u8(data) if isinstance(data, torch.Tensor) else as_bytes_view(data)
+                    header = self.header(h, g, i)
+                    size = data.numel() if isinstance(data, torch.Tensor) else len(data)
+                    if size != header.payload_bytes:
+                        raise ConfigError(
+                            f"payload of group {g} chunk {i} has {size} bytes; the plan "
+                            f"says {header.payload_bytes} (plan.groups[{g}].chunk_bytes)")
+                    todo.append((h, g, header, data))
+            wrote = self._save_all(todo)
+            stored = sum(wrote)
+            # a chunk a slot tier already held was shared when it was first saved
+            shared_batch = [(g, SHARED_SLOT, header, data) for (_, g, header, data), w in zip(todo, wrote)
+                            if w or self.index is None]
+            for tier in self.shared:
+                if shared_batch:
+                    stored += self._shared_write(tier, shared_batch)
+            return stored
+
+    def save_tokens(self, token_ids: Sequence[int], payloads: Buffers, extra_keys: Sequence[object] = ()) -> int:
+        return self.save(self.hashes(token_ids, extra_keys), payloads, len(token_ids))
+
+    def _save_all(self, todo: list[tuple[bytes, int, ChunkHeader, object]]) -> list[int]:
+        """Write each payload no slot tier holds yet to the first slot tier (to every one with
+        write_through, tier after tier); per payload, how many tiers it was written to."""
+        if self.index is None:
+            return [0] * len(todo)
+        targets = list(self.slot_tiers) if self.write_through else list(self.slot_tiers)[:1]
+        first = self._store_many(targets[0], todo, skip_held=True)
+        wrote = [w or 0 for w in first]
+        new = [k for k, w in enumerate(first) if w is not None]
+        for t in targets[1:]:
+            for k, w in zip(new, self._store_many(t, [todo[k] for k in new])):
+                wrote[k] += w or 0
+        return wrote
+
+    # -- metrics and lifecycle ------------------------------------------------------------
+    def metrics(self) -> dict[str, object]:
+        with self._lock:
+            ev: dict[tuple[str, int], int] = {}
+            if self.index is not None:
+                for name in self.slot_tiers:
+                    for gp in self.plan.cacheable_groups:
+                        c = self.index.counters(gp.index, name)
+                        ev[(name, gp.index)] = c["evictions"] + c["dead_evictions"]
+            return metrics_dict(self.m, [gp.name for gp in self.plan.groups], ev)
+
+    def register_prometheus(self, registry: object | None = None, prefix: str = "kvtier") -> object:
+        """One collector reading `metrics()` at scrape time; give each store in a process its
+        own `prefix` (or registry), since the collector does not declare names up front."""
+        return register_prometheus(self.metrics, registry, prefix)
+
+    def close(self) -> None:
+        for t in (*self.slot_tiers.values(), *self.shared):
+            t.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,9 @@
+"""Data-plane tiers behind one contract (`kvtier.store.tiers.base.Tier`): cpu, disk, redis.
+
+`make_tier(name, ...)` builds one by name; the modules import torch, so import them only
+where the data plane runs.
+"""
+
+from __future__ import annotations
+
+TIER_NAMES = ("cpu", "disk", "redis")

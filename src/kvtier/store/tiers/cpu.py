@@ -1,0 +1,103 @@
+"""The cpu tier: one preallocated host slab per group, fixed-size slots, zero-copy views.
+
+Each group g owns a `torch.uint8` tensor of shape `(num_slots[g], slot_bytes[g])`, allocated
+once at construction (pinned when CUDA is present, so device<->host copies run async). A slot
+is a row; `view(g, s, n)` is a zero-copy view of its first n bytes that a transfer engine can
+copy into or out of directly. The header of each occupied slot is kept beside the slab in a
+Python list: memory of this process is trusted, so no payload checksum is computed here (the
+disk and redis tiers checksum; a checksum here would halve cpu throughput for no gain).
+Rejected alternative: one slab with rows sized for all groups (vLLM's layout); with unequal
+groups it wastes every byte between a group's chunk size and the largest one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from kvtier.store.payload import ChunkHeader, as_bytes_view, mismatch
+from kvtier.store.tiers.base import SlotTier, TierLayout
+
+
+def as_u8(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor (no copy)."""
+    if t.dtype == torch.uint8 and t.dim() == 1:
+        return t  # the common case, without a reshape dispatch
+    flat = t.reshape(-1)
+    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
+
+
+def _pin_default() -> bool:
+    return torch.cuda.is_available()
+
+
+class CpuTier(SlotTier):
+    name = "cpu"
+
+    def __init__(self, layout: TierLayout, *, pin_memory: bool | None = None) -> None:
+        super().__init__(layout)
+        pin = _pin_default() if pin_memory is None else pin_memory
+        self.pinned = pin
+        self.slabs: list[torch.Tensor] = [
+            torch.empty((n, b) if n else (0, 0), dtype=torch.uint8, pin_memory=pin)
+            for b, n in zip(layout.slot_bytes, layout.num_slots)
+        ]
+        self._headers: list[list[ChunkHeader | None]] = [[None] * n for n in layout.num_slots]
+
+    def view(self, group: int, slot: int, nbytes: int) -> torch.Tensor:
+        """Zero-copy view of the first `nbytes` bytes of a slot."""
+        self._check(group, slot, nbytes)
+        return self.slabs[group][slot, :nbytes]
+
+    def header(self, group: int, slot: int) -> ChunkHeader | None:
+        self._check(group, slot)
+        return self._headers[group][slot]
+
+    def write(self, group: int, slot: int, header: ChunkHeader, data: object) -> bool:
+        n = header.payload_bytes
+        self._check(group, slot, n)
+        dst = self.slabs[group][slot, :n]
+        if isinstance(data, torch.Tensor):
+            src_t = as_u8(data)
+            if src_t.numel() != n:
+                raise ValueError(f"data has {src_t.numel()} bytes, header says {n}")
+            dst.copy_(src_t)
+        else:
+            src = as_bytes_view(data)
+            if len(src) != n:
+                raise ValueError(f"data has {len(src)} bytes, header says {n}")
+            as_bytes_view(dst)[:] = src
+        self._headers[group][slot] = header
+        self.writes += 1
+        self.bytes_written += n
+        return True
+
+    def read(self, group: int, slot: int, header: ChunkHeader, out: object) -> bool:
+        self._check(group, slot)
+        self.reads += 1
+        stored = self._headers[group][slot]
+        if stored is None:
+            self.misses += 1
+            return False
+        why = mismatch(stored, header)
+        if why is not None:
+            return self._drop_corrupt(group, slot, why)
+        n = header.payload_bytes
+        src = self.slabs[group][slot, :n]
+        if isinstance(out, torch.Tensor):
+            as_u8(out)[:n].copy_(src)
+        else:
+            as_bytes_view(out)[:n] = as_bytes_view(src)
+        self.bytes_read += n
+        return True
+
+    def free(self, group: int, slot: int) -> None:
+        self._check(group, slot)
+        self._headers[group][slot] = None
+
+    def list(self) -> Iterator[tuple[int, int, ChunkHeader]]:
+        for g, headers in enumerate(self._headers):
+            for s, h in enumerate(headers):
+                if h is not None:
+                    yield g, s, h

@@ -1,0 +1,437 @@
+"""The `redis` tier: chunk payloads in a shared Redis / Valkey (standalone, Sentinel, Cluster).
+
+Key-addressed (`shared = True`): many processes on many hosts read and write one namespace, so
+the key is the address and there are no slots. A payload is kvtier's 128-byte header followed by
+the raw bytes, stored as one string value (SET is atomic: no reader sees half a value) under
+
+    kvtier:<namespace id>:{<chunk hash hex>}:<group>
+
+The `{...}` is a Redis Cluster hash tag on the chunk hash: every group of one chunk lives on one
+node (one chunk's groups come and go together), while the chunks of a prefix spread over all
+nodes. Rejected: a tag on the namespace (one node would hold a whole model's cache, no scale-out).
+Batches are pipelines; a cluster pipeline splits a batch by node and sends each node its part, so
+a whole prefix costs one round trip per node.
+
+Capacity. The server's `maxmemory` with `allkeys-lru` (or `volatile-lru`, every kvtier key has a
+TTL when `ttl_s` is set) is the real bound: Redis evicts least recently used payloads for every
+process at once, and an evicted payload is a miss. On top, `budget_bytes` is an optional
+per-namespace write budget: every write adds its bytes to a time-bucketed counter in Redis, and a
+write is skipped (counted) when the bytes written in the last `ttl_s` would exceed the budget.
+Since every payload expires `ttl_s` after its write (hits do not extend the TTL when a budget is
+set), that bounds the namespace's live bytes; it is conservative (deletes and evictions give
+nothing back until their bucket ages out). Rejected: one INCR/DECR counter, which drifts for ever
+because Redis evictions and expiries never decrement it.
+
+Failures are values: Redis down at start or mid-run, slow (socket timeout), out of memory, a
+payload evicted between lookup and load, or one that fails its header or checksum is a counted
+miss or skipped save, never an exception and never wrong bytes. After a connection failure a
+circuit breaker skips every call until a backoff deadline (doubling up to `backoff_max_s`), then
+lets one call through; one log line when the tier goes down, one when it is back.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator, Sequence
+
+from kvtier.errors import ConfigError
+from kvtier.store.payload import HASH_BYTES, HEADER_BYTES, ChunkHeader, decode_header
+from kvtier.store.tiers.base import Tier
+from kvtier.store.tiers.redis_codec import Arena, check_payload, u8_view, unknown_command
+from kvtier.store.tiers.redis_conn import (
+    Breaker,
+    LogOnce,
+    RedisOptions,
+    WriteBudget,
+    build_client,
+    describe_error,
+    is_connection_error,
+    redact,
+)
+
+log = logging.getLogger("kvtier.store.tiers.redis")
+
+__all__ = ["RedisOptions", "RedisTier"]
+
+SLOT_MEMORY = 4096  # (group, slot) -> last header written, for free(group, slot)
+
+
+# beyond the Tier base counters (reads, misses, writes, failed_writes, corrupt_dropped, bytes)
+_EXTRA = ("vanished", "skipped_reads", "skipped_saves", "budget_skipped", "errors", "deleted")
+
+
+class RedisTier(Tier):
+    """Chunk payloads in Redis, addressed by (namespace, chunk hash, group) from the header."""
+
+    name = "redis"
+    shared = True  # key-addressed: the slot argument of the Tier contract is ignored
+    persistent = True  # outlives this process; `list()` shows what the namespace holds
+
+    def __init__(self, options: RedisOptions | None = None, *, namespace_id: str | None = None,
+                 clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time) -> None:
+        super().__init__()
+        if namespace_id is not None and (
+                len(namespace_id) != 16 or any(c not in "0123456789abcdef" for c in namespace_id)):
+            raise ConfigError(f"namespace id {namespace_id!r} must be 16 lowercase hex digits "
+                              "(keys.Namespace.id)")
+        self.namespace_id = namespace_id  # restricts `list()`; None: every kvtier namespace
+        self.options = options or RedisOptions()
+        self._budget = (WriteBudget(self.options, wall_clock)
+                        if self.options.budget_bytes is not None else None)
+        self._breaker = Breaker(log, self.options.backoff_initial_s, self.options.backoff_max_s,
+                                clock, describe=redact(self.options.url))
+        self._log = LogOnce(log, clock)
+        self._lock = threading.Lock()
+        self._extra = dict.fromkeys(_EXTRA, 0)
+        self._arena = Arena()  # reused encode buffer of write batches
+        self._arena_lock = threading.Lock()
+        self._slot_headers: OrderedDict[tuple[int, int], ChunkHeader] = OrderedDict()
+        self._client: object | None = None  # built lazily: Redis may be down at start
+        self._client_lock = threading.Lock()
+        self._getex = True  # GETEX reads and renews the TTL in one command (Redis >= 6.2)
+        self._ttl_ms = int(self.options.ttl_s * 1000) if self.options.ttl_s is not None else None
+
+    @classmethod
+    def from_url(cls, url: str, *, namespace_id: str | None = None,
+                 **options: object) -> RedisTier:
+        """`redis://[user:pass@]host:port/db`, `rediss://...` (TLS), `redis+cluster://host:port`
+        (any node of a cluster), `redis+sentinel://host:port[,host:port]/SERVICE[/DB]`, plus
+        any `RedisOptions` field as a keyword."""
+        return cls(RedisOptions(url=url, **options), namespace_id=namespace_id)  # type: ignore[arg-type]
+
+    # -- keys ---------------------------------------------------------------------------------
+
+    def key(self, header: ChunkHeader) -> str:
+        hexhash = header.chunk_hash.ljust(HASH_BYTES, b"\0").hex()
+        return f"{self.options.key_prefix}:{header.namespace_id}:{{{hexhash}}}:{header.group}"
+
+    # -- counters -----------------------------------------------------------------------------
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            if name in self._extra:
+                self._extra[name] += n
+            else:
+                setattr(self, name, getattr(self, name) + n)
+
+    def metrics(self) -> dict[str, int | bool]:
+        """The base TierStats counters plus the redis ones, and whether the breaker is closed."""
+        with self._lock:
+            out: dict[str, int | bool] = {k: getattr(self.stats(), k)
+                                          for k in self.stats().__slots__}  # type: ignore[attr-defined]
+            out.update(self._extra)
+        out["up"] = self._breaker.up
+        out["connection_failures"] = self._breaker.failures
+        return out
+
+    @property
+    def up(self) -> bool:
+        return self._breaker.up
+
+    # -- the client and the breaker -----------------------------------------------------------
+
+    def _get_client(self) -> object:
+        with self._client_lock:
+            if self._client is None:
+                self._client = build_client(self.options)
+            return self._client
+
+    def _run(self, build: Callable[[object], object], skipped: str, n: int) -> list[object] | None:
+        """Run one pipeline built by `build(pipe)`; None (and `n` counted as `skipped`) when the
+        breaker is open or the connection fails. Per-command errors come back in the list."""
+        if not self._breaker.allow():
+            self._count(skipped, n)
+            return None
+        try:
+            client = self._get_client()
+            pipe = client.pipeline(transaction=False)  # type: ignore[attr-defined]
+            build(pipe)
+            results = pipe.execute(raise_on_error=False)
+        except Exception as exc:  # noqa: BLE001 - any failure of a remote cache is a miss
+            if isinstance(exc, ConfigError):
+                raise
+            if is_connection_error(exc):
+                self._breaker.failure(exc)
+                self._drop_client()
+            else:
+                self._log.warn("error", f"redis tier call failed: {describe_error(exc)}")
+                self._count("errors")
+            self.last_error = describe_error(exc)
+            self._count(skipped, n)
+            return None
+        conn_errors = [r for r in results if isinstance(r, Exception) and is_connection_error(r)]
+        if conn_errors:
+            self._breaker.failure(conn_errors[0])
+            self._drop_client()
+        else:
+            self._breaker.success()
+        return list(results)
+
+    def _drop_client(self) -> None:
+        # After a connection failure the pool's idle connections (and a cluster client's slot
+        # map) are stale; the next allowed call builds a fresh client rather than spending one
+        # more failed try per stale connection.
+        self.close()
+
+    def close(self) -> None:
+        with self._client_lock:
+            client, self._client = self._client, None
+        if client is not None:
+            try:
+                client.close()  # type: ignore[attr-defined]
+            except Exception:  # noqa: BLE001
+                pass
+
+    # -- batched operations (what the store uses) ---------------------------------------------
+
+    def exists_many(self, headers: Sequence[ChunkHeader]) -> list[bool]:
+        """Which chunks the tier holds, in one pipeline (one round trip per node), without
+        reading payloads. Unreachable Redis: all False (counted as skipped reads)."""
+        if not headers:
+            return []
+        names = [self.key(h) for h in headers]
+        res = self._run(lambda p: [p.exists(k) for k in names], "skipped_reads", 0)
+        if res is None:
+            return [False] * len(headers)
+        return [isinstance(r, int) and r > 0 for r in res]
+
+    def write_many(self, items: Iterable[tuple[int, int, ChunkHeader, object]]) -> list[bool]:
+        """Store each (group, slot, header, data); True when stored. A down or full Redis, or
+        an exhausted budget: False, counted in failed_writes, no exception."""
+        items = list(items)
+        ok = [False] * len(items)
+        by_ns: dict[str, list[int]] = {}
+        for i, (g, _, h, _) in enumerate(items):
+            _check_group(g, h)
+            by_ns.setdefault(h.namespace_id, []).append(i)
+        for ns, idx in by_ns.items():
+            self._write_namespace(ns, [(i, items[i][2], items[i][3]) for i in idx], ok)
+        with self._lock:
+            for (g, slot, h, _), stored in zip(items, ok):
+                if stored and slot >= 0:  # a negative slot means "no slot" (store.SHARED_SLOT)
+                    self._slot_headers[(g, slot)] = h
+                    self._slot_headers.move_to_end((g, slot))
+            while len(self._slot_headers) > SLOT_MEMORY:
+                self._slot_headers.popitem(last=False)
+        return ok
+
+    def read_many(self, items: Iterable[tuple[int, int, ChunkHeader, object]]) -> list[bool]:
+        """Fill each caller buffer `out` (uint8, at least `header.payload_bytes` long) with the
+        payload `header` names; True when filled. Absent, evicted since lookup, foreign,
+        truncated or failing its checksum: False (counted; a bad payload is deleted), and the
+        buffer's bytes are then unspecified and must not be used."""
+        items = list(items)
+        for g, _, h, _ in items:
+            _check_group(g, h)
+        ok = [False] * len(items)
+        start = 0
+        while start < len(items):  # split so one pipeline's replies stay under pipeline_bytes
+            end, size = start, 0
+            while end < len(items) and (end == start or size < self.options.pipeline_bytes):
+                size += items[end][2].payload_bytes + HEADER_BYTES
+                end += 1
+            self._read_batch(items, start, end, ok)
+            start = end
+        return ok
+
+    # -- the single-item Tier contract --------------------------------------------------------
+
+    def write(self, group: int, slot: int, header: ChunkHeader, data: object) -> bool:
+        return self.write_many([(group, slot, header, data)])[0]
+
+    def read(self, group: int, slot: int, header: ChunkHeader, out: object) -> bool:
+        return self.read_many([(group, slot, header, out)])[0]
+
+    def delete_many(self, headers: Sequence[ChunkHeader]) -> int:
+        """Remove these chunks (key-addressed free); how many were there."""
+        if not headers:
+            return 0
+        names = [self.key(h) for h in headers]
+        res = self._run(lambda p: [p.delete(k) for k in names], "skipped_saves", 0)
+        n = sum(1 for r in res if r == 1) if res is not None else 0
+        self._count("deleted", n)
+        return n
+
+    def free(self, group: int, slot: int, header: ChunkHeader | None = None) -> None:
+        """Remove a chunk. Key-addressed: pass `header` to name any chunk. Without it, for
+        callers that think in slots, this removes the chunk this process last wrote with this
+        (group, slot), if it still remembers it (the last SLOT_MEMORY writes); else nothing."""
+        if header is None:
+            with self._lock:
+                header = self._slot_headers.pop((group, slot), None)
+            if header is None:
+                return
+        _check_group(group, header)
+        self.delete_many([header])
+
+    def list(self) -> Iterator[tuple[int, int, ChunkHeader]]:
+        """Every valid header of this tier's namespace (all kvtier namespaces without one): SCAN
+        plus GETRANGE of the 128 header bytes, never the payloads. Slot is always 0. Nothing
+        when Redis is unreachable."""
+        ns = self.namespace_id or "*"
+        names = self._scan(f"{self.options.key_prefix}:{ns}:{{*")
+        for i in range(0, len(names), 512):
+            part = names[i:i + 512]
+            res = self._run(lambda p, part=part: [p.getrange(k, 0, HEADER_BYTES - 1) for k in part],
+                            "skipped_reads", 0)
+            if res is None:
+                return
+            for raw in res:
+                if isinstance(raw, bytes):
+                    h = decode_header(raw)
+                    if isinstance(h, ChunkHeader) and ns in ("*", h.namespace_id):
+                        yield (h.group, 0, h)
+
+    def _scan(self, pattern: str) -> list[bytes]:
+        if not self._breaker.allow():
+            return []
+        try:
+            names = list(self._get_client().scan_iter(match=pattern, count=1000))  # type: ignore[attr-defined]
+        except Exception as exc:  # noqa: BLE001
+            if is_connection_error(exc):
+                self._breaker.failure(exc)
+                self._drop_client()
+            return []
+        self._breaker.success()
+        return names
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _check_write(self, header: ChunkHeader, view: memoryview) -> None:
+        if len(view) != header.payload_bytes:
+            raise ConfigError(f"payload of {len(view)} bytes for a header of "
+                              f"{header.payload_bytes}; pass the chunk's exact bytes")
+        if self.namespace_id is not None and header.namespace_id != self.namespace_id:
+            raise ConfigError(f"header namespace {header.namespace_id} written to a redis tier "
+                              f"of namespace {self.namespace_id}; build one tier per namespace")
+
+    def _write_namespace(self, ns: str, items: list[tuple[int, ChunkHeader, object]],
+                         ok: list[bool]) -> None:
+        views = [u8_view(d) for _, _, d in items]
+        for (_, h, _), v in zip(items, views):
+            self._check_write(h, v)
+        allowed = self._budget_allows(ns, [h.payload_bytes for _, h, _ in items])
+        if allowed is None:  # Redis unreachable (counted as skipped saves)
+            self._count("failed_writes", len(items))
+            return
+        self._count("budget_skipped", len(items) - allowed)
+        self._count("failed_writes", len(items) - allowed)
+        start = 0
+        while start < allowed:  # batches of at most pipeline_bytes (at least one item)
+            end, size = start, 0
+            while end < allowed and (end == start or size < self.options.pipeline_bytes):
+                size += HEADER_BYTES + items[end][1].payload_bytes
+                end += 1
+            with self._arena_lock:
+                values = self._arena.encode([h for _, h, _ in items[start:end]], views[start:end])
+                batch = [(i, self.key(h), v) for (i, _, _), (h, v) in zip(items[start:end], values)]
+                self._write_batch(ns, batch, ok)
+            start = end
+
+    def _write_batch(self, ns: str, batch: list[tuple[int, str, memoryview]],
+                     ok: list[bool]) -> None:
+        ttl = self._ttl_ms
+        total = sum(len(v) for _, _, v in batch)
+
+        def build(p: object) -> None:
+            for _, k, v in batch:
+                p.set(k, v, px=ttl)  # type: ignore[attr-defined]
+            if self._budget is not None:
+                self._budget.charge(p, ns, total)
+
+        res = self._run(build, "skipped_saves", len(batch))
+        if res is None:
+            self._count("failed_writes", len(batch))
+            return
+        for (i, _, v), r in zip(batch, res):
+            if r is True:
+                ok[i] = True
+                self._count("writes")
+                self._count("bytes_written", len(v) - HEADER_BYTES)
+            else:  # e.g. an OOM reply under maxmemory noeviction
+                self._count("failed_writes")
+                self._count("skipped_saves")
+                self.last_error = describe_error(r)
+                self._log.warn("save", f"redis tier save failed: {self.last_error}")
+
+    def _read_batch(self, items: list[tuple[int, int, ChunkHeader, object]], start: int,
+                    end: int, ok: list[bool]) -> None:
+        names = [self.key(h) for _, _, h, _ in items[start:end]]
+        ttl = self._ttl_ms if self.options.touch else None
+        self._count("reads", end - start)
+
+        def build(p: object) -> None:
+            for k in names:
+                if ttl is not None and self._getex:
+                    p.getex(k, px=ttl)  # type: ignore[attr-defined]
+                else:
+                    p.get(k)  # type: ignore[attr-defined]
+            if ttl is not None and not self._getex:  # servers before Redis 6.2: GET + PEXPIRE
+                for k in names:
+                    p.pexpire(k, ttl)  # type: ignore[attr-defined]
+
+        res = self._run(build, "skipped_reads", end - start)
+        if res is not None and self._getex and ttl is not None and unknown_command(res):
+            self._getex = False  # GETEX is Redis >= 6.2 / Valkey; ask once more without it
+            log.warning("redis tier: the server has no GETEX; renewing TTLs with PEXPIRE")
+            res = self._run(build, "skipped_reads", end - start)
+        if res is None:
+            self._count("misses", end - start)
+            return
+        res = res[:end - start]  # the PEXPIRE replies, if any, follow the reads
+        bad: list[str] = []
+        for j, raw in enumerate(res):
+            _, _, header, out = items[start + j]
+            if raw is None:
+                self._count("vanished")  # never stored, expired, or evicted since lookup
+                self._count("misses")
+                continue
+            if not isinstance(raw, bytes):  # an error reply for this key
+                self._count("errors")
+                self._count("misses")
+                self.last_error = describe_error(raw)
+                self._log.warn("error", f"redis tier read failed: {self.last_error}")
+                continue
+            reason = check_payload(header, raw)
+            if reason is not None:
+                self._count("corrupt_dropped")
+                self._count("misses")
+                self._log.warn("corrupt", f"redis tier dropped a bad payload ({reason})")
+                bad.append(names[j])
+                continue
+            dst = u8_view(out)
+            n = header.payload_bytes
+            if len(dst) < n:
+                raise ConfigError(f"read buffer of {len(dst)} bytes for a payload of {n}; "
+                                  "pass a uint8 buffer at least that large")
+            dst[:n] = memoryview(raw)[HEADER_BYTES:]  # the one copy on the load path
+            ok[start + j] = True
+            self._count("bytes_read", n)
+        if bad:  # a corrupt or foreign payload is removed, so no one else trips on it
+            res2 = self._run(lambda p: [p.delete(k) for k in bad], "skipped_saves", 0)
+            if res2 is not None:
+                self._count("deleted", sum(1 for r in res2 if r == 1))
+
+    def _budget_allows(self, ns: str, sizes: list[int]) -> int | None:
+        """How many leading items fit the namespace's write budget (all, without a budget);
+        None when Redis cannot be asked."""
+        if self._budget is None:
+            return len(sizes)
+        names = self._budget.live_keys(ns)
+        res = self._run(lambda p: [p.get(k) for k in names], "skipped_saves", len(sizes))
+        if res is None:
+            return None
+        n = self._budget.fits([r for r in res if isinstance(r, bytes)], sizes)
+        if n < len(sizes):
+            self._log.warn("budget", f"redis tier namespace {ns} is at its budget of "
+                                     f"{self._budget.budget_bytes} bytes; skipping saves")
+        return n
+
+
+def _check_group(group: int, header: ChunkHeader) -> None:
+    if group != header.group:
+        raise ConfigError(f"group {group} does not match the header's group {header.group}")

@@ -1,0 +1,128 @@
+"""The `kvtier.*` keys of vLLM's kv_connector_extra_config: what is accepted, and the one-line
+errors (naming the key) that stop an engine from starting misconfigured."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvtier.errors import ConfigError
+from kvtier.integrations.vllm.config import parse_config, parse_size
+
+
+def test_full_config_is_read(tmp_path: Path) -> None:
+    cfg = parse_config({
+        "spec_name": "KvtierOffloadingSpec",  # vLLM's keys pass through untouched
+        "blocks_per_chunk": 2,
+        "kvtier.tiers": "cpu, disk",
+        "kvtier.cpu_bytes": "1GiB",
+        "kvtier.disk_bytes": 3 * 10**9,
+        "kvtier.directory": str(tmp_path),
+        "kvtier.policy": "arc",
+        "kvtier.share": "equal",
+        "kvtier.chunk_tokens": 256,
+    })
+    assert cfg.tiers == ("cpu", "disk")
+    assert cfg.capacities == {"cpu": 1 << 30, "disk": 3 * 10**9}
+    assert cfg.directory == str(tmp_path)
+    assert (cfg.policy, cfg.share, cfg.chunk_tokens) == ("arc", "equal", 256)
+
+
+def test_redis_tier() -> None:
+    cfg = parse_config({"kvtier.tiers": "cpu,redis", "kvtier.cpu_bytes": "1MiB",
+                        "kvtier.redis_bytes": "2GiB", "kvtier.redis_url": "redis://127.0.0.1:6379/0"})
+    assert cfg.tiers == ("cpu", "redis")
+    assert cfg.capacities == {"cpu": 1 << 20, "redis": 2 << 30}
+    assert cfg.redis_url == "redis://127.0.0.1:6379/0"
+
+
+def test_tenant_salts_the_namespace() -> None:
+    from kvtier.core.keys import Namespace
+
+    cfg = parse_config({"kvtier.cpu_bytes": 4096, "kvtier.tenant": "finetune-v2"})
+    assert cfg.tenant == "finetune-v2"
+    assert parse_config({"kvtier.cpu_bytes": 4096}).tenant == ""
+    # different tenants: different namespaces, so no key is shared (new weights, same path)
+    a = Namespace("m", "f" * 16, "bfloat16", tenant=cfg.tenant)
+    b = Namespace("m", "f" * 16, "bfloat16")
+    assert a.id != b.id
+    with pytest.raises(ConfigError, match=r"kvtier.tenant=3 must be a string"):
+        parse_config({"kvtier.cpu_bytes": 4096, "kvtier.tenant": 3})
+
+
+def test_defaults_are_one_cpu_tier_lru() -> None:
+    cfg = parse_config({"kvtier.cpu_bytes": 4096})
+    assert cfg.tiers == ("cpu",)
+    assert cfg.capacities == {"cpu": 4096}
+    assert (cfg.directory, cfg.policy, cfg.share, cfg.chunk_tokens) == (None, "lru", "proportional", None)
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("512MiB", 512 * 2**20), ("2GB", 2 * 10**9), ("1.5KiB", 1536), ("100", 100), (7, 7),
+])
+def test_sizes(text: object, expected: int) -> None:
+    assert parse_size("kvtier.cpu_bytes", text) == expected
+
+
+@pytest.mark.parametrize(("extra", "needle"), [
+    ({"kvtier.cpu_bytes": 1, "kvtier.cpu_byte": 2}, "kvtier.cpu_byte "),
+    ({"kvtier.cpu_bytes": -1}, "kvtier.cpu_bytes=-1"),
+    ({"kvtier.cpu_bytes": 0}, "kvtier.cpu_bytes=0"),
+    ({"kvtier.cpu_bytes": "lots"}, "kvtier.cpu_bytes='lots'"),
+    ({"kvtier.cpu_bytes": True}, "kvtier.cpu_bytes=True"),
+    ({"kvtier.tiers": "cpu"}, "kvtier.cpu_bytes is missing"),
+    ({"kvtier.tiers": "disk", "kvtier.disk_bytes": "1GiB"}, "kvtier.directory is missing"),
+    ({"kvtier.tiers": "tape", "kvtier.cpu_bytes": 1}, "kvtier.tiers"),
+    ({"kvtier.tiers": "cpu,cpu", "kvtier.cpu_bytes": 1}, "twice"),
+    ({"kvtier.cpu_bytes": 1, "kvtier.disk_bytes": 1}, "kvtier.disk_bytes is set"),
+    ({"kvtier.cpu_bytes": 1, "kvtier.policy": "random"}, "kvtier.policy='random'"),
+    ({"kvtier.cpu_bytes": 1, "kvtier.share": "row-per-key"}, "kvtier.share"),
+    ({"kvtier.cpu_bytes": 1, "kvtier.chunk_tokens": -128}, "kvtier.chunk_tokens=-128"),
+    ({"kvtier.cpu_bytes": 1, "kvtier.redis_url": "redis://x"}, "kvtier.redis_url is set"),
+    ({"kvtier.tiers": "redis", "kvtier.redis_bytes": "1GiB"}, "kvtier.redis_url is missing"),
+    ({"kvtier.tiers": "redis", "kvtier.redis_url": "redis://h:1/0"}, "kvtier.redis_bytes is missing"),
+    ({"kvtier.tiers": "redis", "kvtier.redis_bytes": 1, "kvtier.redis_url": "h:1"},
+     "kvtier.redis_url='h:1'"),
+])
+def test_mistakes_name_the_key_in_one_line(extra: dict, needle: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_config(extra)
+    msg = str(err.value)
+    assert needle in msg
+    assert "\n" not in msg
+
+
+def test_directory_that_does_not_exist(tmp_path: Path) -> None:
+    missing = tmp_path / "nope"
+    with pytest.raises(ConfigError, match=r"kvtier.directory='.*nope' does not exist"):
+        parse_config({"kvtier.tiers": "disk", "kvtier.disk_bytes": "1GiB",
+                      "kvtier.directory": str(missing)})
+
+
+def test_spec_refuses_bad_config_before_touching_the_engine(tmp_path: Path) -> None:
+    """The spec vLLM builds at engine start raises the same one-line error."""
+    pytest.importorskip("vllm")
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
+
+    from kvtier.integrations.vllm.spec import KvtierOffloadingSpec
+
+    config = OffloadingConfig(
+        groups=(OffloadingGroupConfig(128, ("model.layers.0.self_attn.attn",), 0),),
+        worker_kv_bytes_per_block=1024,
+        enable_kv_cache_events=False,
+        extra_config={"kvtier.tiers": "cpu,disk", "kvtier.cpu_bytes": "1GiB",
+                      "kvtier.disk_bytes": "1GiB", "kvtier.directory": str(tmp_path / "absent")},
+        engine_id="e",
+        model=OffloadingModelConfig(name=str(tmp_path), dtype="float32"),
+        cache=OffloadingCacheConfig(tokens_per_hash=128, blocks_per_chunk=1),
+        parallel=OffloadingParallelConfig(0, 1, 1, 1, 1, 1, 0, 1, None, True),
+    )
+    with pytest.raises(ConfigError, match="kvtier.directory="):
+        KvtierOffloadingSpec(config)
