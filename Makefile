@@ -31,6 +31,7 @@ demo: $(VENV)/.stamp
 
 test: $(VENV)/.stamp
 	bash scripts/ensure-redis.sh
+	VENV=$(VENV) bash scripts/setup-vllm033.sh
 	$(PY) -m pytest -q tests
 	$(MAKE) test-tf-latest
 
@@ -40,4 +41,4 @@ test-tf-latest: $(VENV_TF_LATEST)/.stamp-tf-latest
 		tests/e2e/test_transformers.py tests/e2e/test_transformers_restart.py
 
 clean:
-	rm -rf $(VENV) $(VENV_TF_LATEST) build src/*.egg-info
+	rm -rf $(VENV) $(VENV_TF_LATEST) .vllm033 build src/*.egg-info

@@ -309,17 +309,21 @@ def decode_header(buf: bytes | bytearray | memoryview) -> ChunkHeader | Rejected
 
 
 def mismatch(stored: ChunkHeader, expected: ChunkHeader) -> str | None:
-    """Why a slot's header is not the chunk the caller asked for, or None if it is."""
+    """Why a slot's header is not the chunk the caller asked for, or None if it is.
+
+    The token span is a containment test: a chunk may hold only part of its span (vLLM stores a
+    group's first chunk from a block mid-chunk), and it serves a load only when the span it holds
+    contains the span the load needs. Equal spans, the only case outside vLLM, still match."""
     if stored.namespace_id != expected.namespace_id:
         return f"foreign namespace {stored.namespace_id} (expected {expected.namespace_id})"
     if stored.chunk_hash != expected.chunk_hash.ljust(HASH_BYTES, b"\0"):
         return "another chunk's hash"
     if stored.group != expected.group:
         return f"group {stored.group} (expected {expected.group})"
-    if (stored.token_start, stored.token_end) != (expected.token_start, expected.token_end):
+    if stored.token_start > expected.token_start or stored.token_end < expected.token_end:
         return (
-            f"token span [{stored.token_start}, {stored.token_end}) "
-            f"(expected [{expected.token_start}, {expected.token_end}))"
+            f"token span [{stored.token_start}, {stored.token_end}) does not hold "
+            f"[{expected.token_start}, {expected.token_end})"
         )
     if stored.payload_bytes != expected.payload_bytes:
         return f"{stored.payload_bytes} payload bytes (expected {expected.payload_bytes})"

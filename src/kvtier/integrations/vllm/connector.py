@@ -15,6 +15,8 @@ models with several KV-cache groups, which are the models kvtier is for.
 
 from __future__ import annotations
 
+import contextlib
+
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 from vllm.v1.outputs import KVConnectorOutput
@@ -22,6 +24,7 @@ from vllm.v1.outputs import KVConnectorOutput
 
 class KvtierConnector(OffloadingConnector):
     def __init__(self, vllm_config, role, kv_cache_config) -> None:  # noqa: ANN001 - vLLM's types
+        _translate_chunk_tokens(vllm_config, kv_cache_config)
         super().__init__(vllm_config, role, kv_cache_config)
         if self.connector_worker is not None:
             self.connector_worker.spec.reports_failures = True  # type: ignore[attr-defined]
@@ -52,7 +55,25 @@ class KvtierConnector(OffloadingConnector):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         super().update_connector_output(connector_output)
         manager = self.scheduler.manager
-        for req_id in connector_output.failed_recving or ():
-            forget = getattr(manager, "load_failed", None)
-            if forget is not None:
+        failed = connector_output.failed_recving or ()
+        forget = getattr(manager, "load_failed", None)
+        if not failed or forget is None:
+            return
+        # vLLM 0.33: every manager call is made under manager.lock (0.32 has no lock)
+        with getattr(manager, "lock", contextlib.nullcontext()):
+            for req_id in failed:
                 forget(req_id)
+
+
+def _translate_chunk_tokens(vllm_config, kv_cache_config) -> None:  # noqa: ANN001 - vLLM's types
+    """`kvtier.chunk_tokens` becomes vLLM's own `blocks_per_chunk` before vLLM reads it."""
+    from .geometry import EngineGroup
+    from .spec import chunk_tokens_to_blocks
+
+    ktc = getattr(vllm_config, "kv_transfer_config", None)
+    extra = getattr(ktc, "kv_connector_extra_config", None)
+    if not isinstance(extra, dict) or "kvtier.chunk_tokens" not in extra or kv_cache_config is None:
+        return
+    groups = [EngineGroup(i, int(g.kv_cache_spec.block_size), tuple(g.layer_names))
+              for i, g in enumerate(kv_cache_config.kv_cache_groups)]
+    chunk_tokens_to_blocks(extra, groups)

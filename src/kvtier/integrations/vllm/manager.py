@@ -33,14 +33,22 @@ from .common import ChunkItem, KvtierLoadStoreSpec, Metrics, SpecContext
 
 log = logging.getLogger("kvtier.vllm")
 
+SPLIT_MEMO_KEYS = 1 << 16  # key -> (chunk hash, group) memo entries kept before it is cleared
+CONFIG_INFO_KEYS = ("kvtier_namespace", "kvtier_chunk_tokens", "kvtier_tiers", "kvtier_group_slots",
+                    "kvtier_chunk_bytes")
+
 
 class KvtierManager(OffloadingManager):
     def __init__(self, ctx: SpecContext, metrics: Metrics) -> None:
         self.ctx = ctx
         self.metrics = metrics
         self.index: Index = ctx.new_index()
+        # memo of key -> (chunk hash, group); bounded (recomputing is one blake2b call)
         self._split: dict[OffloadKey, tuple[bytes, int] | None] = {}
-        self._okey: dict[tuple[bytes, int], OffloadKey] = {}  # for eviction events
+        # vLLM's key of every chunk the index holds, for eviction events: entries live exactly as
+        # long as the chunk is in some tier (a map of every key ever looked up grew without bound)
+        self._okey: dict[tuple[bytes, int], OffloadKey] = {}
+        self._evicted_later: list[OffloadKey] = []  # evicted outside prepare_store, reported next
         self._pins: dict[OffloadKey, list[str]] = {}  # tier of each pin, oldest first
         self._pending: dict[OffloadKey, list[str]] = {}  # tiers reserved by a store in flight
         self._loads: dict[str, list[tuple[bytes, int]]] = {}  # req_id -> chunks of its load
@@ -58,12 +66,16 @@ class KvtierManager(OffloadingManager):
     def _key(self, key: OffloadKey) -> tuple[bytes, int] | None:
         split = self._split.get(key)
         if split is None and key not in self._split:
-            if len(self._split) > 1 << 20:  # bound the memo; recomputing is a blake2b call
+            if len(self._split) >= SPLIT_MEMO_KEYS:
                 self._split.clear()
             split = self._split[key] = self.ctx.split_key(key)
-            if split is not None:
-                self._okey[split] = key
         return split
+
+    def _gone(self, chunk_hash: bytes, group: int) -> OffloadKey | None:
+        """vLLM's key of a chunk that just left a tier, if it left the last one."""
+        if self.index.where(chunk_hash, group):
+            return None
+        return self._okey.pop((chunk_hash, group), None)
 
     def _span(self, key: OffloadKey, rc: ReqContext) -> tuple[int, int]:
         end = rc.get_offload_key_position(key)
@@ -81,6 +93,7 @@ class KvtierManager(OffloadingManager):
         self.metrics.add("lookup_keys")
         if split is None or not (self.index.contains(*split) or self._adopt_from_redis(*split)):
             return LookupResult.MISS
+        self._okey[split] = key  # held: its eviction is reported under this key
         self.metrics.add("lookup_hit_keys")
         return LookupResult.HIT
 
@@ -95,6 +108,10 @@ class KvtierManager(OffloadingManager):
         if not self._redis.exists_many([header])[0]:
             return False
         r = self.index.put(h, g, "redis")
+        for e in r.evicted:
+            gone = self._gone(e.chunk_hash, e.group)
+            if gone is not None:
+                self._evicted_later.append(gone)
         if r.slot is None and r.status != "present":
             return False  # every tracked Redis entry of this group is pinned: try next time
         self.metrics.add("adopted_from_redis")
@@ -153,7 +170,7 @@ class KvtierManager(OffloadingManager):
     ) -> PrepareStoreOutput | None:
         items: list[ChunkItem] = []
         to_store: list[OffloadKey] = []
-        evicted: list[OffloadKey] = []
+        evicted, self._evicted_later = self._evicted_later, []
         for key in keys:
             split = self._key(key)
             if split is None or key in self._pending:
@@ -168,10 +185,11 @@ class KvtierManager(OffloadingManager):
                     self.metrics.add(f"store_skipped_full_{tier}")
                 for e in r.evicted:
                     self.metrics.add(f"evicted_{tier}" + ("_dead" if e.dead else ""))
-                    gone = self._okey.get((e.chunk_hash, e.group))
-                    if gone is not None and not self.index.where(e.chunk_hash, e.group):
+                    gone = self._gone(e.chunk_hash, e.group)
+                    if gone is not None:
                         evicted.append(gone)
             if places:
+                self._okey[split] = key
                 start, end = self._span(key, req_context)
                 items.append(ChunkItem(g, h, start, end, tuple(places)))
                 to_store.append(key)
@@ -194,6 +212,8 @@ class KvtierManager(OffloadingManager):
                     self.index.commit(split[0], split[1], tier)
                 else:
                     self.index.abort(split[0], split[1], tier)
+            if not success:
+                self._gone(*split)
         self.metrics.flush()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
@@ -206,17 +226,45 @@ class KvtierManager(OffloadingManager):
         for h, g in self._loads.pop(req_id, []):
             for tier, _ in self.index.where(h, g):
                 removed += self.index.remove(h, g, tier)
+            gone = self._gone(h, g)
+            if gone is not None:
+                self._evicted_later.append(gone)
         self.metrics.add("load_failures")
         self.metrics.add("removed_after_failure", removed)
         self.metrics.flush()
 
     def reset_cache(self) -> None:
+        """Forget every chunk. Jobs vLLM had in flight at the reset are flushed by the workers at
+        the start of the next step, before any store prepared after the reset is submitted (both
+        versions defer stores one step), and vLLM drops their completions; so an old job's write
+        into a slot the new index hands out lands first and is overwritten, and a load never reads
+        a slot of the new index before the store that filled it. Worst case a stale payload sits in
+        a slot whose header names another chunk: a counted miss, never wrong KV."""
         self.index = self.ctx.new_index()
         self._pins.clear()
         self._pending.clear()
         self._loads.clear()
+        self._okey.clear()
+        self._evicted_later.clear()
         self.metrics.add("resets")
         self.metrics.flush()
+
+    def on_reset_flushed(self) -> None:
+        """vLLM 0.33: the workers reported every job in flight at the last reset."""
+        self.metrics.add("resets_flushed")
+        self.metrics.flush()
+
+    def config_info(self) -> list[dict[str, str | int]]:
+        """vLLM 0.33's kv_offload config info series: the plan and each tier's slots per group."""
+        slots = ";".join(
+            f"{tier}:" + ",".join(f"g{gp.index}={self.index.slots(gp.index, tier) if gp.cacheable else 0}"
+                                  for gp in self.ctx.plan.groups)
+            for tier in self.ctx.config.tiers if tier != "redis")
+        return [{"kvtier_namespace": self.ctx.namespace.id,
+                 "kvtier_chunk_tokens": self.ctx.plan.chunk_tokens,
+                 "kvtier_tiers": ",".join(self.ctx.config.tiers),
+                 "kvtier_group_slots": slots,
+                 "kvtier_chunk_bytes": ",".join(str(gp.chunk_bytes) for gp in self.ctx.plan.groups)}]
 
     def on_schedule_end(self, context: object) -> None:
         self.metrics.flush()

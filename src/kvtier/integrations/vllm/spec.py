@@ -43,14 +43,22 @@ class KvtierOffloadingSpec(OffloadingSpec):
     def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(config)
         tier_config = parse_config(config.extra_config)
+        _refuse_sync_loads(config.extra_config)
         groups = [EngineGroup(g.group_id, g.tokens_per_block, tuple(g.layer_names))
                   for g in config.groups]
         bpc = self.blocks_per_chunk
         if tier_config.chunk_tokens is not None:
-            bpc = _blocks_for(tier_config.chunk_tokens, groups, config.extra_config)
-            # vLLM's scheduler reads the spec's blocks_per_chunk, so this is the chunk size
-            # both sides use (and the one `kvtier plan` prints as kvtier.chunk_tokens)
-            self.blocks_per_chunk = bpc
+            want = _blocks_for(tier_config.chunk_tokens, groups, config.extra_config)
+            # vLLM derives its own state (0.33: each sliding group's window in chunks) from its
+            # own blocks_per_chunk before the spec exists, so kvtier.chunk_tokens must reach vLLM
+            # as blocks_per_chunk: KvtierConnector translates it before vLLM reads its config.
+            # Overriding the spec's value afterwards made 0.33 load nothing (measured).
+            if bpc != want:
+                raise ConfigError(
+                    f"kvtier.chunk_tokens={tier_config.chunk_tokens} means blocks_per_chunk={want} but "
+                    f"vLLM uses blocks_per_chunk={bpc}; use kv_connector \"KvtierConnector\" (which "
+                    f"translates kvtier.chunk_tokens) or set \"blocks_per_chunk\": {want} instead"
+                )
         geometry = geometry_for_groups(config.model.name, config.model.dtype, groups,
                                        config.cache.tokens_per_hash)
         plan = make_plan(geometry, blocks_per_chunk=bpc)
@@ -65,6 +73,13 @@ class KvtierOffloadingSpec(OffloadingSpec):
         self._manager: OffloadingManager | None = None
         self._worker: OffloadingWorker | None = None
         self.reports_failures = False  # set by KvtierConnector, which turns failures into recomputes
+
+    @classmethod
+    def config_info_keys(cls, extra_config: object) -> tuple[str, ...]:
+        """vLLM 0.33: the labels of kvtier's config info series (filled by the manager)."""
+        from .manager import CONFIG_INFO_KEYS
+
+        return CONFIG_INFO_KEYS
 
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
@@ -90,6 +105,36 @@ class KvtierOffloadingSpec(OffloadingSpec):
             self._worker = KvtierWorker(self.ctx, kv_caches,
                                         Metrics(f"worker{rank}", self.ctx.config.directory))
         return self._worker
+
+
+def _refuse_sync_loads(extra: object) -> None:
+    """vLLM 0.33 runs a request on its synchronously loaded KV in the same step, and a failed
+    synchronous load can be reported only per block id, which vLLM refuses for models with several
+    KV-cache groups: a tier read that fails (a corrupt or evicted payload) would leave the request
+    running on wrong KV. kvtier's loads can fail until host slots are verified before loads are
+    scheduled, so synchronous loads are refused at start rather than risked."""
+    budget = extra.get("sync_load_budget_bytes") if hasattr(extra, "get") else None  # type: ignore[union-attr]
+    try:
+        on = budget is not None and int(budget) > 0
+    except (TypeError, ValueError):
+        on = True
+    if on:
+        raise ConfigError(
+            f"sync_load_budget_bytes={budget!r}: kvtier cannot report a failed synchronous load to "
+            "vLLM, so a tier miss could leave a request on wrong KV; remove sync_load_budget_bytes "
+            "(kvtier loads asynchronously)"
+        )
+
+
+def chunk_tokens_to_blocks(extra: dict, groups: list[EngineGroup]) -> None:
+    """Set vLLM's own `blocks_per_chunk` from `kvtier.chunk_tokens` in `extra` (in place), before
+    vLLM reads its offloading config. Raises ConfigError with the fix when it cannot."""
+    value = extra.get("kvtier.chunk_tokens")
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, str)) or not str(value).isdigit() or int(value) <= 0:
+        raise ConfigError(f"kvtier.chunk_tokens={value!r} must be a positive integer")
+    extra["blocks_per_chunk"] = _blocks_for(int(value), groups, extra)
 
 
 def _blocks_for(chunk_tokens: int, groups: list[EngineGroup], extra: object) -> int:

@@ -111,7 +111,12 @@ class KvtierWorker(OffloadingWorker):
         self._done(job_id, ok, nbytes, t0, "store")
         return True
 
-    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec,
+                    expedited: bool = False) -> bool:
+        """vLLM 0.33 passes `expedited=True` for a load it waits on within the step (a sync load;
+        the spec refuses `sync_load_budget_bytes`, so kvtier sees one only when driven by hand).
+        Every load here finishes inside this call on CPU tensors, so both kinds are handled
+        alike; 0.32 never passes the argument."""
         t0 = time.perf_counter()
         assert isinstance(src_spec, KvtierLoadStoreSpec)
         ok, nbytes, pending = self._load(src_spec.items, dst_spec)
@@ -180,13 +185,25 @@ class KvtierWorker(OffloadingWorker):
             return None
         return out
 
-    def _header(self, item: ChunkItem):
+    def _header(self, item: ChunkItem, blocks: list[tuple[int, int]]):
+        """The header of `item` covering only the block positions in `blocks` (block id, position
+        in chunk): a store records the token span it really holds, a load asks for the span it
+        needs, and a tier serves a load only from a chunk whose stored span contains the needed
+        one (`payload.mismatch`). vLLM stores a group's first chunk from a block mid-chunk (a
+        sliding group whose earlier blocks were freed); the positions it did not send are zeros
+        in the payload and must never reach a block."""
         gp = self.ctx.plan.groups[item.group]
-        return make_header(self.ctx.namespace.id, item.chunk_hash, item.group, item.token_start,
-                           item.token_end, gp.chunk_bytes, "uint8")
+        tpb = gp.group.tokens_per_block
+        lo = min(p for _, p in blocks)
+        hi = max(p for _, p in blocks) + 1
+        return make_header(self.ctx.namespace.id, item.chunk_hash, item.group,
+                           item.token_start + lo * tpb, item.token_start + hi * tpb,
+                           gp.chunk_bytes, "uint8")
 
     def _staging(self, num_chunks: int, nbytes: int) -> torch.Tensor:
-        return torch.empty((num_chunks, nbytes), dtype=torch.uint8, pin_memory=self._pin)
+        # zeros, not empty: positions a partial chunk does not hold are stored as zeros, never as
+        # whatever the allocator left there (it would go to disk and Redis under a valid checksum)
+        return torch.zeros((num_chunks, nbytes), dtype=torch.uint8, pin_memory=self._pin)
 
     def _store(self, spec: GPULoadStoreSpec, items: Sequence[ChunkItem]) -> tuple[bool, int]:
         placement = self._placement(spec, items)
@@ -202,8 +219,8 @@ class KvtierWorker(OffloadingWorker):
                 view = view.view(len(placed), self.bpc, ref.page_bytes)
                 view[ci, pos] = self._gather(ref, bids)
             writes: dict[str, list[tuple[int, int, ChunkHeader, torch.Tensor]]] = {}
-            for k, (item, _) in enumerate(placed):
-                header = self._header(item)
+            for k, (item, blocks) in enumerate(placed):
+                header = self._header(item, blocks)
                 for tier, slot in item.places:
                     writes.setdefault(tier, []).append((g, slot, header, buf[k]))
             for tier, batch in writes.items():  # one batch a tier: the disk tier's two write lanes
@@ -227,12 +244,12 @@ class KvtierWorker(OffloadingWorker):
         for g, placed in placement:
             nbytes = self.ctx.plan.groups[g].chunk_bytes
             buf = self._staging(len(placed), nbytes)
-            for k, (item, _) in enumerate(placed):
+            for k, (item, blocks) in enumerate(placed):
                 if not item.places:  # the scheduler lost it between lookup and load: a miss
                     self.metrics.add("load_miss_vanished")
                     return False, 0, None
                 tier, slot = item.places[0]
-                if not self.tiers[tier].read(g, slot, self._header(item), buf[k]):
+                if not self.tiers[tier].read(g, slot, self._header(item, blocks), buf[k]):
                     # a miss or a corrupt payload (the tier counted and dropped it): nothing of
                     # this job is reported as loaded; vLLM recomputes the request
                     self.metrics.add(f"load_miss_{tier}")

