@@ -65,7 +65,9 @@ def test_human_table_deepseek_v4_like(capsys, geometry_path) -> None:
     assert "not cached: draft" in " ".join(rows["mtp"])
     assert "bytes per cached token" in out
     assert "12720128 B" in out and "32006144 B" in out  # restore vs naive, hand-derived
-    assert '"kvtier.chunk_tokens": 256' in out
+    # mixed tokens per block: vLLM takes one blocks_per_chunk (each group chunks its own blocks);
+    # a token chunk size would be refused, so none is printed
+    assert '"blocks_per_chunk": 1' in out and '"kvtier.chunk_tokens"' not in out
     # vLLM's native connector: 4/8-token groups under a 64-token hash, mixed tokens per block
     assert "'indexer' has 8 tokens per block, fewer than the hash unit (64)" in out
     assert "needs one tokens-per-block" in out

@@ -32,6 +32,13 @@ SCENARIOS = [
     {"name": "partial_chunk", "partial": True, "extra": {"blocks_per_chunk": 4}},
     {"name": "sync_loads", "extra": {"sync_load_budget_bytes": 1 << 20}},
     {"name": "lookups", "lookups": 70000},
+    # DeepSeek-V4-like mix: groups of 64, 16 and 32 tokens per block (full, sliding window 64,
+    # MLA), equal page sizes so vLLM pools them; blocks_per_chunk=2 gives chunks of 128, 32 and 64
+    # tokens. A: 400 tokens.
+    {"name": "mixed_blocks", "prompt_tokens": 400, "extra": {"blocks_per_chunk": 2},
+     "layers": [{"kind": "full", "block_size": 64, "heads": 1, "head_size": 32},
+                {"kind": "sliding", "block_size": 16, "heads": 2, "head_size": 64, "window": 64},
+                {"kind": "mla", "block_size": 32, "head_size": 128}]},
 ]
 VERSIONS = ["0.32", "0.33"]
 
@@ -130,3 +137,22 @@ def test_config_info_publishes_each_groups_slots(results: dict) -> None:
     assert r["config_info_keys"] == list(info)  # every declared label is filled
     assert info["kvtier_group_slots"].startswith("cpu:g0=") and info["kvtier_tiers"] == "cpu"
     assert int(info["kvtier_chunk_tokens"]) == 16
+
+
+def test_groups_with_different_tokens_per_block_restore_every_byte(results: dict) -> None:
+    """vLLM's blocks_per_chunk over groups of 64/16/32 tokens per block: each group's chunks span
+    their own tokens; kvtier sizes each group's slots for its own chunk (kvtier refused this)."""
+    r = ok(results, "mixed_blocks")
+    assert r["geometry_source"].startswith("vLLM KV-cache specs")  # from vLLM's own specs
+    assert [(k, tpb) for _, k, tpb, _ in r["geometry"]] == [("full", 64), ("sliding", 16), ("mla", 32)]
+    assert r["external_tokens"] == 384, r  # three 128-token chunks of the full group
+    assert all(g["checked"] > 0 for g in r["groups"]) and r["mismatches"] == 0, r["groups"]
+    c = r["counters"]
+    assert (c["loaded_chunks_group0"], c["loaded_chunks_group2"]) == (3, 6)  # 384 tokens each
+    assert c["loaded_chunks_group1"] == 2  # the sliding group: only its 64-token window
+
+
+def test_the_geometry_is_read_from_vllms_specs(results: dict) -> None:
+    r = ok(results, "gemma3_like")
+    assert r["geometry_source"].startswith("vLLM KV-cache specs")
+    assert [k for _, k, _, _ in r["geometry"]] == ["sliding", "sliding", "sliding", "full"]

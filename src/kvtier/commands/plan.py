@@ -111,8 +111,9 @@ def vllm_warnings(plan: Plan) -> list[str]:
         counts = ", ".join(f"{gp.name}={gp.blocks_per_chunk}" for gp in plan.cacheable_groups
                            if not gp.group.is_state)
         out.append(
-            f"the groups need different blocks per chunk ({counts}); vLLM's single "
-            "blocks_per_chunk cannot express this plan, kvtier.chunk_tokens does"
+            f"the groups need different blocks per chunk ({counts}) for one chunk size; in vLLM "
+            "one blocks_per_chunk applies to every group, so their chunks span different tokens "
+            "(kvtier's spec sizes each group's slots for its own span)"
         )
     return out
 
@@ -124,19 +125,27 @@ def native_blocks_per_chunk(plan: Plan) -> int | None:
 
 
 def vllm_extra_config(plan: Plan, *, engine_blocks: bool = True) -> dict[str, object]:
-    """`kv_connector_extra_config` for kvtier's spec in vLLM, expressing this plan.
+    """`kv_connector_extra_config` for kvtier's spec in vLLM, expressing this plan as closely as
+    vLLM's chunking allows; the spec starts with every config this prints (a test feeds them).
 
-    `kvtier.chunk_tokens` is what kvtier's spec reads; vLLM's own `blocks_per_chunk` is added
-    when one count fits every attention group (it is then the same chunk) and the tokens per
-    block are the engine's (`engine_blocks`): a config.json read with the default 16-token
-    blocks would print a count that is wrong for vLLM on CPU (128-token blocks), and the spec
-    refuses a blocks_per_chunk that disagrees with kvtier.chunk_tokens.
+    Where the attention groups share one tokens per block, `kvtier.chunk_tokens` is exactly this
+    plan (KvtierConnector turns it into vLLM's `blocks_per_chunk`), and the count is printed too
+    when the tokens per block are the engine's (`engine_blocks`; a config.json read with the
+    default 16-token blocks would print a count that is wrong on CPU, whose blocks are 128).
+    Where they differ (DeepSeek-V4-like), vLLM takes one `blocks_per_chunk` for every group, so
+    each group's chunk spans that many of its own blocks; the count printed gives the group with
+    the largest blocks this plan's chunk, and `kvtier.chunk_tokens` is left out (vLLM and the spec
+    refuse a token chunk size for mixed blocks).
     """
     out: dict[str, object] = {"spec_name": SPEC_NAME, "spec_module_path": SPEC_MODULE}
-    bpc = native_blocks_per_chunk(plan) if engine_blocks else None
-    if bpc is not None:
-        out["blocks_per_chunk"] = bpc
-    out["kvtier.chunk_tokens"] = plan.chunk_tokens
+    attention = [gp.group.tokens_per_block for gp in plan.cacheable_groups if not gp.group.is_state]
+    if len(set(attention)) > 1:
+        out["blocks_per_chunk"] = max(1, plan.chunk_tokens // max(attention))
+    else:
+        bpc = native_blocks_per_chunk(plan) if engine_blocks else None
+        if bpc is not None:
+            out["blocks_per_chunk"] = bpc
+        out["kvtier.chunk_tokens"] = plan.chunk_tokens
     out["kvtier.tiers"] = "cpu"
     out["kvtier.cpu_bytes"] = "4GiB"
     return out

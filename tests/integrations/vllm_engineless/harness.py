@@ -14,7 +14,9 @@ request A computes and stores a prompt, vLLM's own prefix cache is reset and the
 zeroed, then request B with the same prefix loads what kvtier stored, and every loaded position of
 every group is compared with what A's forward wrote.
 
-Scenario keys: name; layers (list of "full"/"sliding"); window; block_size; prompt_tokens;
+Scenario keys: name; layers (list of "full"/"sliding"/"mla", or dicts {"kind", "block_size",
+"heads", "head_size", "window"} for groups with their own tokens per block); window;
+block_size (the scheduler's hash block); prompt_tokens;
 b_extra_tokens (B = A's prompt + this many new tokens); extra (merged into
 kv_connector_extra_config); fail_reads ("load": every tier read fails after A); partial (run
 the partial-chunk worker check instead of the two requests); lookups (N distinct keys looked up
@@ -62,7 +64,7 @@ class Harness:
         from vllm.engine.arg_utils import EngineArgs
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
         from vllm.v1.core.sched.scheduler import Scheduler
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
         from vllm.v1.structured_output import StructuredOutputManager
         from vllm.utils.hashing import sha256
 
@@ -71,7 +73,9 @@ class Harness:
         self.bs = bs = int(sc.get("block_size", 16))
         layers = sc.get("layers", ["sliding", "sliding", "full", "sliding"])
         window = int(sc.get("window", 48))
-        model = write_config(os.path.join(self.tmp, "model"), layers, window)
+        kinds = [(x if isinstance(x, str) else x["kind"]) for x in layers]
+        model = write_config(os.path.join(self.tmp, "model"),
+                             ["sliding" if k == "sliding" else "full" for k in kinds], window)
         extra = {"spec_name": "KvtierOffloadingSpec", "spec_module_path": "kvtier.integrations.vllm.spec",
                  "kvtier.tiers": "cpu", "kvtier.cpu_bytes": "16MiB", "kvtier.directory": self.tmp}
         extra.update(sc.get("extra", {}))
@@ -85,12 +89,20 @@ class Harness:
         vconf = args.create_engine_config()
         if vconf.cache_config.kv_cache_layout is None:
             vconf.cache_config.kv_cache_layout = "LBHNC"
-        self.specs = {}
-        for i, kind in enumerate(layers):
-            common = dict(block_size=bs, num_kv_heads=2, head_size=32, dtype=torch.float32)
-            self.specs[f"model.layers.{i}.self_attn.attn"] = (
-                SlidingWindowSpec(sliding_window=window, **common) if kind == "sliding"
-                else FullAttentionSpec(**common))
+        self.specs, self.shape = {}, {}
+        for i, layer in enumerate(layers):
+            d = {"kind": layer} if isinstance(layer, str) else dict(layer)
+            kind, lbs = d["kind"], int(d.get("block_size", bs))
+            heads, head = int(d.get("heads", 2)), int(d.get("head_size", 32))
+            if kind == "mla":
+                spec = MLAAttentionSpec(block_size=lbs, num_kv_heads=1, head_size=head, dtype=torch.float32)
+                self.shape[i] = (1, lbs, head)  # one latent vector per token
+            else:
+                common = dict(block_size=lbs, num_kv_heads=heads, head_size=head, dtype=torch.float32)
+                spec = (SlidingWindowSpec(sliding_window=int(d.get("window", window)), **common) if kind == "sliding"
+                        else FullAttentionSpec(**common))
+                self.shape[i] = (2, lbs, heads * head)  # K and V
+            self.specs[f"model.layers.{i}.self_attn.attn"] = spec
         try:
             from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
             groups = get_global_kv_cache_groups(vconf, [self.specs])
@@ -101,24 +113,29 @@ class Harness:
         kvc.kv_cache_layout = vconf.cache_config.kv_cache_layout
         vconf.cache_config.num_gpu_blocks = kvc.num_blocks
         self.kvc, self.vconf = kvc, vconf
+        from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+        sched_bs, self.hash_bs = resolve_kv_cache_block_sizes(kvc, vconf)  # lcm and gcd of the groups'
         self.sched = Scheduler(vllm_config=vconf, kv_cache_config=kvc,
                                structured_output_manager=StructuredOutputManager(vconf),
-                               block_size=bs, log_stats=True)
+                               block_size=sched_bs, hash_block_size=self.hash_bs, log_stats=True)
         with set_current_vllm_config(vconf):
             self.wconn = KVConnectorFactory.create_connector(vconf, KVConnectorRole.WORKER, kvc)
-        size = max(t.size for t in kvc.kv_cache_tensors)
+        size = max(t.offset + t.size for t in kvc.kv_cache_tensors)
         backing = torch.zeros(size, dtype=torch.int8)
-        self.kv = {}
+        self.kv, self.layer_of, self.block_of = {}, {}, {}
+        index = {n: i for i, n in enumerate(self.specs)}
         for t in kvc.kv_cache_tensors:
             for li, name in enumerate(t.layers):
+                k, lbs, e = self.shape[index[name]]
                 off = t.offset + li * t.layer_stride
                 self.kv[name] = backing.view(torch.float32).as_strided(
-                    (kvc.num_blocks, 2, bs, 2, 32), (t.block_stride // 4, bs * 64, 64, 32, 1), off // 4)
+                    (kvc.num_blocks, k, lbs, e), (t.block_stride // 4, lbs * e, e, 1), off // 4)
+                self.layer_of[name] = index[name]
+                self.block_of[name] = lbs
         with set_current_vllm_config(vconf):
             self.wconn.register_kv_caches(self.kv)
         init_none_hash(sha256)
-        self.hasher = get_request_block_hasher(bs, sha256)
-        self.layer_of = {n: i for i, n in enumerate(self.specs)}
+        self.hasher = get_request_block_hasher(self.hash_bs, sha256)
         self.failed: set[str] = set()
         self.recving: set[str] = set()
 
@@ -133,11 +150,14 @@ class Harness:
             blocks = self.sched.kv_cache_manager.get_block_ids(req_id)
             for g, group in enumerate(self.kvc.kv_cache_groups):
                 for name in group.layer_names:
+                    lbs = self.block_of[name]
                     for pos in range(start, start + n):
-                        b = blocks[g][pos // self.bs]
+                        if pos // lbs >= len(blocks[g]):
+                            continue
+                        b = blocks[g][pos // lbs]
                         if b:
-                            self.kv[name][b, :, pos % self.bs] = self.value(req.all_token_ids[pos], pos,
-                                                                           self.layer_of[name])
+                            self.kv[name][b, :, pos % lbs] = self.value(req.all_token_ids[pos], pos,
+                                                                       self.layer_of[name])
 
     def step(self):
         from vllm.forward_context import ForwardContext
@@ -189,11 +209,12 @@ class Harness:
         for g, group in enumerate(self.kvc.kv_cache_groups):
             checked = bad = 0
             for name in group.layer_names:
+                lbs = self.block_of[name]
                 for pos in range(upto):
-                    bid = blocks[g][pos // self.bs]
+                    bid = blocks[g][pos // lbs]
                     if bid == 0:
                         continue
-                    got = self.kv[name][bid, :, pos % self.bs]
+                    got = self.kv[name][bid, :, pos % lbs]
                     checked += 1
                     bad += int(not bool(self.torch.all(got == self.value(prompt[pos], pos, self.layer_of[name]))))
             per_group.append({"checked": checked, "mismatches": bad})
@@ -239,6 +260,9 @@ def run_two_requests(sc: dict) -> dict:
     result.update({"external_tokens": external, "failed": sorted(h.failed),
                    "recving": sorted(h.recving), "counters": h.counters(),
                    "num_groups": len(h.kvc.kv_cache_groups),
+                   "geometry": [[gp.name, gp.kind, gp.group.tokens_per_block, gp.chunk_bytes]
+                                for gp in h.wconn.connector_worker.spec.ctx.plan.groups],
+                   "geometry_source": h.wconn.connector_worker.spec.ctx.plan.geometry.source,
                    "blocks_per_chunk": h.wconn.connector_worker.spec.blocks_per_chunk
                    if hasattr(h.wconn.connector_worker, "spec") else None})
     return result

@@ -48,6 +48,12 @@ class KvtierLoadStoreSpec(LoadStoreSpec):
         return f"KvtierLoadStoreSpec({len(self.items)} chunks)"
 
 
+# vLLM's KVCacheConfig of each engine in this process, by engine id: KvtierConnector records it
+# before vLLM builds the spec, which reads its groups' KV-cache specs from here (the offloading
+# config vLLM hands a spec names the groups but not their kinds, windows or page sizes).
+ENGINE_KV_CACHE_CONFIGS: dict[str, object] = {}
+
+
 @dataclass(frozen=True, slots=True)
 class SpecContext:
     plan: Plan
@@ -55,6 +61,7 @@ class SpecContext:
     config: VllmTierConfig
     group_of: dict[int, int]  # vLLM KV-cache group id -> kvtier plan group index
     blocks_per_chunk: int
+    span_tokens: tuple[int, ...] = ()  # tokens one chunk of each plan group covers (engine_plan)
 
     def new_index(self) -> Index:
         return Index(self.plan, self.config.capacities, policy=self.config.policy,

@@ -21,10 +21,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 from vllm.v1.outputs import KVConnectorOutput
 
+from .common import ENGINE_KV_CACHE_CONFIGS
+
 
 class KvtierConnector(OffloadingConnector):
     def __init__(self, vllm_config, role, kv_cache_config) -> None:  # noqa: ANN001 - vLLM's types
         _translate_chunk_tokens(vllm_config, kv_cache_config)
+        engine_id = getattr(getattr(vllm_config, "kv_transfer_config", None), "engine_id", None)
+        if engine_id is not None and kv_cache_config is not None:
+            ENGINE_KV_CACHE_CONFIGS[engine_id] = kv_cache_config  # read by the spec (geometry)
         super().__init__(vllm_config, role, kv_cache_config)
         if self.connector_worker is not None:
             self.connector_worker.spec.reports_failures = True  # type: ignore[attr-defined]

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.errors import ConfigError, UnsupportedModelError
-from kvtier.core.geometry import Geometry, Group, dtype_bytes
+from kvtier.core.geometry import DTYPE_BYTES, Geometry, Group, dtype_bytes
 from kvtier.core.hf_config import geometry_from_hf_config
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -102,6 +102,72 @@ def geometry_for_groups(
         ))
     return Geometry(groups=tuple(out), tokens_per_hash=tokens_per_hash, name=hf.name,
                     source=f"vLLM KV-cache groups of {model}, dtype {dtype}")
+
+
+# vLLM spec classes kvtier reads as plain attention; anything else (Mamba state, sparse or
+# circular caches, cross attention, custom specs) makes the spec fall back to config.json.
+_ATTENTION_SPECS = {"FullAttentionSpec": "full", "MLAAttentionSpec": "mla", "SlidingWindowSpec": "sliding",
+                    "SlidingWindowMLASpec": "sliding", "ChunkedLocalAttentionSpec": "chunked"}
+
+
+def kv_format(spec: object) -> str:
+    """The format vLLM stores a spec's KV in: its cache dtype string (`fp8_ds_mla`, ...) or the
+    torch dtype's name. Part of the namespace, so two formats never share a key."""
+    fmt = getattr(spec, "cache_dtype_str", None)
+    return str(fmt) if fmt else str(getattr(spec, "dtype", "?")).removeprefix("torch.")
+
+
+def geometry_from_engine_specs(
+    model: str, groups: Sequence[EngineGroup], specs: Sequence[object], tokens_per_hash: int,
+    layer_of: dict[str, int] | None = None,
+) -> Geometry | None:
+    """One kvtier group per vLLM group, described from vLLM's own KV-cache spec of that group
+    (kind, window, tokens per block, bytes), so no reading of config.json can disagree with what
+    the engine allocates. Layers are named by vLLM's layer names (their order in `layer_of`), not
+    by a parsed layer index. None when a group is not plain attention (kvtier then reads
+    config.json, which knows state groups); a spec kvtier cannot describe exactly raises."""
+    names = layer_of or {}
+    out: list[Group] = []
+    for eg, spec in zip(groups, specs, strict=True):
+        per_layer = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs
+        layer_specs = [per_layer[n] for n in eg.layer_names] if isinstance(per_layer, dict) else [spec] * len(eg.layer_names)
+        kinds = {type(s).__name__ for s in layer_specs}
+        if not kinds <= set(_ATTENTION_SPECS):
+            return None
+        first = layer_specs[0]
+        shape = {(type(s).__name__, s.block_size, s.unpadded_page_size_bytes, getattr(s, "sliding_window", None),
+                  getattr(s, "attention_chunk_size", None), kv_format(s)) for s in layer_specs}
+        if len(shape) != 1:
+            raise UnsupportedModelError(
+                f"vLLM group {eg.group_id} holds layers with different KV specs {sorted(map(str, shape))}; "
+                "kvtier describes a group by one spec and refuses rather than guess its chunk bytes")
+        kind = _ATTENTION_SPECS[type(first).__name__]
+        window = getattr(first, "sliding_window", None) if kind in ("full", "sliding", "mla") else None
+        chunk = getattr(first, "attention_chunk_size", None)
+        if kind in ("full", "mla") and window:
+            kind = "sliding"
+        elif kind in ("full", "mla") and chunk:
+            kind = "chunked"
+        page = int(first.unpadded_page_size_bytes)
+        tpb = int(first.block_size)
+        if tpb != eg.tokens_per_block or page % tpb:
+            raise UnsupportedModelError(
+                f"vLLM group {eg.group_id}: {page}-byte pages of {tpb} tokens (offloading says "
+                f"{eg.tokens_per_block} tokens per block); kvtier needs whole bytes per token")
+        fmt = kv_format(first)
+        out.append(Group(
+            name=f"vllm{eg.group_id}_{kind}",
+            kind=kind,
+            num_layers=len(eg.layer_names),
+            tokens_per_block=tpb,
+            bytes_per_token_per_layer=page // tpb,
+            window=int(window) if kind == "sliding" else None,
+            attention_chunk=int(chunk) if kind == "chunked" else None,
+            dtype=fmt if fmt in DTYPE_BYTES else "uint8",
+            layers=tuple(names.get(n, i) for i, n in enumerate(eg.layer_names)),
+        ))
+    return Geometry(groups=tuple(out), tokens_per_hash=tokens_per_hash, name=str(model),
+                    source=f"vLLM KV-cache specs of {model}")
 
 
 def geometry_from_vllm(path: str, dtype: str | None = None, block_size: int | None = None) -> Geometry:

@@ -81,7 +81,9 @@ class KvtierManager(OffloadingManager):
         end = rc.get_offload_key_position(key)
         if end is None:
             return 0, 0
-        return max(0, end - self.ctx.plan.chunk_tokens), end
+        g = self.ctx.group_of.get(int.from_bytes(key[-4:], "big"))
+        span = self.ctx.span_tokens[g] if g is not None and self.ctx.span_tokens else self.ctx.plan.chunk_tokens
+        return max(0, end - span), end
 
     # -- OffloadingManager ---------------------------------------------------------------------
 

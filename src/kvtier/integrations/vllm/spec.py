@@ -30,11 +30,11 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 
 from kvtier.errors import ConfigError
 from kvtier.core.keys import Namespace
-from kvtier.core.plan import make_plan
 
-from .common import Metrics, SpecContext, model_identity
+from .common import ENGINE_KV_CACHE_CONFIGS, Metrics, SpecContext, model_identity
 from .config import parse_config
-from .geometry import EngineGroup, geometry_for_groups
+from .engine_plan import engine_plan
+from .geometry import EngineGroup, geometry_for_groups, geometry_from_engine_specs, kv_format
 
 log = logging.getLogger("kvtier.vllm")
 
@@ -59,17 +59,28 @@ class KvtierOffloadingSpec(OffloadingSpec):
                     f"vLLM uses blocks_per_chunk={bpc}; use kv_connector \"KvtierConnector\" (which "
                     f"translates kvtier.chunk_tokens) or set \"blocks_per_chunk\": {want} instead"
                 )
-        geometry = geometry_for_groups(config.model.name, config.model.dtype, groups,
-                                       config.cache.tokens_per_hash)
-        plan = make_plan(geometry, blocks_per_chunk=bpc)
+        geometry, kv_dtype = None, config.model.dtype
+        kvc = ENGINE_KV_CACHE_CONFIGS.get(getattr(config, "engine_id", None))
+        if kvc is not None:  # KvtierConnector handed over vLLM's own KV-cache specs
+            specs = [kvc.kv_cache_groups[g.group_id].kv_cache_spec for g in groups]
+            order = {n: i for i, n in enumerate(dict.fromkeys(n for g in groups for n in g.layer_names))}
+            geometry = geometry_from_engine_specs(config.model.name, groups, specs,
+                                                  config.cache.tokens_per_hash, order)
+            formats = sorted({kv_format(s) for s in specs})
+            if formats != [config.model.dtype]:  # fp8 formats never share a key with each other
+                kv_dtype = f"{config.model.dtype}/kv={','.join(formats)}"
+        if geometry is None:  # not plain attention (state groups), or the stock connector
+            geometry = geometry_for_groups(config.model.name, config.model.dtype, groups,
+                                           config.cache.tokens_per_hash)
+        plan, spans = engine_plan(geometry, bpc)
         rank, world = config.parallel.rank, config.parallel.world_size
         namespace = Namespace(model=model_identity(config.model.name),
                               geometry_fingerprint=geometry.fingerprint(),
-                              dtype=config.model.dtype, rank=rank, world_size=world,
+                              dtype=kv_dtype, rank=rank, world_size=world,
                               tenant=tier_config.tenant)
         self.ctx = SpecContext(plan=plan, namespace=namespace, config=tier_config,
                                group_of={g.group_id: i for i, g in enumerate(groups)},
-                               blocks_per_chunk=bpc)
+                               blocks_per_chunk=bpc, span_tokens=spans)
         self._manager: OffloadingManager | None = None
         self._worker: OffloadingWorker | None = None
         self.reports_failures = False  # set by KvtierConnector, which turns failures into recomputes
