@@ -32,6 +32,11 @@ SCENARIOS = [
     {"name": "partial_chunk", "partial": True, "extra": {"blocks_per_chunk": 4}},
     {"name": "sync_loads", "extra": {"sync_load_budget_bytes": 1 << 20}},
     {"name": "lookups", "lookups": 70000},
+    # lifecycle: worker results held back for a few steps, as a GPU's asynchronous copies are
+    {"name": "abort_load", "lifecycle": "abort_load"},
+    {"name": "reset_load", "lifecycle": "reset_load"},
+    {"name": "reset_store", "lifecycle": "reset_store"},
+    {"name": "repeat_store", "lifecycle": "repeat_store"},
     # DeepSeek-V4-like mix: groups of 64, 16 and 32 tokens per block (full, sliding window 64,
     # MLA), equal page sizes so vLLM pools them; blocks_per_chunk=2 gives chunks of 128, 32 and 64
     # tokens. A: 400 tokens.
@@ -156,3 +161,18 @@ def test_the_geometry_is_read_from_vllms_specs(results: dict) -> None:
     r = ok(results, "gemma3_like")
     assert r["geometry_source"].startswith("vLLM KV-cache specs")
     assert [k for _, k, _, _ in r["geometry"]] == ["sliding", "sliding", "sliding", "full"]
+
+
+@pytest.mark.parametrize("name", ["abort_load", "reset_load", "reset_store", "repeat_store"])
+def test_lifecycle_leaves_nothing_pinned_and_restores_right(results: dict, name: str) -> None:
+    """A load in flight when its request is aborted or the cache is reset, stores still queued at
+    a reset, two requests storing the same chunks at once: afterwards no chunk stays pinned, and a
+    later request C with the same prefix loads it with every byte right."""
+    r = ok(results, name)
+    assert r["pins_left"] == 0 and r["pins_after_c"] == 0, r
+    c = r["c"]
+    assert c["external_tokens"] == 192 and c["checked"] > 0 and c["mismatches"] == 0, c
+    if name == "abort_load":
+        assert r["b_waiting"]  # B was waiting for its load when it was aborted
+    if name == "repeat_store":
+        assert r["counters"]["store_chunks"] == 21  # each chunk stored once, not once per request

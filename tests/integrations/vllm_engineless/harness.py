@@ -20,7 +20,8 @@ block_size (the scheduler's hash block); prompt_tokens;
 b_extra_tokens (B = A's prompt + this many new tokens); extra (merged into
 kv_connector_extra_config); fail_reads ("load": every tier read fails after A); partial (run
 the partial-chunk worker check instead of the two requests); lookups (N distinct keys looked up
-through the manager: its per-key maps must stay bounded).
+through the manager: its per-key maps must stay bounded); lifecycle ("abort_load", "reset_load",
+"reset_store", "repeat_store": transfers held in flight across steps, as on a GPU).
 This is a test helper, not kvtier code: it imports vLLM internals that move between releases.
 """
 
@@ -302,6 +303,115 @@ def run_partial(sc: dict) -> dict:
     return out
 
 
+def _store_a(h: Harness, n: int) -> list[int]:
+    prompt = [100 + (i * 7919) % 900 for i in range(n)]
+    h.add("a", prompt)
+    for _ in range(40):
+        h.step()
+        if not h.sched.requests:
+            break
+    h.drain()
+    return prompt
+
+
+def _fresh_gpu_cache(h: Harness) -> bool:
+    ok = h.sched.reset_prefix_cache()
+    for t in h.kv.values():
+        t.zero_()
+    return bool(ok)
+
+
+def _hold_results(h: Harness) -> None:
+    """Make the worker's finished transfers reach vLLM only after `h.hold` more polls, as a GPU's
+    asynchronous copies would: a load stays in flight across steps."""
+    w = h.wconn.connector_worker.worker
+    orig, held = w.get_finished, []
+    h.hold = 0
+
+    def get_finished():
+        held.extend(orig())
+        if h.hold > 0:
+            h.hold -= 1
+            return []
+        out = held[:]
+        held.clear()
+        return out
+
+    w.get_finished = get_finished
+
+
+def _load_and_check(h: Harness, req_id: str, prompt: list[int]) -> dict:
+    req = h.add(req_id, prompt, max_tokens=2)
+    for _ in range(12):
+        so = h.step()
+        n = so.num_scheduled_tokens.get(req_id, 0)
+        if n:
+            ext = req.num_computed_tokens - n
+            out = h.check_loaded(req, prompt, ext)
+            out["external_tokens"] = ext
+            h.drain()
+            return out
+    return {"external_tokens": -1, "checked": 0, "mismatches": 0, "never_scheduled": True}
+
+
+def _pins(h: Harness) -> int:
+    """Entries the manager's index holds pinned (a load in flight), plus its own pin records."""
+    manager = h.sched.connector.scheduler.manager
+    stats = manager.index.stats()
+    index_pins = sum(g["pinned"] for tier in stats["tiers"].values() for g in tier["groups"].values())
+    return index_pins + sum(len(v) for v in manager._pins.values())
+
+
+def run_lifecycle(sc: dict) -> dict:
+    """Abort, reset and repeated stores around transfers in flight; afterwards nothing is left
+    pinned and every byte any later request loads is right."""
+    from vllm.v1.request import RequestStatus
+
+    h = Harness(sc)
+    _hold_results(h)
+    kind = sc["lifecycle"]
+    n = int(sc.get("prompt_tokens", 200))
+    out: dict = {}
+    if kind == "repeat_store":  # two requests store the same chunks at once
+        prompt = [100 + (i * 7919) % 900 for i in range(n)]
+        h.add("a1", prompt)
+        h.add("a2", prompt)
+        h.hold = 2
+        for _ in range(40):
+            h.step()
+            if not h.sched.requests:
+                break
+        h.drain()
+    else:
+        prompt = _store_a(h, n)
+    if kind == "reset_store":  # A's last stores are still queued when the cache is reset
+        h.add("a2", prompt + [7, 7, 7])
+        h.hold = 3
+        h.step()
+        out["reset_ok"] = _fresh_gpu_cache(h)
+        h.drain(8)
+    out["reset_ok"] = _fresh_gpu_cache(h)
+    if kind == "abort_load":  # B's load is in flight when B is aborted
+        h.add("b", prompt + [1, 2, 3])
+        h.hold = 3
+        h.step()
+        out["b_waiting"] = "b" in h.sched.requests
+        h.sched.finish_requests("b", RequestStatus.FINISHED_ABORTED)
+        h.drain(8)
+    elif kind == "reset_load":  # the cache is reset while B's load is in flight
+        h.add("b", prompt + [1, 2, 3])
+        h.hold = 3
+        h.step()
+        out["reset_during_load"] = bool(h.sched.reset_prefix_cache())
+        h.drain(10)
+        _fresh_gpu_cache(h)
+    out["pins_left"] = _pins(h)
+    out["c"] = _load_and_check(h, "c", prompt + [4, 5, 6])
+    out["pins_after_c"] = _pins(h)
+    out["counters"] = h.counters()
+    return out
+
+
 def run_lookups(sc: dict) -> dict:
     """Many distinct keys looked up (all misses): the manager's per-key maps stay bounded."""
     import random
@@ -332,7 +442,8 @@ def main() -> None:
     results = {"vllm_version": vllm.__version__, "vllm_file": vllm.__file__}
     for sc in scenarios:
         try:
-            run = run_partial if sc.get("partial") else run_lookups if sc.get("lookups") else run_two_requests
+            run = (run_partial if sc.get("partial") else run_lookups if sc.get("lookups")
+                   else run_lifecycle if sc.get("lifecycle") else run_two_requests)
             results[sc["name"]] = run(sc)
         except Exception as exc:  # noqa: BLE001 - reported to the test, which decides
             results[sc["name"]] = {"error": f"{type(exc).__name__}: {exc}",
