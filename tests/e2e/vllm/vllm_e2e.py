@@ -81,7 +81,7 @@ def prompts(n: int, length: int, seed: int) -> list[list[int]]:
 def run_engine(scenario: dict[str, object], expect_failure: bool = False) -> dict:
     """Run driver.py with `scenario`; its RESULT (or, when a failure is expected, the stderr)."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1",
-               TOKENIZERS_PARALLELISM="false")
+               TOKENIZERS_PARALLELISM="false", **scenario.get("env", {}))  # type: ignore[arg-type]
     proc = subprocess.run([sys.executable, str(DRIVER), json.dumps(scenario)], env=env,
                           capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S)
     if expect_failure:
