@@ -126,3 +126,49 @@ def test_spec_refuses_bad_config_before_touching_the_engine(tmp_path: Path) -> N
     )
     with pytest.raises(ConfigError, match="kvtier.directory="):
         KvtierOffloadingSpec(config)
+
+
+@pytest.mark.parametrize("sizes, setting", [((2, 1, 1), "pipeline_parallel_size=2"),
+                                            ((1, 1, 2), "decode_context_parallel_size=2"),
+                                            ((1, 4, 1), "prefill_context_parallel_size=4")])
+def test_spec_refuses_split_kv_layouts_by_their_setting(tmp_path: Path, sizes, setting) -> None:
+    """Pipeline stages and context parallel split a request's KV in ways kvtier does not describe:
+    refused at start by the setting's name (it was a byte-size mismatch in the worker)."""
+    pytest.importorskip("vllm")
+    from vllm.v1.kv_offload.config import (OffloadingCacheConfig, OffloadingConfig, OffloadingGroupConfig,
+                                           OffloadingModelConfig, OffloadingParallelConfig)
+
+    from kvtier.integrations.vllm.spec import KvtierOffloadingSpec
+
+    pp, pcp, dcp = sizes
+    config = OffloadingConfig(
+        groups=(OffloadingGroupConfig(128, ("model.layers.0.self_attn.attn",), 0),),
+        worker_kv_bytes_per_block=1024, enable_kv_cache_events=False,
+        extra_config={"kvtier.tiers": "cpu", "kvtier.cpu_bytes": "1GiB"}, engine_id="e-par",
+        model=OffloadingModelConfig(name=str(tmp_path), dtype="float32"),
+        cache=OffloadingCacheConfig(tokens_per_hash=128, blocks_per_chunk=1),
+        parallel=OffloadingParallelConfig(0, pp * pcp * dcp, 1, pp, pcp, dcp, 0, 1, None, True),
+    )
+    with pytest.raises(ConfigError, match=f"^{setting}: kvtier does not offload KV split") as err:
+        KvtierOffloadingSpec(config)
+    assert "\n" not in str(err.value) and "=1" in str(err.value)
+
+
+def test_falcon_h1_layers_map_to_groups_by_name(tmp_path: Path, config_path) -> None:
+    """Falcon-H1 runs an attention and an SSM branch in every layer; vLLM names the SSM branch of
+    layer i `model.{L + i}.mixer`. Each vLLM group maps to kvtier's group of its own kind (the
+    spec stopped at start: layers were matched by index only)."""
+    import json
+    import shutil
+
+    from kvtier.integrations.vllm.geometry import EngineGroup, geometry_for_groups
+
+    shutil.copy(config_path("falcon-h1-0.5b"), tmp_path / "config.json")
+    n = json.loads((tmp_path / "config.json").read_text())["num_hidden_layers"]
+    attn = tuple(f"model.layers.{i}.self_attn.attn" for i in range(n))
+    ssm = tuple(f"model.{n + i}.mixer" for i in range(n))
+    geometry = geometry_for_groups(str(tmp_path), "bfloat16",
+                                   [EngineGroup(0, 16, attn), EngineGroup(1, 16, ssm)], 16)
+    assert [g.kind for g in geometry.groups] == ["full", "state"]
+    assert [g.layers for g in geometry.groups] == [tuple(range(n)), tuple(range(n))]
+    assert geometry.groups[1].state_bytes_per_layer > 0

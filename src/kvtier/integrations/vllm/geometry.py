@@ -35,15 +35,32 @@ class EngineGroup:
     layer_names: tuple[str, ...]
 
 
-def layer_index(name: str) -> int:
-    """The model layer index in a vLLM attention layer name (`model.layers.7.self_attn.attn`)."""
+_FLAT_RE = re.compile(r"^model\.(\d+)\.")
+# parts of a vLLM layer name that mark a state layer (Mamba mixers, GDN linear attention, convs)
+_STATE_PARTS = ("mixer", "mamba", "linear_attn", "conv", "ssm")
+
+
+def layer_index(name: str, num_layers: int | None = None) -> int:
+    """The model layer index in a vLLM layer name (`model.layers.7.self_attn.attn`). vLLM names
+    Falcon-H1's SSM branch of layer i `model.{num_layers + i}.mixer` (every attention and SSM
+    layer needs its own index there); that is layer i too."""
     m = _LAYER_RE.search(name)
-    if m is None:
-        raise UnsupportedModelError(
-            f"vLLM layer {name!r} has no 'layers.N.' in its name; kvtier cannot tell which model "
-            "layer it is"
-        )
-    return int(m.group(1))
+    if m is not None:
+        return int(m.group(1))
+    m = _FLAT_RE.search(name)
+    if m is not None and num_layers:
+        i = int(m.group(1))
+        return i - num_layers if i >= num_layers else i
+    raise UnsupportedModelError(
+        f"vLLM layer {name!r} has no 'layers.N.' in its name; kvtier cannot tell which model "
+        "layer it is"
+    )
+
+
+def is_state_layer(name: str) -> bool:
+    """Whether a vLLM layer name is a state layer's (by name: the offloading config vLLM hands a
+    spec does not say)."""
+    return any(part in name for part in _STATE_PARTS)
 
 
 def read_hf_config(model: str) -> dict[str, object]:
@@ -66,15 +83,27 @@ def geometry_for_groups(
     model: str, dtype: str, groups: Sequence[EngineGroup], tokens_per_hash: int
 ) -> Geometry:
     """One kvtier group per vLLM group (same order), described from the model's config.json."""
-    hf = geometry_from_hf_config(read_hf_config(model), dtype=dtype,
+    cfg = read_hf_config(model)
+    hf = geometry_from_hf_config(cfg, dtype=dtype,
                                  block_size=groups[0].tokens_per_block if groups else None)
-    by_layer: dict[int, Group] = {}
+    # a layer may be in one attention group and one state group (Falcon-H1 runs both branches
+    # in every layer): look a vLLM layer up by its index and by whether its name is a state's
+    by_layer: dict[tuple[int, bool], Group] = {}
     for g in hf.groups:
         for i in g.layers:
-            by_layer[i] = g
+            by_layer[(i, g.is_state)] = g
+    num_layers = cfg.get("num_hidden_layers") if isinstance(cfg.get("num_hidden_layers"), int) else None
+
+    def member(name: str) -> Group | None:
+        i, state = layer_index(name, num_layers), is_state_layer(name)
+        found = by_layer.get((i, state))
+        if found is None and (i, not state) in by_layer and (i, state) not in by_layer:
+            found = by_layer[(i, not state)]  # the layer has one kind only: the name cannot mislead
+        return found
+
     out: list[Group] = []
     for eg in groups:
-        members = [by_layer.get(layer_index(n)) for n in eg.layer_names]
+        members = [member(n) for n in eg.layer_names]
         if any(m is None for m in members):
             raise UnsupportedModelError(
                 f"vLLM group {eg.group_id} has layers {list(eg.layer_names)} that kvtier's reading "
@@ -98,7 +127,7 @@ def geometry_for_groups(
             window=first.window,
             attention_chunk=first.attention_chunk,
             dtype=dtype,
-            layers=tuple(layer_index(n) for n in eg.layer_names),
+            layers=tuple(layer_index(n, num_layers) for n in eg.layer_names),
         ))
     return Geometry(groups=tuple(out), tokens_per_hash=tokens_per_hash, name=hf.name,
                     source=f"vLLM KV-cache groups of {model}, dtype {dtype}")

@@ -44,6 +44,7 @@ class KvtierOffloadingSpec(OffloadingSpec):
         super().__init__(config)
         tier_config = parse_config(config.extra_config)
         _refuse_sync_loads(config.extra_config)
+        _refuse_parallel(config.parallel)
         groups = [EngineGroup(g.group_id, g.tokens_per_block, tuple(g.layer_names))
                   for g in config.groups]
         bpc = self.blocks_per_chunk
@@ -135,6 +136,25 @@ def _refuse_sync_loads(extra: object) -> None:
             "vLLM, so a tier miss could leave a request on wrong KV; remove sync_load_budget_bytes "
             "(kvtier loads asynchronously)"
         )
+
+
+# vLLM parallel settings kvtier has not been built and tested for: each splits a request's KV
+# across ranks in a way kvtier's per-rank namespace does not describe (pipeline stages hold
+# different layers, context parallel different tokens of a layer). Refused by name at start;
+# a byte-size mismatch deep in the worker was the message before.
+_PARALLEL = (("pp_size", "pipeline_parallel_size"), ("dcp_size", "decode_context_parallel_size"),
+             ("pcp_size", "prefill_context_parallel_size"))
+
+
+def _refuse_parallel(parallel: object) -> None:
+    for attr, setting in _PARALLEL:
+        n = getattr(parallel, attr, 1) or 1
+        if n > 1:
+            raise ConfigError(
+                f"{setting}={n}: kvtier does not offload KV split across {setting.split('_parallel')[0]} "
+                f"ranks yet and refuses rather than restore the wrong part; run with {setting}=1 "
+                "(tensor parallel is supported: each rank stores its own shard under its own namespace)"
+            )
 
 
 def chunk_tokens_to_blocks(extra: dict, groups: list[EngineGroup]) -> None:
