@@ -21,44 +21,40 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import fcntl
     import os
     from pathlib import Path
 
     from kvtier.errors import ConfigError, KvtierError
+    from kvtier.store.tiers.disk_files import lock_for_tools, lock_holder
     from kvtier.store.tiers.disk_scan import drop_slot, scan_dir
 
     root = Path(args.dir)
     if not root.is_dir():
         raise ConfigError(f"{args.dir!r} is not a directory; give a disk tier's root directory")
+    locks: dict[str, int] = {}
     checked = 0
     bad = []
-    for rec in scan_dir(root, verify_payloads=True):
-        checked += 1
-        if rec.problem is not None:
-            bad.append(rec)
     fixed = 0
-    if args.fix and bad:
-        locks: dict[str, int] = {}
-        try:
+    try:
+        if args.fix:  # lock every namespace before scanning: no writer changes what --fix saw
+            for nsdir in sorted(p for p in root.iterdir() if p.is_dir() and not p.is_symlink()):
+                fd = lock_for_tools(nsdir)
+                if fd is None:
+                    raise KvtierError(
+                        f"namespace {nsdir.name} in {args.dir} is in use by pid {lock_holder(nsdir) or '?'}; "
+                        "stop that process before `kvtier check --fix` (or run without --fix)")
+                locks[nsdir.name] = fd
+        for rec in scan_dir(root, verify_payloads=True):
+            checked += 1
+            if rec.problem is not None:
+                bad.append(rec)
+        if args.fix:
             for rec in bad:
-                ns = rec.namespace_id
-                if ns not in locks:
-                    fd = os.open(root / ns / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
-                    try:
-                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    except BlockingIOError:
-                        pid = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-                        os.close(fd)
-                        raise KvtierError(
-                            f"namespace {ns} in {args.dir} is in use by pid {pid}; stop that process "
-                            "before `kvtier check --fix` (or run without --fix)") from None
-                    locks[ns] = fd
                 drop_slot(rec.path, rec.slot, rec.slot_bytes)
                 fixed += 1
-        finally:
-            for fd in locks.values():
-                os.close(fd)
+    finally:
+        for fd in locks.values():
+            os.close(fd)
     report = {
         "root": str(root),
         "checked": checked,

@@ -16,23 +16,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def lock_holder(nsdir: object) -> str | None:
     """The pid holding a namespace directory's writer lock, or None when nobody holds it."""
-    import fcntl
-    import os
     from pathlib import Path
 
-    path = Path(str(nsdir)) / ".lock"
-    if not path.exists():
-        return None
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return None
-    finally:
-        os.close(fd)
+    from kvtier.store.tiers.disk_files import lock_holder as holder
+
+    return holder(Path(str(nsdir)))
 
 
 def summarize(root: str) -> dict[str, object]:

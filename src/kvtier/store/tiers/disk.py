@@ -143,11 +143,16 @@ class DiskTier(SlotTier):
         self.root = Path(root)
         self.dir = self.root / namespace_id
         self.strides = [slot_stride(b) for b in layout.slot_bytes]
-        self._lock_fd, why = open_namespace_dir(self.dir)
+        self._lock_fd, _, why = open_namespace_dir(self.dir)  # the directory fd holds the lock
         self.read_only = why is not None
         if why is not None:
             self.last_error = why
-        self._fds = open_slabs(self.dir, layout, self.strides, self.read_only)
+        try:
+            self._fds = open_slabs(self._lock_fd, self.dir, layout, self.strides, self.read_only)
+        except BaseException:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+            raise
         self._maps: list[Mapping | None] = [
             map_file(fd) if self.mapped and fd is not None else None for fd in self._fds]
         self.mapped_reads = 0  # payloads read through the mapping (bench reports it)

@@ -7,10 +7,15 @@ rounded up to 4 KiB) and holds the header, zero padding, and the payload from `D
 on. The slot size is in the file name, so a restart with another plan never reads a slab with
 the wrong stride, and `kvtier inspect`/`check` (`disk_scan`) read a directory without a plan.
 
-One writer per namespace directory: `open_namespace_dir` takes an exclusive `flock` on
-`<namespace dir>/.lock` and raises `TierError` naming the holder when another process (or another
-tier in this process) has it. The kernel drops the lock when its process dies, even by SIGKILL.
-A directory that cannot be written (read-only file system) opens read-only.
+One writer per namespace directory: `open_namespace_dir` takes an exclusive `flock` on the
+directory itself and raises `TierError` naming the holder (from `.lock`) when another process (or
+another tier in this process) has it. The kernel drops the lock when its process dies, even by
+SIGKILL. A directory that cannot be written (read-only file system) opens read-only.
+
+Private by default: namespace directories are created 0700 and files 0600; every open is
+`O_NOFOLLOW | O_CLOEXEC`, relative to the directory's fd; an existing namespace directory that is
+not a real directory, not this user's, or writable by group or others is refused with one line;
+a slab that is not a private regular file with one link is refused.
 
 Split out of `disk.py` (which keeps the read and write paths) because managing files is its own
 job; `disk_scan.py` is the third (directory scans for the tools).
@@ -25,6 +30,7 @@ import fcntl
 import mmap
 import os
 import re
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -65,36 +71,129 @@ def slab_name(group: int, slot_bytes: int) -> str:
     return f"g{group:03d}-{slot_bytes}.kvslab"
 
 
-def open_namespace_dir(path: Path) -> tuple[int | None, str | None]:
-    """Create `path` if needed and take its writer lock: (lock fd, None), or (None, why it is
-    read-only) where the directory exists but cannot be written. Raises `TierError` when another
-    writer holds the lock or the directory can be neither created nor read."""
-    lock_fd: int | None = None
+OPEN_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC  # every open: never through a symlink, never inherited
+
+
+def _refuse_unsafe(path: Path, st: os.stat_result) -> None:
+    """A namespace directory must be a real directory this user owns that nobody else may write:
+    anyone who can write it can swap a slab for a symlink or plant a forged one."""
+    if not stat.S_ISDIR(st.st_mode):
+        raise TierError(f"disk tier path {str(path)!r} is not a directory; remove it or choose another directory")
+    if st.st_uid != os.geteuid():
+        raise TierError(
+            f"disk tier directory {str(path)!r} is owned by uid {st.st_uid}, not by this user "
+            f"(uid {os.geteuid()}); kvtier uses only directories it owns: choose another directory")
+    if st.st_mode & 0o022:
+        raise TierError(
+            f"disk tier directory {str(path)!r} is writable by group or others (mode "
+            f"{stat.S_IMODE(st.st_mode):o}); run `chmod 700 {str(path)!r}` or choose another directory")
+
+
+def open_namespace_dir(path: Path) -> tuple[int | None, bool, str | None]:
+    """Open (create 0700 if missing) a namespace directory and take its writer lock.
+
+    Returns (directory fd, locked, why it is read-only or None). The directory is opened without
+    following a symlink and checked (`_refuse_unsafe`); every file in it is opened relative to its
+    fd, so a directory renamed or replaced after the check is never written through. The writer
+    lock is an `flock` on the directory itself, which no cleaner can delete out from under a
+    writer (a `.lock` file could be); `.lock` only tells the next writer who holds it.
+    Raises `TierError` when another writer holds the lock, or the directory is unsafe or can be
+    neither created nor read."""
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        lock_fd = os.open(path / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
     except OSError as exc:
         if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
             raise TierError(f"disk tier cannot use {str(path)!r}: {exc.strerror}") from None
         if not path.is_dir():
             raise TierError(f"disk tier directory {str(path)!r} does not exist and cannot be created: {exc.strerror}") from None
-        return None, f"{path} is read-only ({exc.strerror}); saves will fail"
     try:
-        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(lock_fd, 32, 0).decode(errors="replace").strip() or "?"
+        dfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | OPEN_FLAGS)
+    except OSError as exc:
+        raise TierError(f"disk tier cannot open directory {str(path)!r} ({exc.strerror}); "
+                        "it must be a real directory, not a symlink") from None
+    try:
+        _refuse_unsafe(path, os.fstat(dfd))
+    except TierError:
+        os.close(dfd)
+        raise
+    try:
+        lock_fd = os.open(".lock", os.O_RDWR | os.O_CREAT | OPEN_FLAGS, 0o600, dir_fd=dfd)
+    except OSError as exc:
+        if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+            os.close(dfd)
+            raise TierError(f"disk tier cannot use {str(path / '.lock')!r}: {exc.strerror}") from None
+        return dfd, False, f"{path} is read-only ({exc.strerror}); saves will fail"
+    try:
+        try:
+            fcntl.flock(dfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(lock_fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(dfd)
+            raise TierError(
+                f"disk tier directory {str(path)!r} is in use by another writer (pid {holder}); "
+                "kvtier allows one writer per namespace directory: give each process its own "
+                "directory, or stop the other one"
+            ) from None
+        os.ftruncate(lock_fd, 0)
+        os.pwrite(lock_fd, f"{os.getpid()}\n".encode(), 0)
+    finally:
         os.close(lock_fd)
-        raise TierError(
-            f"disk tier directory {str(path)!r} is in use by another writer (pid {holder}); "
-            "kvtier allows one writer per namespace directory: give each process its own "
-            "directory, or stop the other one"
-        ) from None
-    os.ftruncate(lock_fd, 0)
-    os.pwrite(lock_fd, f"{os.getpid()}\n".encode(), 0)
-    return lock_fd, None
+    return dfd, True, None
 
 
-def open_slabs(path: Path, layout: TierLayout, strides: list[int], read_only: bool) -> list[int | None]:
+def lock_for_tools(path: Path) -> int | None:
+    """Take a namespace directory's writer lock for `kvtier check --fix`: the directory fd, or
+    None when another process holds it (never blocks)."""
+    dfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | OPEN_FLAGS)
+    try:
+        fcntl.flock(dfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(dfd)
+        return None
+    return dfd
+
+
+def lock_holder(path: Path) -> str | None:
+    """The pid holding a namespace directory's writer lock ("?" when unknown), or None."""
+    try:
+        dfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | OPEN_FLAGS)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(dfd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                fd = os.open(".lock", os.O_RDONLY | os.O_NONBLOCK | OPEN_FLAGS, dir_fd=dfd)
+            except OSError:
+                return "?"
+            try:
+                return os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            finally:
+                os.close(fd)
+        fcntl.flock(dfd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(dfd)
+
+
+def open_slab(dfd: int, name: str, flags: int) -> int:
+    """Open one slab file inside the namespace directory `dfd`: created 0600, never through a
+    symlink, and refused unless it is a regular file of this user with one link (a hard link to
+    another file would write into that file)."""
+    fd = os.open(name, flags | OPEN_FLAGS, 0o600, dir_fd=dfd)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_nlink != 1:
+        os.close(fd)
+        raise TierError(f"disk tier slab {name!r} is not a private regular file (a link, or another "
+                        "user's file); remove it and restart")
+    return fd
+
+
+def open_slabs(dfd: int, path: Path, layout: TierLayout, strides: list[int], read_only: bool) -> list[int | None]:
     """One fd per group (None: no slots, or absent in a read-only directory), each file sized to
     its capacity (sparse), so every slot lies inside the file and inside its mapping."""
     flags = os.O_RDONLY if read_only else os.O_RDWR | os.O_CREAT
@@ -104,25 +203,37 @@ def open_slabs(path: Path, layout: TierLayout, strides: list[int], read_only: bo
                     "version ignores; delete them to free the space", path, len(old),
                     ", ".join(old[:3]), ", ..." if len(old) > 3 else "")
     fds: list[int | None] = []
-    for g, (b, n) in enumerate(zip(layout.slot_bytes, layout.num_slots)):
-        slab = path / slab_name(g, b)
-        if n == 0 or (read_only and not slab.exists()):
-            fds.append(None)
-            continue
-        fd = os.open(slab, flags, 0o644)
-        size = os.fstat(fd).st_size
-        if not read_only and size > n * strides[g]:
-            os.ftruncate(fd, n * strides[g])  # capacity shrank: slots past it are gone
-        elif not read_only and size < n * strides[g]:
-            # new or grown: a sparse tail (no blocks used). Where the file may not grow (a file
-            # size limit), it grows as slots are written and slots past its size are read with
-            # preadv.
+    try:
+        for g, (b, n) in enumerate(zip(layout.slot_bytes, layout.num_slots)):
+            name = slab_name(g, b)
+            if n == 0:
+                fds.append(None)
+                continue
             try:
-                os.ftruncate(fd, n * strides[g])
-            except OSError as exc:
-                log.warning("tier disk: cannot size %s to %d bytes (%s); slots past %d bytes are "
-                            "read without the mapping", slab, n * strides[g], exc.strerror, size)
-        fds.append(fd)
+                fd = open_slab(dfd, name, flags)
+            except FileNotFoundError:
+                if not read_only:
+                    raise
+                fds.append(None)
+                continue
+            size = os.fstat(fd).st_size
+            if not read_only and size > n * strides[g]:
+                os.ftruncate(fd, n * strides[g])  # capacity shrank: slots past it are gone
+            elif not read_only and size < n * strides[g]:
+                # new or grown: a sparse tail (no blocks used). Where the file may not grow (a file
+                # size limit), it grows as slots are written and slots past its size are read with
+                # preadv.
+                try:
+                    os.ftruncate(fd, n * strides[g])
+                except OSError as exc:
+                    log.warning("tier disk: cannot size %s to %d bytes (%s); slots past %d bytes are "
+                                "read without the mapping", path / name, n * strides[g], exc.strerror, size)
+            fds.append(fd)
+    except BaseException:
+        for fd in fds:
+            if fd is not None:
+                os.close(fd)
+        raise
     return fds
 
 

@@ -1,0 +1,87 @@
+"""The disk tier's files are private and never opened through someone else's link (issue:
+hardening). Each test names the attack or careless setup it guards against."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from kvtier.errors import TierError
+from kvtier.store.tiers.base import TierLayout
+from kvtier.store.tiers.disk import DiskTier
+from kvtier.store.tiers.disk_files import slab_name
+
+NS = "00112233aabbccdd"
+LAYOUT = TierLayout(slot_bytes=(4096, 1024), num_slots=(4, 3))
+
+
+def mode(p: Path) -> int:
+    return stat.S_IMODE(os.lstat(p).st_mode)
+
+
+def test_directories_are_0700_and_files_0600(tmp_path: Path) -> None:
+    old = os.umask(0o022)  # the usual umask left directories 0755 and files 0644
+    try:
+        tier = DiskTier(tmp_path / "root", LAYOUT, NS)
+    finally:
+        os.umask(old)
+    try:
+        assert mode(tmp_path / "root") == 0o700
+        assert mode(tmp_path / "root" / NS) == 0o700
+        names = sorted(p.name for p in (tmp_path / "root" / NS).iterdir())
+        assert names == [".lock", slab_name(0, 4096), slab_name(1, 1024)]
+        assert all(mode(tmp_path / "root" / NS / n) == 0o600 for n in names)
+    finally:
+        tier.close()
+
+
+def test_a_directory_others_may_write_is_refused(tmp_path: Path) -> None:
+    (tmp_path / NS).mkdir()
+    os.chmod(tmp_path / NS, 0o777)  # another user could plant or swap slabs in it
+    with pytest.raises(TierError, match=r"writable by group or others \(mode 777\); run `chmod 700") as err:
+        DiskTier(tmp_path, LAYOUT, NS)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another user needs root")
+def test_a_directory_of_another_user_is_refused(tmp_path: Path) -> None:
+    (tmp_path / NS).mkdir(mode=0o700)
+    os.chown(tmp_path / NS, 65534, 65534)
+    with pytest.raises(TierError, match="owned by uid 65534, not by this user"):
+        DiskTier(tmp_path, LAYOUT, NS)
+
+
+def test_a_symlinked_namespace_directory_is_not_followed(tmp_path: Path) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    (tmp_path / "root").mkdir()
+    os.symlink(elsewhere, tmp_path / "root" / NS)
+    with pytest.raises(TierError, match="not a symlink"):
+        DiskTier(tmp_path / "root", LAYOUT, NS)
+    assert list(elsewhere.iterdir()) == []  # nothing created through the link
+
+
+@pytest.mark.parametrize("link", ["symlink", "hardlink"])
+def test_a_linked_slab_never_writes_the_victim(tmp_path: Path, link: str) -> None:
+    victim = tmp_path / "photo.jpg"
+    victim.write_bytes(b"precious" * 1000)
+    nsdir = tmp_path / "root" / NS
+    nsdir.mkdir(parents=True, mode=0o700)
+    (os.symlink if link == "symlink" else os.link)(victim, nsdir / slab_name(0, 4096))
+    with pytest.raises((TierError, OSError)):
+        DiskTier(tmp_path / "root", LAYOUT, NS)
+    assert victim.read_bytes() == b"precious" * 1000  # not truncated, not written
+
+
+def test_deleting_the_lock_file_lets_no_second_writer_in(tmp_path: Path) -> None:
+    first = DiskTier(tmp_path, LAYOUT, NS)
+    try:
+        os.unlink(tmp_path / NS / ".lock")  # a cleaner removing "stale" files
+        with pytest.raises(TierError, match=f"pid {os.getpid()}|pid \\?"):
+            DiskTier(tmp_path, LAYOUT, NS)
+    finally:
+        first.close()
+    DiskTier(tmp_path, LAYOUT, NS).close()  # free once the first writer is gone
