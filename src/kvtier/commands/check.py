@@ -26,7 +26,7 @@ def run(args: argparse.Namespace) -> int:
 
     from kvtier.errors import ConfigError, KvtierError
     from kvtier.store.tiers.disk_files import lock_for_tools, lock_holder
-    from kvtier.store.tiers.disk_scan import drop_slot, scan_dir
+    from kvtier.store.tiers.disk_scan import drop_slot, namespace_dirs, scan_dir
 
     root = Path(args.dir)
     if not root.is_dir():
@@ -35,9 +35,10 @@ def run(args: argparse.Namespace) -> int:
     checked = 0
     bad = []
     fixed = 0
+    removed: set[int] = set()
     try:
         if args.fix:  # lock every namespace before scanning: no writer changes what --fix saw
-            for nsdir in sorted(p for p in root.iterdir() if p.is_dir() and not p.is_symlink()):
+            for nsdir in namespace_dirs(root):
                 fd = lock_for_tools(nsdir)
                 if fd is None:
                     raise KvtierError(
@@ -49,9 +50,10 @@ def run(args: argparse.Namespace) -> int:
             if rec.problem is not None:
                 bad.append(rec)
         if args.fix:
-            for rec in bad:
-                drop_slot(rec.path, rec.slot, rec.slot_bytes)
-                fixed += 1
+            for rec in bad:  # entries that are not kvtier's slots are reported, never touched
+                if drop_slot(rec.path, rec.slot, rec.slot_bytes):
+                    removed.add(id(rec))
+            fixed = len(removed)
     finally:
         for fd in locks.values():
             os.close(fd)
@@ -59,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
         "root": str(root),
         "checked": checked,
         "bad": [{"namespace": r.namespace_id, "group": r.group, "slot": r.slot, "file": r.path.name,
-                 "problem": r.problem} for r in bad],
+                 "problem": r.problem, "removed": id(r) in removed} for r in bad],
         "fixed": fixed,
     }
     if args.json:
@@ -67,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         for r in bad:
             print(f"bad: namespace {r.namespace_id} group {r.group} slot {r.slot} ({r.path.name}): {r.problem}"
-                  + (" -> removed" if args.fix else ""))
+                  + ((" -> removed" if id(r) in removed else " -> left alone (not a kvtier slot)") if args.fix else ""))
         print(f"{checked} slot(s) checked, {len(bad)} bad" + (f", {fixed} removed" if args.fix else ""))
         if bad and not args.fix:
             print("run `kvtier check --fix DIR` to remove the bad slots", file=sys.stderr)

@@ -25,23 +25,26 @@ def lock_holder(nsdir: object) -> str | None:
 
 def summarize(root: str) -> dict[str, object]:
     import os
+    import stat
     from pathlib import Path
 
     from kvtier.store.payload import ChunkHeader
     from kvtier.store.tiers.disk_files import SLAB_RE, slot_stride
-    from kvtier.store.tiers.disk_scan import scan_dir
+    from kvtier.store.tiers.disk_scan import namespace_dirs, scan_dir
 
     now = time.time_ns()
     spaces: dict[str, dict[str, object]] = {}
-    for nsdir in sorted(p for p in Path(root).iterdir() if p.is_dir()) if Path(root).is_dir() else ():
+    for nsdir in namespace_dirs(Path(root)) if Path(root).is_dir() else ():
         groups = {}
         for f in sorted(nsdir.iterdir()):
             m = SLAB_RE.match(f.name)
             if m:
                 g, sb = int(m.group(1)), int(m.group(2))
+                st = os.lstat(f)
+                size = st.st_size if stat.S_ISREG(st.st_mode) else 0  # odd entries: reported bad
                 groups[(g, sb)] = {"group": g, "slot_bytes": sb, "file": f.name,
-                                   "file_bytes": os.path.getsize(f),
-                                   "slots_in_file": -(-os.path.getsize(f) // slot_stride(sb)),
+                                   "file_bytes": size,
+                                   "slots_in_file": -(-size // slot_stride(sb)),
                                    "chunks": 0, "payload_bytes": 0, "bad": 0,
                                    "oldest_age_s": None, "newest_age_s": None}
         spaces[nsdir.name] = {"namespace": nsdir.name, "in_use_by_pid": lock_holder(nsdir), "groups": groups}
