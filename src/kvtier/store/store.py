@@ -443,8 +443,12 @@ class Store(TierIO):
         return register_prometheus(self.metrics, registry, prefix)
 
     def close(self) -> None:
-        for t in (*self.slot_tiers.values(), *self.shared):
-            t.close()
+        """Close every tier under the store lock: a save or load running in another thread
+        finishes first (closing a slab fd under a writer let the next open reuse its number and
+        take the rest of a payload). Afterwards the tiers refuse I/O (misses, failed writes)."""
+        with self._lock:
+            for t in (*self.slot_tiers.values(), *self.shared):
+                t.close()
 
     def __enter__(self) -> Store:
         return self

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -141,6 +142,10 @@ class DiskTier(SlotTier):
         self.fsync = fsync
         self.namespace_id = namespace_id
         self.root = Path(root)
+        # held by every read, write and close: close() never closes a slab fd under a writer (the
+        # number would be reused by the next open and the rest of a payload would land there)
+        self._io = threading.RLock()
+        self.closed = False
         self.dir = self.root / namespace_id
         self.strides = [slot_stride(b) for b in layout.slot_bytes]
         self._lock_fd, _, why = open_namespace_dir(self.dir)  # the directory fd holds the lock
@@ -159,7 +164,10 @@ class DiskTier(SlotTier):
 
     # -- contract ------------------------------------------------------------------------
     def write(self, group: int, slot: int, header: ChunkHeader, data: object) -> bool:
-        return self._count_write(group, slot, header, self._write(group, slot, header, data))
+        with self._io:
+            if self.closed:
+                return self._failed_write(group, slot, "tier closed")
+            return self._count_write(group, slot, header, self._write(group, slot, header, data))
 
     def write_many(self, items: Iterable[tuple[int, int, ChunkHeader, object]]) -> list[bool]:
         """Write several payloads; while a second core is free (`pipeline`), on two lanes: this
@@ -168,24 +176,27 @@ class DiskTier(SlotTier):
         that balances them (`split_lanes`): buffered writes to one file serialize on its inode
         lock, so two files make two cores copy at once. Each payload keeps the write-then-publish
         rule on its own; the results and counters are those of the same writes one by one."""
-        items = list(items)
-        big = sum(1 for it in items if it[2].payload_bytes >= self.piece_bytes)
-        if big < 2 or not self._use_helper():
-            return [self.write(*it) for it in items]
-        lane_a, lane_b = split_lanes([(it[0], it[2].payload_bytes) for it in items])
-        run = lambda lane: [(k, self._write(*items[k])) for k in lane]  # noqa: E731
-        fut = self._helper().submit(run, lane_b)
-        self.helper_ios += len(lane_b)
-        try:
-            done = run(lane_a)
-        finally:
-            wait_all([fut])
-        done += fut.result()
-        results = [False] * len(items)
-        for k, err in done:  # counted here, on this thread only
-            g, s, h, _ = items[k]
-            results[k] = self._count_write(g, s, h, err)
-        return results
+        with self._io:
+            if self.closed:
+                return [self._failed_write(g, s, "tier closed") for g, s, _, _ in items]
+            items = list(items)
+            big = sum(1 for it in items if it[2].payload_bytes >= self.piece_bytes)
+            if big < 2 or not self._use_helper():
+                return [self.write(*it) for it in items]
+            lane_a, lane_b = split_lanes([(it[0], it[2].payload_bytes) for it in items])
+            run = lambda lane: [(k, self._write(*items[k])) for k in lane]  # noqa: E731
+            fut = self._helper().submit(run, lane_b)
+            self.helper_ios += len(lane_b)
+            try:
+                done = run(lane_a)
+            finally:
+                wait_all([fut])
+            done += fut.result()
+            results = [False] * len(items)
+            for k, err in done:  # counted here, on this thread only
+                g, s, h, _ = items[k]
+                results[k] = self._count_write(g, s, h, err)
+            return results
 
     def _count_write(self, group: int, slot: int, header: ChunkHeader, error: str | None) -> bool:
         if error is not None:
@@ -222,54 +233,58 @@ class DiskTier(SlotTier):
         return None
 
     def read(self, group: int, slot: int, header: ChunkHeader, out: object) -> bool:
-        self._check(group, slot)
-        self.reads += 1
-        fd = self._fds[group]
-        n = header.payload_bytes
-        dst = as_bytes_view(out)[:n]
-        if fd is None:
-            self.misses += 1
-            return False
-        off = slot * self.strides[group]
-        m = self._maps[group]
-        mapped = (m is not None and off + DATA_OFFSET + n <= len(m[1])
-                  and resident(m[2], off, DATA_OFFSET + n))
-        if mapped:
-            assert m is not None
-            stored = decode_header(m[1][off:off + HEADER_BYTES])
-            first = got = 0
-        else:
-            hbuf = bytearray(HEADER_BYTES)  # per call: reads from several threads stay independent
-            # large payloads: header + the first piece now, the rest streamed by the helper thread
-            first = n if n < 2 * self.piece_bytes or not self._use_helper() else self.piece_bytes
-            try:
-                got = os.preadv(fd, [hbuf, PAD, dst[:first]], off)
-            except OSError as exc:
-                return self._drop_corrupt(group, slot, f"read error: {exc.strerror}")
-            if got == 0:
+        with self._io:
+            if self.closed:
                 self.misses += 1
                 return False
-            stored = decode_header(hbuf if got >= HEADER_BYTES else hbuf[:got])
-        if isinstance(stored, Rejected):
-            if stored.reason.startswith("empty slot"):
+            self._check(group, slot)
+            self.reads += 1
+            fd = self._fds[group]
+            n = header.payload_bytes
+            dst = as_bytes_view(out)[:n]
+            if fd is None:
                 self.misses += 1
                 return False
-            return self._drop_corrupt(group, slot, stored.reason)
-        why = mismatch(stored, header)
-        if why is None and not mapped and got < DATA_OFFSET + first:
-            why = f"payload truncated: {max(0, got - DATA_OFFSET)} of {n} bytes"
-        if why is None:
+            off = slot * self.strides[group]
+            m = self._maps[group]
+            mapped = (m is not None and off + DATA_OFFSET + n <= len(m[1])
+                      and resident(m[2], off, DATA_OFFSET + n))
             if mapped:
                 assert m is not None
-                why = self._copy_verified(m[1], off + DATA_OFFSET, stored, dst)
-            elif first == n:
-                why = verify(stored, dst)
+                stored = decode_header(m[1][off:off + HEADER_BYTES])
+                first = got = 0
             else:
-                why = self._read_rest_verified(fd, stored, dst, off)
-        if why is not None:
-            return self._drop_corrupt(group, slot, why)
-        self.bytes_read += n
-        return True
+                hbuf = bytearray(HEADER_BYTES)  # per call: reads from several threads stay independent
+                # large payloads: header + the first piece now, the rest streamed by the helper thread
+                first = n if n < 2 * self.piece_bytes or not self._use_helper() else self.piece_bytes
+                try:
+                    got = os.preadv(fd, [hbuf, PAD, dst[:first]], off)
+                except OSError as exc:
+                    return self._drop_corrupt(group, slot, f"read error: {exc.strerror}")
+                if got == 0:
+                    self.misses += 1
+                    return False
+                stored = decode_header(hbuf if got >= HEADER_BYTES else hbuf[:got])
+            if isinstance(stored, Rejected):
+                if stored.reason.startswith("empty slot"):
+                    self.misses += 1
+                    return False
+                return self._drop_corrupt(group, slot, stored.reason)
+            why = mismatch(stored, header)
+            if why is None and not mapped and got < DATA_OFFSET + first:
+                why = f"payload truncated: {max(0, got - DATA_OFFSET)} of {n} bytes"
+            if why is None:
+                if mapped:
+                    assert m is not None
+                    why = self._copy_verified(m[1], off + DATA_OFFSET, stored, dst)
+                elif first == n:
+                    why = verify(stored, dst)
+                else:
+                    why = self._read_rest_verified(fd, stored, dst, off)
+            if why is not None:
+                return self._drop_corrupt(group, slot, why)
+            self.bytes_read += n
+            return True
 
     def _copy_verified(self, view: memoryview, start: int, stored: ChunkHeader, dst: memoryview) -> str | None:
         """Copy the payload at `view[start:]` into `dst` and checksum it; the reason it is bad, or
@@ -355,14 +370,17 @@ class DiskTier(SlotTier):
         return sealed_with(header, value, DEFAULT_CHECKSUM)
 
     def free(self, group: int, slot: int) -> None:
-        self._check(group, slot)
-        fd = self._fds[group]
-        if fd is None or self.read_only:
-            return
-        try:
-            os.pwrite(fd, ZERO_HEADER, slot * self.strides[group])
-        except OSError:
-            pass  # a slot we cannot zero still fails its header/checksum checks on read
+        with self._io:
+            if self.closed:
+                return
+            self._check(group, slot)
+            fd = self._fds[group]
+            if fd is None or self.read_only:
+                return
+            try:
+                os.pwrite(fd, ZERO_HEADER, slot * self.strides[group])
+            except OSError:
+                pass  # a slot we cannot zero still fails its header/checksum checks on read
 
     def list(self) -> Iterator[tuple[int, int, ChunkHeader]]:
         """Valid headers of this namespace in the current layout, oldest first.
@@ -394,20 +412,22 @@ class DiskTier(SlotTier):
             yield g, s, h
 
     def close(self) -> None:
-        for g, m in enumerate(self._maps):
-            if m is not None:
-                unmap(m)
-                self._maps[g] = None
-        if self._pool is not None and self._pool_pid == os.getpid():
-            self._pool.shutdown(wait=True)  # no helper read or write outlives its file
-            self._pool = None
-        for fd in self._fds:
-            if fd is not None:
-                os.close(fd)
-        self._fds = [None] * len(self._fds)
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)  # releases the flock
-            self._lock_fd = None
+        with self._io:
+            for g, m in enumerate(self._maps):
+                if m is not None:
+                    unmap(m)
+                    self._maps[g] = None
+            if self._pool is not None and self._pool_pid == os.getpid():
+                self._pool.shutdown(wait=True)  # no helper read or write outlives its file
+                self._pool = None
+            for fd in self._fds:
+                if fd is not None:
+                    os.close(fd)
+            self._fds = [None] * len(self._fds)
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)  # releases the flock
+                self._lock_fd = None
+            self.closed = True  # every later read misses and every write fails, counted
 
     def __del__(self) -> None:
         try:
