@@ -3,6 +3,7 @@ errors (naming the key) that stop an engine from starting misconfigured."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -172,3 +173,64 @@ def test_falcon_h1_layers_map_to_groups_by_name(tmp_path: Path, config_path) -> 
     assert [g.kind for g in geometry.groups] == ["full", "state"]
     assert [g.layers for g in geometry.groups] == [tuple(range(n)), tuple(range(n))]
     assert geometry.groups[1].state_bytes_per_layer > 0
+
+
+def test_a_redis_url_with_a_password_is_refused_without_echoing_it() -> None:
+    """vLLM logs kv_transfer_config verbatim at start: a password there ends up in the log."""
+    with pytest.raises(ConfigError) as err:
+        parse_config({"kvtier.tiers": "redis", "kvtier.redis_bytes": "1GiB",
+                      "kvtier.redis_url": "redis://app:s3cret@10.0.0.5:6379/0"})
+    msg = str(err.value)
+    assert "s3cret" not in msg and "\n" not in msg
+    assert "kvtier.redis_password_file" in msg and "KVTIER_REDIS_PASSWORD" in msg
+
+
+def test_the_redis_password_comes_from_a_private_file_or_the_environment(tmp_path: Path, monkeypatch) -> None:
+    from kvtier.integrations.vllm.config import redis_password
+
+    base = {"kvtier.tiers": "redis", "kvtier.redis_bytes": "1GiB", "kvtier.redis_url": "redis://10.0.0.5:6379/0"}
+    secret = tmp_path / "redis.pw"
+    secret.write_text("s3cret\n")
+    os.chmod(secret, 0o644)
+    with pytest.raises(ConfigError, match=r"readable by others \(mode 644\); run `chmod 600"):
+        parse_config({**base, "kvtier.redis_password_file": str(secret)})
+    os.chmod(secret, 0o600)
+    cfg = parse_config({**base, "kvtier.redis_password_file": str(secret)})
+    assert "s3cret" not in repr(cfg)  # the config value holds the path only
+    assert redis_password(cfg) == "s3cret"
+    monkeypatch.setenv("KVTIER_REDIS_PASSWORD", "from-env")
+    assert redis_password(parse_config(base)) == "from-env"
+    monkeypatch.delenv("KVTIER_REDIS_PASSWORD")
+    assert redis_password(parse_config(base)) is None
+
+
+def test_the_vllm_path_reaches_a_password_protected_redis(tmp_path: Path, monkeypatch) -> None:
+    pytest.importorskip("redis")
+    import sys
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).parents[1]))
+    from redis_servers import have_redis, redis_server
+
+    if not have_redis():
+        pytest.fail("redis-server is not installed; `make test` installs it (scripts/ensure-redis.sh)")
+    from kvtier.integrations.vllm.config import redis_password
+    from kvtier.store.payload import make_header
+    from kvtier.store.tiers.redis import RedisTier
+
+    secret = tmp_path / "redis.pw"
+    secret.write_text("pw-123\n")
+    os.chmod(secret, 0o600)
+    with redis_server(password="pw-123") as srv:
+        cfg = parse_config({"kvtier.tiers": "redis", "kvtier.redis_bytes": "1GiB",
+                            "kvtier.redis_url": srv.url, "kvtier.redis_password_file": str(secret)})
+        tier = RedisTier.from_url(cfg.redis_url, namespace_id="00112233aabbccdd", password=redis_password(cfg))
+        try:
+            h = make_header("00112233aabbccdd", b"\x07" * 16, 0, 0, 16, 64)
+            data = torch.arange(64, dtype=torch.uint8)
+            assert tier.write(0, 0, h, data)
+            out = torch.zeros(64, dtype=torch.uint8)
+            assert tier.read(0, 0, h, out) and torch.equal(out, data)
+        finally:
+            tier.close()

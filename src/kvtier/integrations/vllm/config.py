@@ -17,7 +17,8 @@ vLLM's and are left to it.
 | `kvtier.share` | how a tier's bytes are shared by groups (`proportional`, `equal`) | `"proportional"` |
 | `kvtier.chunk_tokens` | tokens per chunk (a multiple of vLLM's block size) | vLLM's blocks_per_chunk |
 | `kvtier.redis_bytes` | bytes of this namespace the index tracks in Redis (Redis's maxmemory is the real bound) | required with redis |
-| `kvtier.redis_url` | `redis://host:port/db`, `rediss://`, `redis+cluster://`, `redis+sentinel://` | required with redis |
+| `kvtier.redis_url` | `redis://host:port/db`, `rediss://`, `redis+cluster://`, `redis+sentinel://`; never with a password in it (vLLM logs this config) | required with redis |
+| `kvtier.redis_password_file` | a file (mode 0600) holding the Redis password; or set `KVTIER_REDIS_PASSWORD` in the engine's environment | none |
 | `kvtier.tenant` | a salt mixed into every key: engines with different tenants share nothing. Change it when the weights change under the same model path (a new fine-tune, a new revision): kvtier's namespace sees the path, config and dtype, not the weights | `""` |
 """
 
@@ -32,7 +33,8 @@ from kvtier.core.units import parse_bytes
 
 PREFIX = "kvtier."
 KEYS = ("tiers", "cpu_bytes", "disk_bytes", "redis_bytes", "directory", "policy", "share",
-        "chunk_tokens", "redis_url", "tenant")
+        "chunk_tokens", "redis_url", "redis_password_file", "tenant")
+PASSWORD_ENV = "KVTIER_REDIS_PASSWORD"
 TIERS = ("cpu", "disk", "redis")
 
 
@@ -48,6 +50,7 @@ class VllmTierConfig:
     chunk_tokens: int | None
     redis_url: str | None = None
     tenant: str = ""
+    redis_password_file: str | None = None  # the path only: the password is read when connecting
 
     @property
     def capacities(self) -> dict[str, int]:
@@ -89,6 +92,16 @@ def parse_config(extra_config: Mapping[str, object]) -> VllmTierConfig:
     if "redis" in tiers and redis_url is None:
         raise ConfigError("kvtier.redis_url is missing: the redis tier needs a server, e.g. "
                           "\"redis://127.0.0.1:6379/0\"")
+    if redis_url is not None and _has_password(redis_url):
+        from kvtier.store.tiers.redis_conn import redact
+
+        raise ConfigError(
+            f"kvtier.redis_url={redact(redis_url)!r} carries a password, and vLLM logs "
+            "kv_transfer_config at start; drop it from the URL and put it in a file named by "
+            f"kvtier.redis_password_file (mode 0600) or in the environment variable {PASSWORD_ENV}")
+    password_file = ours.get("redis_password_file")
+    if password_file is not None:
+        _check_password_file(password_file)
     if redis_url is not None and "redis" not in tiers:
         raise ConfigError(f"kvtier.redis_url is set but tier 'redis' is not in kvtier.tiers {list(tiers)}; "
                           "add it to kvtier.tiers or drop the URL")
@@ -139,7 +152,39 @@ def parse_config(extra_config: Mapping[str, object]) -> VllmTierConfig:
         chunk_tokens=chunk_tokens,
         redis_url=redis_url,
         tenant=tenant,
+        redis_password_file=password_file,
     )
+
+
+def _has_password(url: str) -> bool:
+    from urllib.parse import urlsplit
+
+    try:
+        return bool(urlsplit(url).password)
+    except ValueError:
+        return "@" in url.split("://", 1)[-1].split("/", 1)[0]
+
+
+def _check_password_file(path: object) -> None:
+    if not isinstance(path, str) or not path:
+        raise ConfigError(f"kvtier.redis_password_file={path!r} must be a path to a file")
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        raise ConfigError(f"kvtier.redis_password_file={path!r} cannot be read ({exc.strerror}); "
+                          "create it with the password, mode 0600") from None
+    if st.st_mode & 0o077:
+        raise ConfigError(f"kvtier.redis_password_file={path!r} is readable by others (mode "
+                          f"{st.st_mode & 0o777:o}); run `chmod 600 {path}`")
+
+
+def redis_password(config: VllmTierConfig) -> str | None:
+    """The Redis password: from `kvtier.redis_password_file`, else `KVTIER_REDIS_PASSWORD`, else
+    None. Read when the tier connects, never kept in a config value vLLM logs."""
+    if config.redis_password_file is not None:
+        with open(config.redis_password_file, encoding="utf-8") as f:
+            return f.read().rstrip("\r\n")
+    return os.environ.get(PASSWORD_ENV) or None
 
 
 def _tiers(value: object) -> tuple[str, ...]:

@@ -56,8 +56,11 @@ class KvtierManager(OffloadingManager):
         if "redis" in ctx.config.tiers:
             from kvtier.store.tiers.redis import RedisTier  # no torch; the client connects lazily
 
+            from .config import redis_password
+
             # shared with other engines: a key this index lacks may still be in Redis
-            self._redis = RedisTier.from_url(str(ctx.config.redis_url), namespace_id=ctx.namespace.id)
+            self._redis = RedisTier.from_url(str(ctx.config.redis_url), namespace_id=ctx.namespace.id,
+                                             password=redis_password(ctx.config))
         self._rebuild()
         metrics.flush(force=True)
 

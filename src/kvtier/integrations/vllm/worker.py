@@ -83,8 +83,11 @@ class KvtierWorker(OffloadingWorker):
             if tier == "redis":  # key-addressed: no slots to lay out
                 from kvtier.store.tiers.redis import RedisTier
 
+                from .config import redis_password
+
                 self.tiers[tier] = RedisTier.from_url(str(ctx.config.redis_url),
-                                                      namespace_id=ctx.namespace.id)
+                                                      namespace_id=ctx.namespace.id,
+                                                      password=redis_password(ctx.config))
                 continue
             layout = TierLayout(
                 slot_bytes=tuple(gp.chunk_bytes if gp.cacheable else 0 for gp in plan.groups),
