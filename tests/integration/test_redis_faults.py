@@ -308,6 +308,23 @@ def test_budget_bounds_bytes_per_ttl_window(server: RedisServer, clock: FakeCloc
     b.close()
 
 
+def test_a_budget_counter_that_is_not_an_integer_fails_the_write_as_a_value(server: RedisServer,
+                                                                             clock: FakeClock) -> None:
+    """Someone wrote text into the namespace's budget key: the save fails and is counted, it
+    does not raise out of RedisTier.write (it raised ValueError)."""
+    wall = FakeClock()
+    opts = RedisOptions(url=server.url, ttl_s=8.0, budget_bytes=1 << 20)
+    a = RedisTier(opts, namespace_id=NS, clock=clock, wall_clock=wall)
+    r = redis.Redis.from_url(server.url)
+    for key in a._budget.live_keys(NS):
+        r.set(key, b"not-a-number")
+    assert write(a, range(2)) == [False, False]
+    assert a.failed_writes == 2 and a.metrics()["errors"] == 1
+    assert "not an integer" in (a.last_error or "")
+    r.close()
+    a.close()
+
+
 def test_auth_and_tls(tmp_path: Path, clock: FakeClock) -> None:
     with redis_server(tls=True, password="s3cret") as srv:
         assert srv.tls is not None

@@ -426,6 +426,12 @@ class RedisTier(Tier):
         if res is None:
             return None
         n = self._budget.fits([r for r in res if isinstance(r, bytes)], sizes)
+        if n is None:
+            self.last_error = f"a write budget counter of namespace {ns} is not an integer"
+            self._log.warn("budget", f"redis tier: {self.last_error}; skipping saves (delete the "
+                                     f"{self._budget.live_keys(ns)[0].rsplit(':', 1)[0]}:* keys to reset it)")
+            self._count("errors")
+            return 0
         if n < len(sizes):
             self._log.warn("budget", f"redis tier namespace {ns} is at its budget of "
                                      f"{self._budget.budget_bytes} bytes; skipping saves")

@@ -333,9 +333,14 @@ class WriteBudget:
         c = self._bucket()
         return [self._key(ns, b) for b in range(c - BUDGET_BUCKETS, c + 1)]
 
-    def fits(self, counters: list[bytes], sizes: list[int]) -> int:
-        """How many leading payloads of `sizes` fit, given the live counters' values."""
-        used = sum(int(v) for v in counters)
+    def fits(self, counters: list[bytes], sizes: list[int]) -> int | None:
+        """How many leading payloads of `sizes` fit, given the live counters' values; None when a
+        counter is not an integer (someone else wrote that key): the budget cannot be known, so
+        the caller writes nothing and counts it, instead of raising out of a save."""
+        try:
+            used = sum(int(v) for v in counters)
+        except ValueError:
+            return None
         n = 0
         for size in sizes:
             used += size + HEADER_BYTES  # the header travels with every payload
