@@ -85,3 +85,42 @@ def test_deleting_the_lock_file_lets_no_second_writer_in(tmp_path: Path) -> None
     finally:
         first.close()
     DiskTier(tmp_path, LAYOUT, NS).close()  # free once the first writer is gone
+
+
+def test_a_too_small_read_buffer_raises_and_keeps_the_slot(tmp_path: Path) -> None:
+    """A caller's short buffer is the caller's mistake: the valid slot stays (it was dropped as a
+    'truncated payload' on the preadv path)."""
+    import torch
+
+    from kvtier.errors import ConfigError
+    from kvtier.store.payload import make_header
+
+    tier = DiskTier(tmp_path, LAYOUT, NS, mapped_reads=False)
+    try:
+        h = make_header(NS, b"\x05" * 16, 0, 0, 16, 4096)
+        data = torch.arange(4096, dtype=torch.int32).to(torch.uint8)
+        assert tier.write(0, 1, h, data)
+        with pytest.raises(ConfigError, match="read buffer of 1000 bytes is smaller than the payload's 4096"):
+            tier.read(0, 1, h, torch.zeros(1000, dtype=torch.uint8))
+        out = torch.zeros(4096, dtype=torch.uint8)
+        assert tier.read(0, 1, h, out) and torch.equal(out, data)
+        assert tier.corrupt_dropped == 0
+    finally:
+        tier.close()
+
+
+def test_failing_writes_log_one_line_a_minute(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A full (here: closed) disk fails every chunk; the log gets one line, the counter all."""
+    import torch
+
+    from kvtier.store.payload import make_header
+
+    tier = DiskTier(tmp_path, LAYOUT, NS)
+    tier.close()
+    data = torch.zeros(1024, dtype=torch.uint8)
+    with caplog.at_level("WARNING", logger="kvtier.tiers"):
+        for i in range(200):
+            tier.write(1, i % 3, make_header(NS, bytes([i]) * 16, 1, 0, 16, 1024), data)
+    assert tier.failed_writes == 200
+    lines = [r for r in caplog.records if "failed" in r.getMessage()]
+    assert len(lines) == 1, [r.getMessage() for r in lines[:5]]

@@ -17,6 +17,7 @@ again. Only caller mistakes (a slot out of range, a buffer of the wrong size) ra
 from __future__ import annotations
 
 import logging
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from kvtier.errors import ConfigError
 from kvtier.store.payload import ChunkHeader
 
 log = logging.getLogger("kvtier.tiers")
+WARN_EVERY_S = 60.0  # a tier logs a failing write at most this often (the rest are counted)
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,9 +145,17 @@ class Tier(ABC):
         return False
 
     def _failed_write(self, group: int, slot: int, error: str) -> bool:
+        """Count a failed write; log it at most once a minute per tier (a full disk failed every
+        chunk of every save: 1,600 lines for 200 saves), with how many were not logged."""
         self.failed_writes += 1
         self.last_error = error
-        log.warning("tier %s: write of group %d slot %d failed: %s", self.name, group, slot, error)
+        now = time.monotonic()
+        last = getattr(self, "_warned_at", None)
+        if last is None or now - last >= WARN_EVERY_S:
+            quiet = self.failed_writes - getattr(self, "_warned_count", 0) - 1
+            more = f" ({quiet} more failed writes since the last line)" if quiet > 0 else ""
+            log.warning("tier %s: write of group %d slot %d failed: %s%s", self.name, group, slot, error, more)
+            self._warned_at, self._warned_count = now, self.failed_writes
         return False
 
 

@@ -242,6 +242,9 @@ class DiskTier(SlotTier):
             fd = self._fds[group]
             n = header.payload_bytes
             dst = as_bytes_view(out)[:n]
+            if len(dst) < n:  # the caller's mistake, not the slot's: never drop a valid slot for it
+                raise ConfigError(f"read buffer of {len(dst)} bytes is smaller than the payload's {n}; "
+                                  "size read buffers from the plan's chunk bytes")
             if fd is None:
                 self.misses += 1
                 return False
