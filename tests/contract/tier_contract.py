@@ -60,6 +60,23 @@ class TierContract:
         assert tier.read(0, 0, h, wide)
         assert torch.equal(wide[:1000], data) and int(wide[1000:].min()) == 9
 
+    def test_a_chunk_serves_only_the_span_it_holds_and_is_kept(self, tier: Tier) -> None:
+        """vLLM stores a group's first chunk from a block mid-chunk: the header holds tokens
+        [320, 512) of the chunk [256, 512). A load of [384, 512) is served; a load that needs
+        [256, 512) is a plain miss that keeps the chunk (valid for its own span; in a shared
+        Redis other engines read it), never a corrupt drop."""
+        from dataclasses import replace
+
+        full = header(1, 0)
+        held = replace(full, token_start=320)
+        data = payload(11, full.payload_bytes)
+        assert tier.write(0, 1, held, data)
+        out = torch.zeros(full.payload_bytes, dtype=torch.uint8)
+        assert tier.read(0, 1, full, out) is False  # (a failed read may have filled `out`: unused)
+        assert tier.corrupt_dropped == 0
+        assert tier.read(0, 1, replace(full, token_start=384), out) is True
+        assert torch.equal(out, data)
+
     def test_never_written_is_a_plain_miss(self, tier: Tier) -> None:
         h = header(3, 1)
         out = torch.zeros(h.payload_bytes, dtype=torch.uint8)

@@ -119,6 +119,7 @@ def test_a_chunk_serves_only_the_block_positions_it_holds(results: dict) -> None
     assert r["narrow_load"] == [True] and r["block6_restored"], r
     assert r["wide_load"] == [False], r
     assert r["block5_untouched"] and r["block6_untouched"], r
+    assert r["gap_store"] == [False], r  # blocks that cannot be contiguous fail the job
 
 
 def test_synchronous_loads_are_refused_at_start(results: dict) -> None:

@@ -140,7 +140,8 @@ def vllm_extra_config(plan: Plan, *, engine_blocks: bool = True) -> dict[str, ob
     out: dict[str, object] = {"spec_name": SPEC_NAME, "spec_module_path": SPEC_MODULE}
     attention = [gp.group.tokens_per_block for gp in plan.cacheable_groups if not gp.group.is_state]
     if len(set(attention)) > 1:
-        out["blocks_per_chunk"] = max(1, plan.chunk_tokens // max(attention))
+        if engine_blocks:  # else vLLM's default (one block per chunk) is the safe count
+            out["blocks_per_chunk"] = max(1, plan.chunk_tokens // max(attention))
     else:
         bpc = native_blocks_per_chunk(plan) if engine_blocks else None
         if bpc is not None:

@@ -332,6 +332,16 @@ def mismatch(stored: ChunkHeader, expected: ChunkHeader) -> str | None:
     return None
 
 
+SPAN_NOT_HELD = "token span"
+
+
+def span_not_held(why: str | None) -> bool:
+    """Whether `mismatch` said only that the stored chunk holds too few of its blocks for this
+    load: a valid payload for its own span, so a plain miss that keeps the slot (a tier that
+    dropped it would delete, in a shared Redis, a chunk other engines read)."""
+    return why is not None and why.startswith(SPAN_NOT_HELD)
+
+
 def verify(header: ChunkHeader, data: object) -> str | None:
     """Why `data` is not the payload `header` describes, or None if it is."""
     view = as_bytes_view(data)

@@ -300,6 +300,11 @@ def run_partial(sc: dict) -> dict:
     out["wide_load"] = [r.success for r in worker.get_finished() if r.job_id == 3]
     out["block5_untouched"] = bool(h.torch.all(h.kv[name][5] == -1.0))
     out["block6_untouched"] = bool(h.torch.all(h.kv[name][6] == -1.0))
+    # two chunks from block 0 but only bpc + 1 blocks: the second chunk would be short, which
+    # only a gap (a null block left out) explains; the job must fail, not guess positions
+    second = ChunkItem(g, b"\x22" * 16, bpc * h.bs, 2 * bpc * h.bs, (("cpu", 1),))
+    worker.submit_store(5, spec(list(range(1, bpc + 2)), 0), KvtierLoadStoreSpec([item, second]))
+    out["gap_store"] = [r.success for r in worker.get_finished() if r.job_id == 5]
     return out
 
 

@@ -30,7 +30,10 @@ class KvtierConnector(OffloadingConnector):
         engine_id = getattr(getattr(vllm_config, "kv_transfer_config", None), "engine_id", None)
         if engine_id is not None and kv_cache_config is not None:
             ENGINE_KV_CACHE_CONFIGS[engine_id] = kv_cache_config  # read by the spec (geometry)
-        super().__init__(vllm_config, role, kv_cache_config)
+        try:
+            super().__init__(vllm_config, role, kv_cache_config)  # builds the spec
+        finally:  # never read by a later engine with the same id (say, under the stock connector)
+            ENGINE_KV_CACHE_CONFIGS.pop(engine_id, None)
         if self.connector_worker is not None:
             self.connector_worker.spec.reports_failures = True  # type: ignore[attr-defined]
 
@@ -79,6 +82,12 @@ def _translate_chunk_tokens(vllm_config, kv_cache_config) -> None:  # noqa: ANN0
     extra = getattr(ktc, "kv_connector_extra_config", None)
     if not isinstance(extra, dict) or "kvtier.chunk_tokens" not in extra or kv_cache_config is None:
         return
-    groups = [EngineGroup(i, int(g.kv_cache_spec.block_size), tuple(g.layer_names))
-              for i, g in enumerate(kv_cache_config.kv_cache_groups)]
+    try:  # the groups vLLM offloads (it leaves some out, e.g. groups no prefix hit can use)
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import get_offloading_group_ids
+
+        ids = get_offloading_group_ids(kv_cache_config)
+    except ImportError:
+        ids = range(len(kv_cache_config.kv_cache_groups))
+    groups = [EngineGroup(i, int(kv_cache_config.kv_cache_groups[i].kv_cache_spec.block_size),
+                          tuple(kv_cache_config.kv_cache_groups[i].layer_names)) for i in ids]
     chunk_tokens_to_blocks(extra, groups)

@@ -142,6 +142,9 @@ _ATTENTION_SPECS = {"FullAttentionSpec": "full", "MLAAttentionSpec": "mla", "Sli
 def kv_format(spec: object) -> str:
     """The format vLLM stores a spec's KV in: its cache dtype string (`fp8_ds_mla`, ...) or the
     torch dtype's name. Part of the namespace, so two formats never share a key."""
+    per_layer = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs: its layers'
+    if isinstance(per_layer, dict) and per_layer:
+        return ",".join(sorted({kv_format(s) for s in per_layer.values()}))
     fmt = getattr(spec, "cache_dtype_str", None)
     return str(fmt) if fmt else str(getattr(spec, "dtype", "?")).removeprefix("torch.")
 

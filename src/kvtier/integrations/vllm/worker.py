@@ -180,6 +180,16 @@ class KvtierWorker(OffloadingWorker):
             for i, b in enumerate(block_ids[pos_b:pos_b + n]):
                 p = skip + i
                 placed[p // self.bpc][1].append((b, p % self.bpc))
+            # Positions are derived from the count of blocks, so they are right only if the blocks
+            # are contiguous: only the first chunk may start mid-chunk, every later one must be
+            # whole. vLLM leaves out null blocks inside a chunk in some configurations (sliding
+            # windows with prefix-cache retention); there a shorter later chunk would put blocks
+            # at the wrong positions, so the job fails (a load is recomputed) instead.
+            if any(len(blocks) != self.bpc for _, blocks in placed[1:]):
+                log.error("kvtier: group %d's blocks are not contiguous (%d blocks from %d for %d "
+                          "chunks); the job fails rather than guess positions", g, n, first, num_chunks)
+                self.metrics.add("jobs_noncontiguous")
+                return None
             out.append((g, placed))
             pos_b += n
             pos_i += num_chunks

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import torch
 
-from kvtier.store.payload import ChunkHeader, as_bytes_view, mismatch
+from kvtier.store.payload import ChunkHeader, as_bytes_view, mismatch, span_not_held
 from kvtier.store.tiers.base import SlotTier, TierLayout
 
 
@@ -81,6 +81,9 @@ class CpuTier(SlotTier):
             self.misses += 1
             return False
         why = mismatch(stored, header)
+        if span_not_held(why):  # valid for the blocks it holds: a miss, the slot stays
+            self.misses += 1
+            return False
         if why is not None:
             return self._drop_corrupt(group, slot, why)
         n = header.payload_bytes

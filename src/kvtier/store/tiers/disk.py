@@ -67,6 +67,7 @@ from kvtier.store.payload import (
     mismatch,
     seal,
     sealed_with,
+    span_not_held,
     unverifiable,
     verify,
 )
@@ -274,6 +275,9 @@ class DiskTier(SlotTier):
                     return False
                 return self._drop_corrupt(group, slot, stored.reason)
             why = mismatch(stored, header)
+            if span_not_held(why):  # valid for the blocks it holds: a miss, the slot stays
+                self.misses += 1
+                return False
             if why is None and not mapped and got < DATA_OFFSET + first:
                 why = f"payload truncated: {max(0, got - DATA_OFFSET)} of {n} bytes"
             if why is None:

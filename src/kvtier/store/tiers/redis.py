@@ -38,7 +38,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from kvtier.errors import ConfigError
-from kvtier.store.payload import HASH_BYTES, HEADER_BYTES, ChunkHeader, decode_header
+from kvtier.store.payload import HASH_BYTES, HEADER_BYTES, ChunkHeader, decode_header, span_not_held
 from kvtier.store.tiers.base import Tier
 from kvtier.store.tiers.redis_codec import Arena, check_payload, u8_view, unknown_command
 from kvtier.store.tiers.redis_conn import (
@@ -397,6 +397,9 @@ class RedisTier(Tier):
                 self._log.warn("error", f"redis tier read failed: {self.last_error}")
                 continue
             reason = check_payload(header, raw)
+            if span_not_held(reason):  # another engine's chunk, valid for its own blocks: kept
+                self._count("misses")
+                continue
             if reason is not None:
                 self._count("corrupt_dropped")
                 self._count("misses")
