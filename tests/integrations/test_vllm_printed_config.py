@@ -73,3 +73,18 @@ def test_the_printed_config_starts_the_spec(name: str, geometry_path, config_pat
 def test_mixed_blocks_print_no_token_chunk_size(geometry_path) -> None:
     extra = vllm_extra_config(make_plan(load_geometry(geometry_path("deepseek-v4-like"))))
     assert "kvtier.chunk_tokens" not in extra and extra["blocks_per_chunk"] == 1
+
+
+def test_mixed_spans_share_tiers_by_tokens_and_have_no_dead_rule(geometry_path, tmp_path: Path) -> None:
+    """Groups whose chunks span 256/64/8/4 tokens: each group's slots cover about the same tokens
+    (equal slot counts gave a 4-token group 1/64 of a 256-token group's tokens), and no chunk is
+    treated as dead for lack of a chunk with the same hash in the anchor groups."""
+    from kvtier.integrations.vllm.spec import KvtierOffloadingSpec
+
+    geometry = load_geometry(geometry_path("deepseek-v4-like"))
+    extra = vllm_extra_config(make_plan(geometry))
+    ctx = KvtierOffloadingSpec(_engine(geometry, tmp_path, extra, "mixed-share")).ctx
+    index = ctx.new_index()
+    assert index.anchors == ()
+    tokens = [index.slots(gp.index, "cpu") * span for gp, span in zip(ctx.plan.groups, ctx.span_tokens)]
+    assert min(tokens) > 0.9 * max(tokens), tokens

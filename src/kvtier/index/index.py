@@ -110,7 +110,13 @@ class Index:
         capacities: Mapping[str, int],
         policy: str | PolicyFactory = "lru",
         share: str | Mapping[str, float] = "proportional",
+        *,
+        anchored: bool = True,
     ) -> None:
+        """`anchored=False` turns the dead-first rule off: for plans whose groups' chunks span
+        different tokens (vLLM's chunking of groups with different tokens per block), chunk
+        hashes line up across groups only at common boundaries, so most chunks of a
+        small-block group would look dead to the anchor groups from the moment they commit."""
         self.plan = plan
         if not capacities:
             raise ConfigError("no tiers: give at least one tier capacity, e.g. {'cpu': 8 << 30}")
@@ -135,7 +141,8 @@ class Index:
                 pool = _Pool(tier, gp.index, slots, gp.chunk_bytes, factory(slots))
                 self._pools[(tier, gp.index)] = pool
                 self._by_group[gp.index].append(pool)
-        self.anchors: tuple[int, ...] = tuple(gp.index for gp in cacheable if gp.kind in ("full", "mla"))
+        self.anchors: tuple[int, ...] = (
+            tuple(gp.index for gp in cacheable if gp.kind in ("full", "mla")) if anchored else ())
         self._anchor_set = frozenset(self.anchors)
         self._dependents: tuple[int, ...] = (
             tuple(gp.index for gp in cacheable if gp.index not in self.anchors) if self.anchors else ()

@@ -64,8 +64,21 @@ class SpecContext:
     span_tokens: tuple[int, ...] = ()  # tokens one chunk of each plan group covers (engine_plan)
 
     def new_index(self) -> Index:
-        return Index(self.plan, self.config.capacities, policy=self.config.policy,
-                     share=self.config.share)
+        """The index both sides size their slots from. Where the groups' chunks span different
+        tokens (engine_plan), "proportional" shares each tier by bytes per token, so every group
+        covers the same tokens (equal slots would give a 64-token group a quarter of a 256-token
+        group's tokens), and the dead-first rule is off (chunk hashes line up across groups only
+        at common boundaries)."""
+        spans = {s for s, gp in zip(self.span_tokens, self.plan.groups) if gp.cacheable}
+        mixed = len(spans) > 1
+        share: str | dict[str, float] = self.config.share
+        if mixed and share == "proportional":
+            per_token = {gp.name: gp.chunk_bytes / span
+                         for gp, span in zip(self.plan.groups, self.span_tokens) if gp.cacheable}
+            total = sum(per_token.values()) * (1 + 1e-9)  # fractions must sum to at most 1
+            share = {name: v / total for name, v in per_token.items()}
+        return Index(self.plan, self.config.capacities, policy=self.config.policy, share=share,
+                     anchored=not mixed)
 
     @property
     def disk_root(self) -> Path | None:
