@@ -78,6 +78,9 @@ class KvtierManager(OffloadingManager):
         """vLLM's key of a chunk that just left a tier, if it left the last one."""
         if self.index.where(chunk_hash, group):
             return None
+        key = self._okey.get((chunk_hash, group))
+        if key is not None and key in self._pending:  # a store into another tier is in flight
+            return None
         return self._okey.pop((chunk_hash, group), None)
 
     def _span(self, key: OffloadKey, rc: ReqContext) -> tuple[int, int]:
@@ -199,6 +202,9 @@ class KvtierManager(OffloadingManager):
                 items.append(ChunkItem(g, h, start, end, tuple(places)))
                 to_store.append(key)
                 self._pending[key] = [t for t, _ in places]
+        if evicted and to_store:  # evicted earlier and stored again now: not an eviction
+            storing = set(to_store)
+            evicted = [k for k in evicted if k not in storing]
         self.metrics.add("store_chunks", len(to_store))
         self.metrics.flush()
         return PrepareStoreOutput(keys_to_store=to_store, store_spec=KvtierLoadStoreSpec(items),
