@@ -97,7 +97,19 @@ def test_restored_prefix_is_bit_exact(family: str, tiers: str, load_tiny, prompt
     full = full_pass_logits(model, prompt)[:, T:]
     torch.testing.assert_close(logits, full, atol=1e-4, rtol=1e-4)
 
-    # turn 3: greedy generate restores more (turn 2 stored up to 80) and answers the same
+    # turn 3: restores more (turn 2 stored up to 80; for state models, the checkpoint its
+    # forward took at exactly 80 while computing up to 90): bit-exact against plain transformers
+    # stopped at exactly 80 (greedy tokens alone missed a checkpoint taken at 90 for 3 families)
+    r = (p - 1) // C * C
+    logits, stats = pc.forward(prompt)
+    assert stats.restored_tokens == r
+    ref = plain_split_logits(model, prompt, _cuts(family, 0, r), _cuts(family, r, p))
+    if family in STATE_FAMILIES:
+        # turn 2 computed [T, r) and [r, p) as separate pieces: the same pieces as `ref`
+        assert torch.equal(logits, ref), f"max diff {(logits - ref).abs().max().item()}"
+    else:  # turn 2 computed [T, p) in one piece, so [T, r)'s K/V carry that matmul's rounding
+        torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)
+    # and greedy generate answers the same as plain transformers
     out = pc.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert out.stats.restored_tokens == (p - 1) // C * C
     assert torch.equal(out.sequences, plain_greedy(model, prompt, 6))
