@@ -41,7 +41,8 @@ from kvtier.errors import ConfigError
 from kvtier.index.index import Index, Load
 from kvtier.core.keys import Namespace, chunk_hashes as _chunk_hashes
 from kvtier.store.metrics import StoreMetrics, metrics_dict, register_prometheus
-from kvtier.store.payload import DTYPE_CODES, HASH_BYTES, ChunkHeader, as_bytes_view, make_header
+from kvtier.store.payload import (DTYPE_CODES, HASH_BYTES, ChunkHeader, Keyed, as_bytes_view, keyed_from_env,
+                                  make_header)
 from kvtier.core.plan import Plan
 from kvtier.store.tiers.base import Tier, TierLayout
 from kvtier.store.tiers.cpu import CpuTier, as_u8
@@ -94,7 +95,10 @@ class Store(TierIO):
         promote: bool = True,
         fsync: str = "never",
         pin_memory: bool | None = None,
+        secret: bytes | None = None,
     ) -> None:
+        """`secret`: the tenant's key for the disk tier's payload MACs (payload.Keyed); None reads
+        `KVTIER_SECRET_FILE` / `KVTIER_SECRET`. A shared tier takes its own (`RedisTier(keyed=)`)."""
         self.plan = plan
         self.namespace = namespace
         self.ns_id = namespace.id
@@ -125,7 +129,8 @@ class Store(TierIO):
                 self.slot_tiers[name] = CpuTier(layout, pin_memory=pin_memory)
             else:
                 assert disk_dir is not None
-                self.slot_tiers[name] = DiskTier(disk_dir, layout, self.ns_id, fsync=fsync)
+                keyed = Keyed(secret) if secret is not None else keyed_from_env()
+                self.slot_tiers[name] = DiskTier(disk_dir, layout, self.ns_id, fsync=fsync, keyed=keyed)
         self.shared: tuple[Tier, ...] = tuple(shared)
         self.admission = admission
         self.write_through = write_through

@@ -56,7 +56,9 @@ from kvtier.errors import ConfigError
 from kvtier.store.payload import (
     HEADER_BYTES,
     DEFAULT_CHECKSUM,
+    NO_SECRET_FOR_MAC,
     ChunkHeader,
+    Keyed,
     Rejected,
     StreamingChecksum,
     as_bytes_view,
@@ -64,6 +66,7 @@ from kvtier.store.payload import (
     decode_header,
     pwrite_checksum,
     encode_header,
+    integrity,
     mismatch,
     seal,
     sealed_with,
@@ -118,7 +121,7 @@ class DiskTier(SlotTier):
     def __init__(
         self, root: str | os.PathLike[str], layout: TierLayout, namespace_id: str, *,
         fsync: str = "never", pipeline: str | None = None, piece_bytes: int | None = None,
-        mapped_reads: bool | None = None,
+        mapped_reads: bool | None = None, keyed: Keyed | None = None,
     ) -> None:
         super().__init__(layout)
         if fsync not in FSYNC_POLICIES:
@@ -143,6 +146,7 @@ class DiskTier(SlotTier):
         self.fsync = fsync
         self.namespace_id = namespace_id
         self.root = Path(root)
+        self.keyed = keyed  # a tenant secret: payloads are MACed and only verified MACs restore
         # held by every read, write and close: close() never closes a slab fd under a writer (the
         # number would be reused by the next open and the rest of a payload would land there)
         self._io = threading.RLock()
@@ -220,6 +224,8 @@ class DiskTier(SlotTier):
         off = slot * self.strides[group]
         try:
             sealed = self._write_then_hash(fd, header, src, off + DATA_OFFSET)
+            if self.keyed is not None:
+                sealed = self.keyed.sign(sealed, src)
             os.pwrite(fd, encode_header(sealed), off)  # publish: only after the whole payload
             if self.fsync == "always":
                 # one flush, not one per write: until it returns, a power loss may persist the
@@ -288,6 +294,11 @@ class DiskTier(SlotTier):
                     why = verify(stored, dst)
                 else:
                     why = self._read_rest_verified(fd, stored, dst, off)
+            if why is None:
+                why = integrity(self.keyed, stored, dst)
+                if why == NO_SECRET_FOR_MAC:  # another keyed writer's: a miss, the slot stays
+                    self.misses += 1
+                    return False
             if why is not None:
                 return self._drop_corrupt(group, slot, why)
             self.bytes_read += n

@@ -38,7 +38,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from kvtier.errors import ConfigError
-from kvtier.store.payload import HASH_BYTES, HEADER_BYTES, ChunkHeader, decode_header, span_not_held
+from kvtier.store.payload import (HASH_BYTES, HEADER_BYTES, NO_SECRET_FOR_MAC, ChunkHeader, Keyed,
+                                  decode_header, span_not_held)
 from kvtier.store.tiers.base import Tier
 from kvtier.store.tiers.redis_codec import Arena, check_payload, u8_view, unknown_command
 from kvtier.store.tiers.redis_conn import (
@@ -72,8 +73,9 @@ class RedisTier(Tier):
 
     def __init__(self, options: RedisOptions | None = None, *, namespace_id: str | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 wall_clock: Callable[[], float] = time.time) -> None:
+                 wall_clock: Callable[[], float] = time.time, keyed: Keyed | None = None) -> None:
         super().__init__()
+        self.keyed = keyed  # a tenant secret: payloads are MACed and only verified MACs restore
         if namespace_id is not None and (
                 len(namespace_id) != 16 or any(c not in "0123456789abcdef" for c in namespace_id)):
             raise ConfigError(f"namespace id {namespace_id!r} must be 16 lowercase hex digits "
@@ -96,12 +98,12 @@ class RedisTier(Tier):
         self._ttl_ms = int(self.options.ttl_s * 1000) if self.options.ttl_s is not None else None
 
     @classmethod
-    def from_url(cls, url: str, *, namespace_id: str | None = None,
+    def from_url(cls, url: str, *, namespace_id: str | None = None, keyed: Keyed | None = None,
                  **options: object) -> RedisTier:
         """`redis://[user:pass@]host:port/db`, `rediss://...` (TLS), `redis+cluster://host:port`
         (any node of a cluster), `redis+sentinel://host:port[,host:port]/SERVICE[/DB]`, plus
         any `RedisOptions` field as a keyword."""
-        return cls(RedisOptions(url=url, **options), namespace_id=namespace_id)  # type: ignore[arg-type]
+        return cls(RedisOptions(url=url, **options), namespace_id=namespace_id, keyed=keyed)  # type: ignore[arg-type]
 
     # -- keys ---------------------------------------------------------------------------------
 
@@ -327,7 +329,8 @@ class RedisTier(Tier):
                 size += HEADER_BYTES + items[end][1].payload_bytes
                 end += 1
             with self._arena_lock:
-                values = self._arena.encode([h for _, h, _ in items[start:end]], views[start:end])
+                values = self._arena.encode([h for _, h, _ in items[start:end]], views[start:end],
+                                            self.keyed)
                 batch = [(i, self.key(h), v) for (i, _, _), (h, v) in zip(items[start:end], values)]
                 self._write_batch(ns, batch, ok)
             start = end
@@ -396,8 +399,8 @@ class RedisTier(Tier):
                 self.last_error = describe_error(raw)
                 self._log.warn("error", f"redis tier read failed: {self.last_error}")
                 continue
-            reason = check_payload(header, raw)
-            if span_not_held(reason):  # another engine's chunk, valid for its own blocks: kept
+            reason = check_payload(header, raw, self.keyed)
+            if span_not_held(reason) or reason == NO_SECRET_FOR_MAC:  # valid for others: kept
                 self._count("misses")
                 continue
             if reason is not None:

@@ -16,6 +16,8 @@ from kvtier.store.payload import (
     decode_header,
     encode_header,
     mismatch,
+    Keyed,
+    integrity,
     seal,
     verify,
 )
@@ -34,9 +36,10 @@ class Arena:
     def __init__(self) -> None:
         self._buf = bytearray()
 
-    def encode(self, headers: Sequence[ChunkHeader],
-               views: Sequence[memoryview]) -> list[tuple[ChunkHeader, memoryview]]:
-        """(sealed header, value view) per chunk; an unsealed header gets its checksum here."""
+    def encode(self, headers: Sequence[ChunkHeader], views: Sequence[memoryview],
+               keyed: Keyed | None = None) -> list[tuple[ChunkHeader, memoryview]]:
+        """(sealed header, value view) per chunk; an unsealed header gets its checksum here, and
+        with a secret every header its MAC."""
         size = sum(HEADER_BYTES + h.payload_bytes for h in headers)
         if len(self._buf) < size:
             self._buf = bytearray(size)
@@ -45,6 +48,8 @@ class Arena:
         for header, view in zip(headers, views):
             if header.checksum_kind == CHECKSUM_NONE:
                 header = seal(header, view)
+            if keyed is not None:
+                header = keyed.sign(header, view)
             n = header.payload_bytes
             arena[off:off + HEADER_BYTES] = encode_header(header)
             arena[off + HEADER_BYTES:off + HEADER_BYTES + n] = view
@@ -53,16 +58,17 @@ class Arena:
         return out
 
 
-def check_payload(expected: ChunkHeader, raw: bytes) -> str | None:
+def check_payload(expected: ChunkHeader, raw: bytes, keyed: Keyed | None = None) -> str | None:
     """Why a stored value is not the chunk `expected` names (bad or foreign header, truncated,
-    checksum mismatch), or None when its payload may be restored."""
+    checksum mismatch, a MAC that does not verify), or None when its payload may be restored."""
     stored = decode_header(memoryview(raw)[:HEADER_BYTES])
     if isinstance(stored, Rejected):
         return stored.reason
     why = mismatch(stored, expected)
     if why is not None:
         return why
-    return verify(stored, memoryview(raw)[HEADER_BYTES:])
+    payload = memoryview(raw)[HEADER_BYTES:]
+    return verify(stored, payload) or integrity(keyed, stored, payload)
 
 
 def u8_view(data: object) -> memoryview:

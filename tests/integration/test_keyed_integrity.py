@@ -1,0 +1,137 @@
+"""Keyed integrity: with a tenant secret, a payload someone else forged is never restored.
+
+The attack (reproduced before the secret existed: restored as a hit, 0 counted corrupt): a writer
+of the shared tier keeps a tenant's header fields, puts in its own bytes and recomputes both the
+payload checksum and the header CRC. The checksums are unkeyed, so only a MAC keyed with the
+tenant's secret tells the forgery apart."""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import redis
+import torch
+
+from kvtier.store.payload import (HEADER_BYTES, Keyed, decode_header, encode_header, make_header, seal)
+from kvtier.store.tiers.base import TierLayout
+from kvtier.store.tiers.disk import DiskTier
+from kvtier.store.tiers.disk_files import DATA_OFFSET, slab_name
+from kvtier.store.tiers.redis import RedisOptions, RedisTier
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from redis_servers import have_redis, redis_server  # noqa: E402
+
+NS = "5a5a5a5a01234567"
+SECRET_A = b"tenant-a-" + b"k" * 23
+SECRET_B = b"tenant-b-" + b"z" * 23
+N = 4096
+
+
+def _header(i: int = 1):
+    return make_header(NS, bytes([i]) * 32, 0, 0, 16, N)
+
+
+def _good() -> torch.Tensor:
+    return torch.arange(N, dtype=torch.int32).to(torch.uint8)
+
+
+def _forge(raw: bytes) -> bytes:
+    """Keep the header fields, swap the payload, recompute the checksum and the header CRC
+    (dropping the MAC, which the forger cannot compute)."""
+    h = decode_header(raw[:HEADER_BYTES])
+    evil = bytes([0x66]) * h.payload_bytes
+    forged = seal(replace(h, mac=b"", checksum=0, checksum_kind=0), evil)
+    return encode_header(forged) + evil
+
+
+@pytest.fixture
+def server():
+    if not have_redis():
+        pytest.fail("redis-server is not installed; `make test` installs it (scripts/ensure-redis.sh)")
+    with redis_server() as srv:
+        yield srv
+
+
+def _tier(url: str, secret: bytes | None) -> RedisTier:
+    return RedisTier(RedisOptions(url=url), namespace_id=NS, keyed=Keyed(secret) if secret else None)
+
+
+def test_a_forged_redis_value_is_a_counted_miss_with_a_secret(server) -> None:
+    a = _tier(server.url, SECRET_A)
+    assert a.write(0, 0, _header(), _good())
+    r = redis.Redis.from_url(server.url)
+    key = a.key(_header())
+    r.set(key, _forge(r.get(key)))
+    out = torch.zeros(N, dtype=torch.uint8)
+    assert a.read(0, 0, _header(), out) is False
+    assert a.corrupt_dropped == 1 and not (out == 0x66).all()
+    assert r.get(key) is None  # the forgery is deleted, so no one else trips on it
+    # without a secret the same forgery is restored: every writer of a shared tier is trusted
+    plain = _tier(server.url, None)
+    assert plain.write(0, 0, _header(), _good())
+    r.set(key, _forge(r.get(key)))
+    assert plain.read(0, 0, _header(), out) is True and bool((out == 0x66).all())
+    for t in (a, plain):
+        t.close()
+    r.close()
+
+
+def test_another_secret_or_no_secret_never_restores(server) -> None:
+    a, b, plain = _tier(server.url, SECRET_A), _tier(server.url, SECRET_B), _tier(server.url, None)
+    out = torch.zeros(N, dtype=torch.uint8)
+    assert a.write(0, 0, _header(2), _good())
+    assert plain.read(0, 0, _header(2), out) is False and plain.corrupt_dropped == 0  # kept: A's
+    assert b.read(0, 0, _header(2), out) is False and b.corrupt_dropped == 1  # B's secret: forged
+    assert plain.write(0, 0, _header(3), _good())
+    assert a.read(0, 0, _header(3), out) is False and a.corrupt_dropped == 1  # written without it
+    assert a.write(0, 0, _header(4), _good())
+    assert a.read(0, 0, _header(4), out) is True and torch.equal(out, _good())
+    for t in (a, b, plain):
+        t.close()
+
+
+def test_a_forged_disk_slot_is_a_counted_miss_with_a_secret(tmp_path: Path) -> None:
+    layout = TierLayout(slot_bytes=(N,), num_slots=(2,))
+    tier = DiskTier(tmp_path, layout, NS, keyed=Keyed(SECRET_A), mapped_reads=False)
+    assert tier.write(0, 1, _header(), _good())
+    path = tmp_path / NS / slab_name(0, N)
+    stride = DATA_OFFSET + N
+    with open(path, "r+b") as f:  # someone who can write the directory rewrites the slot
+        f.seek(stride)
+        raw = f.read(HEADER_BYTES)
+        f.seek(stride + DATA_OFFSET)
+        payload = f.read(N)
+        forged = _forge(raw + payload)
+        f.seek(stride)
+        f.write(forged[:HEADER_BYTES])
+        f.seek(stride + DATA_OFFSET)
+        f.write(forged[HEADER_BYTES:])
+    out = torch.zeros(N, dtype=torch.uint8)
+    assert tier.read(0, 1, _header(), out) is False and tier.corrupt_dropped == 1
+    tier.close()
+
+
+def test_the_secret_comes_from_a_private_file_or_the_environment(tmp_path: Path, monkeypatch) -> None:
+    from kvtier.errors import ConfigError
+    from kvtier.store.payload import keyed_from_env
+
+    monkeypatch.delenv("KVTIER_SECRET", raising=False)
+    monkeypatch.delenv("KVTIER_SECRET_FILE", raising=False)
+    assert keyed_from_env() is None
+    f = tmp_path / "secret"
+    f.write_bytes(SECRET_A + b"\n")
+    os.chmod(f, 0o644)
+    monkeypatch.setenv("KVTIER_SECRET_FILE", str(f))
+    with pytest.raises(ConfigError, match=r"readable by others \(mode 644\); run `chmod 600"):
+        keyed_from_env()
+    os.chmod(f, 0o600)
+    k = keyed_from_env()
+    assert k is not None and "tenant" not in repr(k)
+    h = seal(_header(), _good())
+    assert k.check(Keyed(SECRET_A).sign(h, _good()), _good()) is None
+    with pytest.raises(ConfigError, match="at least 16 bytes"):
+        Keyed(b"short")
