@@ -37,6 +37,9 @@ SCENARIOS = [
     {"name": "reset_load", "lifecycle": "reset_load"},
     {"name": "reset_store", "lifecycle": "reset_store"},
     {"name": "repeat_store", "lifecycle": "repeat_store"},
+    # the disk tier with a tenant secret: every payload MACed, and B restores from it
+    {"name": "keyed_disk", "extra": {"kvtier.tiers": "disk", "kvtier.disk_bytes": "16MiB",
+                                     "kvtier.cpu_bytes": None, "kvtier.secret_file": "@secret"}},
     # DeepSeek-V4-like mix: groups of 64, 16 and 32 tokens per block (full, sliding window 64,
     # MLA), equal page sizes so vLLM pools them; blocks_per_chunk=2 gives chunks of 128, 32 and 64
     # tokens. A: 400 tokens.
@@ -177,3 +180,9 @@ def test_lifecycle_leaves_nothing_pinned_and_restores_right(results: dict, name:
         assert r["b_waiting"]  # B was waiting for its load when it was aborted
     if name == "repeat_store":
         assert r["counters"]["store_chunks"] == 21  # each chunk stored once, not once per request
+
+
+def test_a_tenant_secret_macs_every_disk_payload_and_restores(results: dict) -> None:
+    r = ok(results, "keyed_disk")
+    assert r["disk_slots"] > 0 and r["disk_macs"] == r["disk_slots"], r
+    assert r["external_tokens"] >= 192 and r["checked"] > 0 and r["mismatches"] == 0, r

@@ -80,6 +80,13 @@ class Harness:
         extra = {"spec_name": "KvtierOffloadingSpec", "spec_module_path": "kvtier.integrations.vllm.spec",
                  "kvtier.tiers": "cpu", "kvtier.cpu_bytes": "16MiB", "kvtier.directory": self.tmp}
         extra.update(sc.get("extra", {}))
+        extra = {k: v for k, v in extra.items() if v is not None}  # None: drop a default key
+        if extra.get("kvtier.secret_file") == "@secret":  # a tenant secret file made here, 0600
+            path = os.path.join(self.tmp, "secret")
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+            os.write(fd, os.urandom(32))
+            os.close(fd)
+            extra["kvtier.secret_file"] = path
         args = EngineArgs(model=model, skip_tokenizer_init=True, max_model_len=2048, enforce_eager=True,
                           block_size=bs, dtype="float32", enable_prefix_caching=True,
                           kv_transfer_config={
@@ -258,6 +265,13 @@ def run_two_requests(sc: dict) -> dict:
             break
         assert req.num_computed_tokens >= before
     h.drain()
+    disk = os.path.join(h.tmp, "disk")
+    if os.path.isdir(disk):
+        from kvtier.store.tiers.disk_scan import scan_dir
+
+        recs = [r for r in scan_dir(disk) if r.problem is None]
+        result["disk_slots"] = len(recs)
+        result["disk_macs"] = sum(1 for r in recs if getattr(r.header, "mac", b""))
     result.update({"external_tokens": external, "failed": sorted(h.failed),
                    "recving": sorted(h.recving), "counters": h.counters(),
                    "num_groups": len(h.kvc.kv_cache_groups),

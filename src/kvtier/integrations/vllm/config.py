@@ -18,6 +18,7 @@ vLLM's and are left to it.
 | `kvtier.chunk_tokens` | tokens per chunk (a multiple of vLLM's block size) | vLLM's blocks_per_chunk |
 | `kvtier.redis_bytes` | bytes of this namespace the index tracks in Redis (Redis's maxmemory is the real bound) | required with redis |
 | `kvtier.redis_url` | `redis://host:port/db`, `rediss://`, `redis+cluster://`, `redis+sentinel://`; never with a password in it (vLLM logs this config) | required with redis |
+| `kvtier.secret_file` | a file (mode 0600, at least 16 bytes) holding the tenant secret that MACs every disk and Redis payload; or set `KVTIER_SECRET_FILE` / `KVTIER_SECRET` in the engine's environment | none |
 | `kvtier.redis_password_file` | a file (mode 0600) holding the Redis password; or set `KVTIER_REDIS_PASSWORD` in the engine's environment | none |
 | `kvtier.tenant` | a salt mixed into every key: engines with different tenants share nothing. Change it when the weights change under the same model path (a new fine-tune, a new revision): kvtier's namespace sees the path, config and dtype, not the weights | `""` |
 """
@@ -33,7 +34,7 @@ from kvtier.core.units import parse_bytes
 
 PREFIX = "kvtier."
 KEYS = ("tiers", "cpu_bytes", "disk_bytes", "redis_bytes", "directory", "policy", "share",
-        "chunk_tokens", "redis_url", "redis_password_file", "tenant")
+        "chunk_tokens", "redis_url", "redis_password_file", "secret_file", "tenant")
 PASSWORD_ENV = "KVTIER_REDIS_PASSWORD"
 TIERS = ("cpu", "disk", "redis")
 
@@ -51,6 +52,7 @@ class VllmTierConfig:
     redis_url: str | None = None
     tenant: str = ""
     redis_password_file: str | None = None  # the path only: the password is read when connecting
+    secret_file: str | None = None  # the path only: the tenant secret is read when tiers open
 
     @property
     def capacities(self) -> dict[str, int]:
@@ -101,7 +103,10 @@ def parse_config(extra_config: Mapping[str, object]) -> VllmTierConfig:
             f"kvtier.redis_password_file (mode 0600) or in the environment variable {PASSWORD_ENV}")
     password_file = ours.get("redis_password_file")
     if password_file is not None:
-        _check_password_file(password_file)
+        _check_password_file(password_file, "kvtier.redis_password_file")
+    secret_file = ours.get("secret_file")
+    if secret_file is not None:
+        _check_password_file(secret_file, "kvtier.secret_file")
     if redis_url is not None and "redis" not in tiers:
         raise ConfigError(f"kvtier.redis_url is set but tier 'redis' is not in kvtier.tiers {list(tiers)}; "
                           "add it to kvtier.tiers or drop the URL")
@@ -153,6 +158,7 @@ def parse_config(extra_config: Mapping[str, object]) -> VllmTierConfig:
         redis_url=redis_url,
         tenant=tenant,
         redis_password_file=password_file,
+        secret_file=secret_file,
     )
 
 
@@ -165,16 +171,16 @@ def _has_password(url: str) -> bool:
         return "@" in url.split("://", 1)[-1].split("/", 1)[0]
 
 
-def _check_password_file(path: object) -> None:
+def _check_password_file(path: object, key: str) -> None:
     if not isinstance(path, str) or not path:
-        raise ConfigError(f"kvtier.redis_password_file={path!r} must be a path to a file")
+        raise ConfigError(f"{key}={path!r} must be a path to a file")
     try:
         st = os.stat(path)
     except OSError as exc:
-        raise ConfigError(f"kvtier.redis_password_file={path!r} cannot be read ({exc.strerror}); "
-                          "create it with the password, mode 0600") from None
+        raise ConfigError(f"{key}={path!r} cannot be read ({exc.strerror}); "
+                          "create it (mode 0600)") from None
     if st.st_mode & 0o077:
-        raise ConfigError(f"kvtier.redis_password_file={path!r} is readable by others (mode "
+        raise ConfigError(f"{key}={path!r} is readable by others (mode "
                           f"{st.st_mode & 0o777:o}); run `chmod 600 {path}`")
 
 
@@ -202,3 +208,13 @@ def _tiers(value: object) -> tuple[str, ...]:
     if len(set(names)) != len(names):
         raise ConfigError(f"kvtier.tiers={value!r} names a tier twice")
     return tuple(names)
+
+
+def tier_secret(config: VllmTierConfig):  # -> Keyed | None (kvtier.store.payload, no torch)
+    """The tenant secret for payload MACs: `kvtier.secret_file`, else the environment."""
+    from kvtier.store.payload import Keyed, keyed_from_env
+
+    if config.secret_file is not None:
+        with open(config.secret_file, "rb") as f:
+            return Keyed(f.read().rstrip(b"\r\n"))
+    return keyed_from_env()

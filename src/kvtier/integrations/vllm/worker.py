@@ -83,10 +83,11 @@ class KvtierWorker(OffloadingWorker):
             if tier == "redis":  # key-addressed: no slots to lay out
                 from kvtier.store.tiers.redis import RedisTier
 
-                from .config import redis_password
+                from .config import redis_password, tier_secret
 
                 self.tiers[tier] = RedisTier.from_url(str(ctx.config.redis_url),
                                                       namespace_id=ctx.namespace.id,
+                                                      keyed=tier_secret(ctx.config),
                                                       password=redis_password(ctx.config))
                 continue
             layout = TierLayout(
@@ -335,5 +336,7 @@ def _make_tier(name: str, layout: TierLayout, ctx: SpecContext) -> Tier:
         root = ctx.disk_root
         assert root is not None
         root.mkdir(parents=True, exist_ok=True)
-        return DiskTier(root, layout, ctx.namespace.id)
+        from .config import tier_secret
+
+        return DiskTier(root, layout, ctx.namespace.id, keyed=tier_secret(ctx.config))
     raise ConfigError(f"tier {name!r} is not available in the vLLM worker")
