@@ -47,3 +47,13 @@ def test_bench_store_loads_resident_slots_through_the_mapping(capsys, tmp_path) 
     assert out["disk_mapped_reads"] == 8 and out["disk_helper_ios"] == 4
     assert out["checksum_path"].startswith("fused copy + xxh3_64")  # the C extension ran
     assert 0 < out["two_pass_load_ratio_bound"] < 1
+
+
+def test_bench_store_secret_keys_the_disk_tier(capsys, tmp_path) -> None:
+    """`--secret`: the disk tier MACs every payload and verifies it on load (the bench fails on
+    any corrupt payload or failed save, so a MAC that did not verify would show here)."""
+    code = main(["bench", "store", "--json", "--rounds", "1", "--chunks", "1", "--dir", str(tmp_path),
+                 "--secret"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["disk_keyed"] is True
+    assert out["disk_save_ratio"] > 0 and out["disk_load_ratio"] > 0

@@ -48,6 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disk-reads", choices=("mapped", "preadv"), default=None,
                    help="disk tier loads: mapped (copy + checksum from the mapped page cache, for "
                         "resident slots; the default) or preadv (always one preadv + one checksum pass)")
+    p.add_argument("--secret", action="store_true",
+                   help="key the disk tier with a random tenant secret: every payload MACed (keyed "
+                        "BLAKE2b) on save and verified on load; the disk ratios then show its cost")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -141,12 +144,14 @@ def _run(args: argparse.Namespace) -> int:
     if args.disk_reads is not None:
         disk_mod.MAPPED_READS = args.disk_reads == "mapped"
     out["disk_reads"] = "mapped" if disk_mod.MAPPED_READS else "preadv"
+    out["disk_keyed"] = bool(args.secret)
 
     for tier in ("cpu", "disk"):
         # room for one prompt: from round 1 on every save evicts the previous round's chunk
         # and reuses its slot (the steady state of a full cache; no first-touch page faults)
         kw = ({"cpu_bytes": n * row} if tier == "cpu" else
-              {"disk_dir": os.path.join(tmp.name, "tier"), "disk_bytes": n * row, "fsync": args.fsync})
+              {"disk_dir": os.path.join(tmp.name, "tier"), "disk_bytes": n * row, "fsync": args.fsync,
+               "secret": os.urandom(32) if args.secret else None})
         store = Store(plan, ns, **kw)  # type: ignore[arg-type]
         plain_file = os.path.join(tmp.name, "plain.bin")
         with open(plain_file, "wb") as f:  # preexisting, as the tier's slab files are after round 0
@@ -244,7 +249,8 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     print(f"kvtier bench store: {geom.name}, chunk_tokens {C}, {n} chunks a prompt, "
           f"{save_bytes / 2**20:.0f} MiB saved / {load_bytes / 2**20:.0f} MiB loaded a round, "
-          f"median of {rounds} rounds, fsync={args.fsync}, disk loads {out['disk_cache']}")
+          f"median of {rounds} rounds, fsync={args.fsync}, disk loads {out['disk_cache']}"
+          + (", disk keyed with a tenant secret (MAC on every payload)" if args.secret else ""))
     print(f"{'':6} {'save ratio':>10} {'load ratio':>10}   (kvtier GB/s vs plain GB/s)")
     for tier, what in (("cpu", "torch copy"), ("disk", "file I/O")):
         cpu_t = (f"; CPU-time ratios save {out[f'{tier}_save_cpu_time_ratio']}, load "
