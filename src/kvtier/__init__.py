@@ -21,6 +21,7 @@ _LAZY = {
     "DiskTier": "kvtier.store.tiers.disk",
     "RedisTier": "kvtier.store.tiers.redis",
     "PrefixCache": "kvtier.integrations.transformers",
+    "Keyed": "kvtier.store.payload",
 }
 
 
@@ -35,6 +36,7 @@ __all__ = [
     "ConfigError",
     "CpuTier",
     "DiskTier",
+    "Keyed",
     "PrefixCache",
     "RedisTier",
     "Store",

@@ -234,3 +234,25 @@ def test_the_vllm_path_reaches_a_password_protected_redis(tmp_path: Path, monkey
             assert tier.read(0, 0, h, out) and torch.equal(out, data)
         finally:
             tier.close()
+
+
+def test_metrics_files_of_exited_processes_are_removed(tmp_path: Path) -> None:
+    """`metrics/` held one file per process id forever; a new process removes the files of
+    processes that have exited and keeps live ones."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("vllm")
+    from kvtier.integrations.vllm.common import Metrics, read_metrics
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
+    (tmp_path / "metrics").mkdir()
+    (tmp_path / "metrics" / f"worker0-{dead}.json").write_text('{"counts": {"x": 1}}')
+    (tmp_path / "metrics" / f"scheduler-{os.getppid()}.json").write_text('{"counts": {"y": 2}}')
+    m = Metrics("scheduler", str(tmp_path))
+    m.add("z")
+    m.flush()
+    names = sorted(p.name for p in (tmp_path / "metrics").iterdir())
+    assert names == sorted([f"scheduler-{os.getppid()}.json", f"scheduler-{os.getpid()}.json"])
+    assert read_metrics(tmp_path) == {"y": 2, "z": 1}

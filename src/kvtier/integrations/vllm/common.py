@@ -109,6 +109,7 @@ class Metrics:
     counts: dict[str, int] = field(default_factory=dict)
     info: dict[str, int] = field(default_factory=dict)  # sizes, not summed across processes
     _dirty: bool = False
+    _pruned: bool = False
 
     def add(self, name: str, n: int = 1) -> None:
         self.counts[name] = self.counts.get(name, 0) + n
@@ -121,13 +122,37 @@ class Metrics:
         path = out / f"{self.role}-{os.getpid()}.json"
         tmp = path.with_suffix(".tmp")
         try:  # never create kvtier.directory itself, never fail the engine over a counter file
-            out.mkdir(exist_ok=True)
+            out.mkdir(mode=0o700, exist_ok=True)
+            if not self._pruned:  # one file per process id forever was the old behaviour
+                self._pruned = True
+                _prune_dead(out)
             tmp.write_text(json.dumps({"role": self.role, "pid": os.getpid(), "time": time.time(),
                                        "counts": self.counts, "info": self.info}))
             os.replace(tmp, path)  # readers never see half a file
         except OSError:
             return
         self._dirty = False
+
+
+def _prune_dead(out: Path) -> None:
+    """Remove the counter files of processes that have exited (their pid is gone), so the
+    directory holds the live processes' files and the last engine's until a new one starts."""
+    for path in out.glob("*-*.json"):
+        try:
+            pid = int(path.stem.rsplit("-", 1)[1])
+        except (IndexError, ValueError):
+            continue
+        if pid == os.getpid():
+            continue
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            try:
+                path.unlink()
+            except OSError:
+                pass
+        except OSError:  # alive but not ours (EPERM): kept
+            continue
 
 
 def read_metrics(directory: str | os.PathLike[str]) -> dict[str, int]:
