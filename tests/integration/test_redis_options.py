@@ -104,6 +104,15 @@ def test_bench_starts_and_stops_its_own_server() -> None:
     assert not _servers_in("kvtier-bench-redis-")  # stopped
 
 
+def test_bench_secret_keys_every_value(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--secret`: every value MACed and verified on load (the bench fails on any miss)."""
+    with redis_server() as srv:
+        rc = main(["bench", "redis", "--url", srv.url, "--chunks", "4", "--chunk-bytes", "4096",
+                   "--rounds", "2", "--secret", "--json"])
+        res = json.loads(capsys.readouterr().out)
+        assert rc == 0 and res["keyed"] is True and res["load_ratio"] > 0
+
+
 def test_bench_on_a_given_server_and_cluster_leaves_no_keys(
         capsys: pytest.CaptureFixture[str]) -> None:
     with redis_server() as srv:

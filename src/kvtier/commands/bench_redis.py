@@ -40,6 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunks", type=int, default=64, metavar="N",
                    help="chunk payloads per round, in one batch (default 64)")
     p.add_argument("--rounds", type=int, default=7, metavar="N", help="rounds (default 7)")
+    p.add_argument("--secret", action="store_true",
+                   help="key the tier with a random tenant secret (a MAC on every value): the ratios "
+                        "then show what the key costs")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -93,7 +96,7 @@ def _timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t0
 
 
-def measure(url: str, chunk_bytes: int, chunks: int, rounds: int) -> dict[str, object]:
+def measure(url: str, chunk_bytes: int, chunks: int, rounds: int, secret: bool = False) -> dict[str, object]:
     import redis
     import torch
 
@@ -139,7 +142,11 @@ def measure(url: str, chunk_bytes: int, chunks: int, rounds: int) -> dict[str, o
         raw.ping()  # type: ignore[attr-defined]
     except Exception as exc:  # noqa: BLE001
         raise KvtierError(f"cannot reach Redis at {redact(url)}: {exc}") from None
-    tier = RedisTier(opts, namespace_id=BENCH_NS)
+    import os
+
+    from kvtier.store.payload import Keyed
+
+    tier = RedisTier(opts, namespace_id=BENCH_NS, keyed=Keyed(os.urandom(32)) if secret else None)
     try:
         kv_save(), raw_save(), kv_load(), raw_load()  # warm-up: connections, allocator
         t: dict[str, list[float]] = {k: [] for k in ("kv_save", "raw_save", "kv_load", "raw_load")}
@@ -169,7 +176,7 @@ def measure(url: str, chunk_bytes: int, chunks: int, rounds: int) -> dict[str, o
         "kvtier_load_gb_s": gbs["kv_load"], "raw_load_gb_s": gbs["raw_load"],
         "chunk_bytes": chunk_bytes, "chunks": chunks, "rounds": rounds,
         "checksum": CHECKSUM_NAMES[DEFAULT_CHECKSUM], "hiredis": _has_hiredis(),
-        "redis_py": redis.__version__,
+        "redis_py": redis.__version__, "keyed": secret,
     }
 
 
@@ -184,18 +191,19 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, name) <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)} must be > 0")
     if args.url:
-        res = measure(args.url, args.chunk_bytes, args.chunks, args.rounds)
+        res = measure(args.url, args.chunk_bytes, args.chunks, args.rounds, args.secret)
         res["server"] = "given"
     else:
         with own_server() as url:
-            res = measure(url, args.chunk_bytes, args.chunks, args.rounds)
+            res = measure(url, args.chunk_bytes, args.chunks, args.rounds, args.secret)
         res["server"] = "own redis-server on loopback"
     if args.json:
         print(json.dumps(res))
         return 0
     mib = args.chunk_bytes / (1 << 20)
     print(f"redis tier vs raw redis-py, {args.chunks} chunks of {mib:.2f} MiB per batch, "
-          f"median of {args.rounds} rounds ({res['server']}; checksum {res['checksum']})")
+          f"median of {args.rounds} rounds ({res['server']}; checksum {res['checksum']}"
+          + ("; keyed: a MAC on every value" if res["keyed"] else "") + ")")
     print(f"  save  kvtier {res['kvtier_save_gb_s']:.2f} GB/s  raw SET {res['raw_save_gb_s']:.2f} "
           f"GB/s  ratio {res['save_ratio']:.2f}")
     print(f"  load  kvtier {res['kvtier_load_gb_s']:.2f} GB/s  raw GET {res['raw_load_gb_s']:.2f} "
