@@ -2,7 +2,7 @@
 compute only the rest, save the new chunks.
 
     from kvtier.integrations.transformers import PrefixCache
-    pc = PrefixCache.for_model(model, cpu_bytes=2 << 30, disk_dir="/tmp/kv", disk_bytes=8 << 30)
+    pc = PrefixCache.for_model(model, cpu_bytes=2 << 30, disk_dir=os.path.expanduser("~/.cache/kvtier/kv"), disk_bytes=8 << 30)
     out = pc.generate(input_ids, max_new_tokens=64)      # out.sequences, out.stats
     logits, stats = pc.forward(input_ids)                # a plain prefill of the whole prompt
 
