@@ -135,3 +135,20 @@ def test_the_secret_comes_from_a_private_file_or_the_environment(tmp_path: Path,
     assert k.check(Keyed(SECRET_A).sign(h, _good()), _good()) is None
     with pytest.raises(ConfigError, match="at least 16 bytes"):
         Keyed(b"short")
+
+
+def test_either_mac_kind_verifies_and_an_unknown_kind_is_rejected() -> None:
+    from kvtier.store.payload import MAC_BLAKE2B, MAC_BLAKE3, Rejected
+
+    data = _good()
+    h = seal(_header(), data)
+    for kind in (MAC_BLAKE2B, MAC_BLAKE3):  # a reader checks whichever kind the writer used
+        signed = decode_header(encode_header(Keyed(SECRET_A, kind).sign(h, data)))
+        assert signed.mac_kind == kind
+        assert Keyed(SECRET_A).check(signed, data) is None
+        assert Keyed(SECRET_B).check(signed, data) is not None
+    raw = bytearray(encode_header(Keyed(SECRET_A).sign(h, data)))
+    raw[108] = 7  # a MAC kind this reader does not know: never restored
+    import zlib
+    raw[124:128] = zlib.crc32(bytes(raw[:124])).to_bytes(4, "little")
+    assert isinstance(decode_header(bytes(raw)), Rejected)
