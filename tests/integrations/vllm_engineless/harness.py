@@ -236,17 +236,8 @@ class Harness:
 
 def run_two_requests(sc: dict) -> dict:
     h = Harness(sc)
-    n = int(sc.get("prompt_tokens", 200))
-    prompt = [100 + (i * 7919) % 900 for i in range(n)]
-    h.add("a", prompt)
-    for _ in range(40):
-        h.step()
-        if not h.sched.requests:
-            break
-    h.drain()
-    assert h.sched.reset_prefix_cache(), "vLLM refused reset_prefix_cache"
-    for t in h.kv.values():
-        t.zero_()
+    prompt = _store_a(h, int(sc.get("prompt_tokens", 200)))
+    assert _fresh_gpu_cache(h), "vLLM refused reset_prefix_cache"
     if sc.get("fail_reads") == "load":
         for tier in h.wconn.connector_worker.worker.tiers.values():
             tier.read = lambda *a, **k: False  # every read misses, as a corrupt payload would
