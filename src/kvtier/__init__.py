@@ -21,7 +21,7 @@ _LAZY = {
     "DiskTier": "kvtier.store.tiers.disk",
     "RedisTier": "kvtier.store.tiers.redis",
     "PrefixCache": "kvtier.integrations.transformers",
-    "Keyed": "kvtier.store.payload",
+    "Keyed": "kvtier.store.integrity",
 }
 
 

@@ -16,7 +16,8 @@ import pytest
 import redis
 import torch
 
-from kvtier.store.payload import (HEADER_BYTES, Keyed, decode_header, encode_header, make_header, seal)
+from kvtier.store.integrity import Keyed
+from kvtier.store.payload import HEADER_BYTES, decode_header, encode_header, make_header, seal
 from kvtier.store.tiers.base import TierLayout
 from kvtier.store.tiers.disk import DiskTier
 from kvtier.store.tiers.disk_files import DATA_OFFSET, slab_name
@@ -117,7 +118,7 @@ def test_a_forged_disk_slot_is_a_counted_miss_with_a_secret(tmp_path: Path) -> N
 
 def test_the_secret_comes_from_a_private_file_or_the_environment(tmp_path: Path, monkeypatch) -> None:
     from kvtier.errors import ConfigError
-    from kvtier.store.payload import keyed_from_env
+    from kvtier.store.integrity import keyed_from_env
 
     monkeypatch.delenv("KVTIER_SECRET", raising=False)
     monkeypatch.delenv("KVTIER_SECRET_FILE", raising=False)

@@ -144,7 +144,7 @@ def measure(url: str, chunk_bytes: int, chunks: int, rounds: int, secret: bool =
         raise KvtierError(f"cannot reach Redis at {redact(url)}: {exc}") from None
     import os
 
-    from kvtier.store.payload import Keyed
+    from kvtier.store.integrity import Keyed
 
     tier = RedisTier(opts, namespace_id=BENCH_NS, keyed=Keyed(os.urandom(32)) if secret else None)
     try:

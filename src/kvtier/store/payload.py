@@ -34,7 +34,7 @@ piece right after the kernel copied it (its saves). Rejected: blake2b/sha (0.5-1
 secure hash buys nothing against torn writes and bit rot) and sums of words (blind to swapped
 blocks).
 
-Keyed integrity (`Keyed`): the checksums above catch torn writes and bit rot, not an attacker: a
+Keyed integrity (`kvtier.store.integrity.Keyed`): the checksums above catch torn writes and bit rot, not an attacker: a
 writer of a shared tier (Redis, a disk directory) can keep a tenant's header fields, put in its
 own bytes and recompute both checksums. With a secret set (`Store(secret=...)`,
 `RedisTier(secret=...)`, `DiskTier(secret=...)`, or `KVTIER_SECRET` / `KVTIER_SECRET_FILE` in the
@@ -50,8 +50,6 @@ in the header, so either reader checks either writer's MACs. `kvtier bench store
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import struct
 import time
 import zlib
@@ -388,102 +386,8 @@ def unverifiable(header: ChunkHeader) -> str | None:
     return None
 
 
+# the MAC fields of the header (bytes 92..108); the MAC itself: kvtier.store.integrity
 MAC_BYTES = 16
-SECRET_MIN_BYTES = 16
 MAC_BLAKE2B = 1
 MAC_BLAKE3 = 2
-_MAC_PERSON = b"kvtier-mac-v1"
-try:  # optional: keyed BLAKE3 is ~10x keyed BLAKE2b on this machine's cores
-    import blake3 as _blake3
-except ImportError:  # pragma: no cover - exercised where blake3 is absent
-    _blake3 = None
-NO_SECRET_FOR_MAC = "payload carries a MAC and this reader has no secret"
-
-
-class Keyed:
-    """A tenant's secret: signs payloads on write and checks them on read (see the module
-    docstring). The secret never leaves this object: no repr, never in a log line."""
-
-    __slots__ = ("_key2", "_key3", "kind")
-
-    def __init__(self, secret: bytes, kind: int | None = None) -> None:
-        if not isinstance(secret, (bytes, bytearray)) or len(secret) < SECRET_MIN_BYTES:
-            raise ConfigError(f"a kvtier secret must be at least {SECRET_MIN_BYTES} bytes "
-                              "(e.g. `head -c 32 /dev/urandom > secret`); got a shorter or non-bytes value")
-        # blake2b takes keys of up to 64 bytes, blake3 exactly 32: both derived from the secret
-        self._key2 = bytes(secret) if len(secret) <= 64 else hashlib.blake2b(bytes(secret)).digest()
-        self._key3 = hashlib.blake2b(bytes(secret), digest_size=32, person=b"kvtier-key3-v1").digest()
-        self.kind = kind if kind is not None else (MAC_BLAKE3 if _blake3 is not None else MAC_BLAKE2B)
-        if self.kind == MAC_BLAKE3 and _blake3 is None:
-            raise ConfigError("MAC kind blake3 needs the blake3 package: `pip install blake3`")
-
-    def __repr__(self) -> str:
-        return "Keyed(<secret>)"
-
-    def mac(self, header: ChunkHeader, data: object, kind: int | None = None) -> bytes:
-        kind = self.kind if kind is None else kind
-        head = encode_header(_without_mac(header))[:_BODY.size]
-        body = as_bytes_view(data)[:header.payload_bytes]
-        if kind == MAC_BLAKE3:
-            h3 = _blake3.blake3(head, key=self._key3, max_threads=1)  # one core: the engine's are busy
-            h3.update(body)  # releases the GIL
-            return h3.digest(MAC_BYTES)
-        h = hashlib.blake2b(key=self._key2, digest_size=MAC_BYTES, person=_MAC_PERSON)
-        h.update(head)
-        h.update(body)  # update() releases the GIL
-        return h.digest()
-
-    def sign(self, header: ChunkHeader, data: object) -> ChunkHeader:
-        """`header` (sealed: checksum and creation time set) with the MAC of it and `data`."""
-        return _with_mac(header, self.mac(header, data), self.kind)
-
-    def check(self, header: ChunkHeader, data: object) -> str | None:
-        """Why `data` under `header` is not this secret's writing, or None when the MAC verifies."""
-        if not header.mac:
-            return "payload written without the secret (no MAC)"
-        if header.mac_kind == MAC_BLAKE3 and _blake3 is None:
-            return "payload MAC is keyed BLAKE3 and the blake3 package is not installed"
-        if not hmac.compare_digest(header.mac, self.mac(header, data, header.mac_kind)):
-            return "payload MAC mismatch (forged, or written with another secret)"
-        return None
-
-
-def _without_mac(h: ChunkHeader) -> ChunkHeader:
-    return _with_mac(h, b"", 0) if h.mac or h.mac_kind else h
-
-
-def _with_mac(h: ChunkHeader, mac: bytes, kind: int) -> ChunkHeader:
-    return ChunkHeader(h.namespace_id, h.chunk_hash, h.group, h.token_start, h.token_end,
-                       h.payload_bytes, h.dtype, h.checksum, h.checksum_kind, h.created_ns,
-                       h.format_version, mac, kind)
-
-
-def integrity(keyed: Keyed | None, header: ChunkHeader, data: object) -> str | None:
-    """After the payload checksum verified: None when `data` may be restored, else why not.
-    Without a secret, an unMACed payload passes (every writer of the tier is trusted) and a MACed
-    one is NO_SECRET_FOR_MAC (a plain miss: the reader cannot check it, the slot is kept)."""
-    if keyed is None:
-        return NO_SECRET_FOR_MAC if header.mac else None
-    return keyed.check(header, data)
-
-
-def keyed_from_env() -> Keyed | None:
-    """The secret from `KVTIER_SECRET_FILE` (a file of this user, mode 0600) or `KVTIER_SECRET`;
-    None when neither is set."""
-    import os
-    import stat
-
-    path = os.environ.get("KVTIER_SECRET_FILE")
-    if path:
-        try:
-            st = os.stat(path)
-            with open(path, "rb") as f:
-                data = f.read()
-        except OSError as exc:
-            raise ConfigError(f"KVTIER_SECRET_FILE={path!r} cannot be read ({exc.strerror})") from None
-        if stat.S_IMODE(st.st_mode) & 0o077:
-            raise ConfigError(f"KVTIER_SECRET_FILE={path!r} is readable by others (mode "
-                              f"{stat.S_IMODE(st.st_mode):o}); run `chmod 600 {path}`")
-        return Keyed(data.rstrip(b"\r\n"))
-    value = os.environ.get("KVTIER_SECRET")
-    return Keyed(value.encode()) if value else None
+HEADER_BODY_BYTES = _BODY.size  # the header bytes before its own CRC (what a MAC covers)

@@ -41,8 +41,8 @@ from kvtier.errors import ConfigError
 from kvtier.index.index import Index, Load
 from kvtier.core.keys import Namespace, chunk_hashes as _chunk_hashes
 from kvtier.store.metrics import StoreMetrics, metrics_dict, register_prometheus
-from kvtier.store.payload import (DTYPE_CODES, HASH_BYTES, ChunkHeader, Keyed, as_bytes_view, keyed_from_env,
-                                  make_header)
+from kvtier.store.integrity import Keyed, keyed_from_env
+from kvtier.store.payload import DTYPE_CODES, HASH_BYTES, ChunkHeader, as_bytes_view, make_header
 from kvtier.core.plan import Plan
 from kvtier.store.tiers.base import Tier, TierLayout
 from kvtier.store.tiers.cpu import CpuTier, as_u8
@@ -97,7 +97,7 @@ class Store(TierIO):
         pin_memory: bool | None = None,
         secret: bytes | None = None,
     ) -> None:
-        """`secret`: the tenant's key for the disk tier's payload MACs (payload.Keyed); None reads
+        """`secret`: the tenant's key for the disk tier's payload MACs (integrity.Keyed); None reads
         `KVTIER_SECRET_FILE` / `KVTIER_SECRET`. A shared tier takes its own (`RedisTier(keyed=)`)."""
         self.plan = plan
         self.namespace = namespace

@@ -210,9 +210,9 @@ def _tiers(value: object) -> tuple[str, ...]:
     return tuple(names)
 
 
-def tier_secret(config: VllmTierConfig):  # -> Keyed | None (kvtier.store.payload, no torch)
+def tier_secret(config: VllmTierConfig):  # -> Keyed | None (kvtier.store.integrity, no torch)
     """The tenant secret for payload MACs: `kvtier.secret_file`, else the environment."""
-    from kvtier.store.payload import Keyed, keyed_from_env
+    from kvtier.store.integrity import Keyed, keyed_from_env
 
     if config.secret_file is not None:
         with open(config.secret_file, "rb") as f:

@@ -56,9 +56,7 @@ from kvtier.errors import ConfigError
 from kvtier.store.payload import (
     HEADER_BYTES,
     DEFAULT_CHECKSUM,
-    NO_SECRET_FOR_MAC,
     ChunkHeader,
-    Keyed,
     Rejected,
     StreamingChecksum,
     as_bytes_view,
@@ -66,7 +64,6 @@ from kvtier.store.payload import (
     decode_header,
     pwrite_checksum,
     encode_header,
-    integrity,
     mismatch,
     seal,
     sealed_with,
@@ -74,6 +71,7 @@ from kvtier.store.payload import (
     unverifiable,
     verify,
 )
+from kvtier.store.integrity import NO_SECRET_FOR_MAC, Keyed, integrity
 from kvtier.store.tiers.base import SlotTier, TierLayout, log
 from kvtier.store.tiers.disk_files import (
     DATA_OFFSET,

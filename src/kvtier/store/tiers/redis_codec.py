@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvtier.store.integrity import Keyed, integrity
 from kvtier.store.payload import (
     CHECKSUM_NONE,
     HEADER_BYTES,
@@ -16,8 +17,6 @@ from kvtier.store.payload import (
     decode_header,
     encode_header,
     mismatch,
-    Keyed,
-    integrity,
     seal,
     verify,
 )
