@@ -95,23 +95,36 @@ def integrity(keyed: Keyed | None, header: ChunkHeader, data: object) -> str | N
     return keyed.check(header, data)
 
 
+def read_private_file(path: str, what: str) -> bytes:
+    """The bytes of a secret's file (a tenant secret, a Redis password), refused with one line
+    naming `what` when it cannot be read or when group or others may read it."""
+    import os
+    import stat
+
+    try:
+        st = os.stat(path)
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        raise ConfigError(f"{what}={path!r} cannot be read ({exc.strerror}); create it (mode 0600)") from None
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        raise ConfigError(f"{what}={path!r} is readable by others (mode "
+                          f"{stat.S_IMODE(st.st_mode):o}); run `chmod 600 {path}`")
+    return data.rstrip(b"\r\n")
+
+
+def keyed_from_file(path: str, what: str) -> Keyed:
+    """The tenant secret kept in the private file `path` (`read_private_file`)."""
+    return Keyed(read_private_file(path, what))
+
+
 def keyed_from_env() -> Keyed | None:
     """The secret from `KVTIER_SECRET_FILE` (a file of this user, mode 0600) or `KVTIER_SECRET`;
     None when neither is set."""
     import os
-    import stat
 
     path = os.environ.get("KVTIER_SECRET_FILE")
     if path:
-        try:
-            st = os.stat(path)
-            with open(path, "rb") as f:
-                data = f.read()
-        except OSError as exc:
-            raise ConfigError(f"KVTIER_SECRET_FILE={path!r} cannot be read ({exc.strerror})") from None
-        if stat.S_IMODE(st.st_mode) & 0o077:
-            raise ConfigError(f"KVTIER_SECRET_FILE={path!r} is readable by others (mode "
-                              f"{stat.S_IMODE(st.st_mode):o}); run `chmod 600 {path}`")
-        return Keyed(data.rstrip(b"\r\n"))
+        return keyed_from_file(path, "KVTIER_SECRET_FILE")
     value = os.environ.get("KVTIER_SECRET")
     return Keyed(value.encode()) if value else None

@@ -103,10 +103,10 @@ def parse_config(extra_config: Mapping[str, object]) -> VllmTierConfig:
             f"kvtier.redis_password_file (mode 0600) or in the environment variable {PASSWORD_ENV}")
     password_file = ours.get("redis_password_file")
     if password_file is not None:
-        _check_password_file(password_file, "kvtier.redis_password_file")
+        _private_file(password_file, "kvtier.redis_password_file")  # refused at start, not at connect
     secret_file = ours.get("secret_file")
     if secret_file is not None:
-        _check_password_file(secret_file, "kvtier.secret_file")
+        _private_file(secret_file, "kvtier.secret_file")
     if redis_url is not None and "redis" not in tiers:
         raise ConfigError(f"kvtier.redis_url is set but tier 'redis' is not in kvtier.tiers {list(tiers)}; "
                           "add it to kvtier.tiers or drop the URL")
@@ -171,25 +171,19 @@ def _has_password(url: str) -> bool:
         return "@" in url.split("://", 1)[-1].split("/", 1)[0]
 
 
-def _check_password_file(path: object, key: str) -> None:
+def _private_file(path: object, key: str) -> bytes:
     if not isinstance(path, str) or not path:
         raise ConfigError(f"{key}={path!r} must be a path to a file")
-    try:
-        st = os.stat(path)
-    except OSError as exc:
-        raise ConfigError(f"{key}={path!r} cannot be read ({exc.strerror}); "
-                          "create it (mode 0600)") from None
-    if st.st_mode & 0o077:
-        raise ConfigError(f"{key}={path!r} is readable by others (mode "
-                          f"{st.st_mode & 0o777:o}); run `chmod 600 {path}`")
+    from kvtier.store.integrity import read_private_file  # no torch
+
+    return read_private_file(path, key)
 
 
 def redis_password(config: VllmTierConfig) -> str | None:
     """The Redis password: from `kvtier.redis_password_file`, else `KVTIER_REDIS_PASSWORD`, else
     None. Read when the tier connects, never kept in a config value vLLM logs."""
     if config.redis_password_file is not None:
-        with open(config.redis_password_file, encoding="utf-8") as f:
-            return f.read().rstrip("\r\n")
+        return _private_file(config.redis_password_file, "kvtier.redis_password_file").decode()
     return os.environ.get(PASSWORD_ENV) or None
 
 
@@ -212,9 +206,8 @@ def _tiers(value: object) -> tuple[str, ...]:
 
 def tier_secret(config: VllmTierConfig):  # -> Keyed | None (kvtier.store.integrity, no torch)
     """The tenant secret for payload MACs: `kvtier.secret_file`, else the environment."""
-    from kvtier.store.integrity import Keyed, keyed_from_env
+    from kvtier.store.integrity import keyed_from_env, keyed_from_file
 
     if config.secret_file is not None:
-        with open(config.secret_file, "rb") as f:
-            return Keyed(f.read().rstrip(b"\r\n"))
+        return keyed_from_file(config.secret_file, "kvtier.secret_file")
     return keyed_from_env()

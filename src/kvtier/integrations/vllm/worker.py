@@ -36,6 +36,7 @@ from vllm.v1.kv_offload.base import (
 )
 
 from kvtier.errors import ConfigError
+from kvtier.store.integrity import Keyed
 from kvtier.store.payload import ChunkHeader, make_header
 from kvtier.store.tiers.base import Tier, TierLayout
 
@@ -78,16 +79,16 @@ class KvtierWorker(OffloadingWorker):
                 )
             self.refs.append(out)
         index = ctx.new_index()
+        from .config import redis_password, tier_secret
+
+        keyed = tier_secret(ctx.config)  # read once, for the disk and Redis tiers alike
         self.tiers: dict[str, Tier] = {}
         for tier in ctx.config.tiers:
             if tier == "redis":  # key-addressed: no slots to lay out
                 from kvtier.store.tiers.redis import RedisTier
 
-                from .config import redis_password, tier_secret
-
                 self.tiers[tier] = RedisTier.from_url(str(ctx.config.redis_url),
-                                                      namespace_id=ctx.namespace.id,
-                                                      keyed=tier_secret(ctx.config),
+                                                      namespace_id=ctx.namespace.id, keyed=keyed,
                                                       password=redis_password(ctx.config))
                 continue
             layout = TierLayout(
@@ -95,7 +96,7 @@ class KvtierWorker(OffloadingWorker):
                 num_slots=tuple(index.slots(gp.index, tier) if gp.cacheable else 0
                                 for gp in plan.groups),
             )
-            self.tiers[tier] = _make_tier(tier, layout, ctx)
+            self.tiers[tier] = _make_tier(tier, layout, ctx, keyed)
         # On a GPU: copies run on a side stream through pinned host buffers; a load finishes
         # when its event fires (get_finished polls), a store waits for its device->host copy
         # before the tier write. On CPU every job finishes inside submit_*.
@@ -325,7 +326,7 @@ def _index(placed: list[tuple[ChunkItem, list[tuple[int, int]]]]):
     return torch.tensor(ci), torch.tensor(pos), torch.tensor(bids)
 
 
-def _make_tier(name: str, layout: TierLayout, ctx: SpecContext) -> Tier:
+def _make_tier(name: str, layout: TierLayout, ctx: SpecContext, keyed: Keyed | None) -> Tier:
     if name == "cpu":
         from kvtier.store.tiers.cpu import CpuTier
 
@@ -336,7 +337,5 @@ def _make_tier(name: str, layout: TierLayout, ctx: SpecContext) -> Tier:
         root = ctx.disk_root
         assert root is not None
         root.mkdir(parents=True, exist_ok=True)
-        from .config import tier_secret
-
-        return DiskTier(root, layout, ctx.namespace.id, keyed=tier_secret(ctx.config))
+        return DiskTier(root, layout, ctx.namespace.id, keyed=keyed)
     raise ConfigError(f"tier {name!r} is not available in the vLLM worker")
