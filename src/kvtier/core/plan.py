@@ -197,25 +197,21 @@ def make_plan(
     groups = []
     for i, g in enumerate(geometry.groups):
         if g.is_state:
-            chunk_bytes = g.state_bytes
-            bpc: int | None = 1
+            groups.append(group_plan(i, g, g.state_bytes, 1))
         else:
-            chunk_bytes = chunk_tokens * g.bytes_per_token
-            bpc = chunk_tokens // g.tokens_per_block
-        reason = g.reason
-        if g.cacheable and g.kind == "sliding" and g.window == 1:
-            reason = "window 1: no hit reads earlier tokens"
-        groups.append(
-            GroupPlan(
-                index=i,
-                group=g,
-                blocks_per_chunk=bpc if g.cacheable else None,
-                chunk_bytes=chunk_bytes,
-                cacheable=g.cacheable,
-                reason=reason,
-            )
-        )
+            groups.append(group_plan(i, g, chunk_tokens * g.bytes_per_token, chunk_tokens // g.tokens_per_block))
     return Plan(geometry=geometry, chunk_tokens=chunk_tokens, groups=tuple(groups))
+
+
+def group_plan(index: int, group: Group, chunk_bytes: int, blocks_per_chunk: int) -> GroupPlan:
+    """The plan of one group whose chunk is `blocks_per_chunk` blocks of `chunk_bytes` bytes (an
+    engine's own chunking builds its plans with it too: integrations/vllm/engine_plan.py)."""
+    reason = group.reason
+    if group.cacheable and group.kind == "sliding" and group.window == 1:
+        reason = "window 1: no hit reads earlier tokens"
+    return GroupPlan(index=index, group=group,
+                     blocks_per_chunk=blocks_per_chunk if group.cacheable else None,
+                     chunk_bytes=chunk_bytes, cacheable=group.cacheable, reason=reason)
 
 
 def _show(blocks_per_chunk: int | Mapping[str, int]) -> str:

@@ -15,7 +15,7 @@ offloading accepts them; the hybrids kvtier exists for are exactly those models.
 from __future__ import annotations
 
 from kvtier.core.geometry import Geometry
-from kvtier.core.plan import GroupPlan, Plan, make_plan
+from kvtier.core.plan import Plan, group_plan, make_plan
 from kvtier.errors import UnsupportedModelError
 
 
@@ -32,11 +32,6 @@ def engine_plan(geometry: Geometry, blocks_per_chunk: int) -> tuple[Plan, tuple[
             f"groups {state} keep state checkpoints and the attention groups chunk "
             f"{sorted(attention)} tokens at blocks_per_chunk={blocks_per_chunk}; kvtier offloads "
             "state models in vLLM only when every attention group has the same tokens per block")
-    groups = []
-    for i, (g, span) in enumerate(zip(geometry.groups, spans)):
-        reason = g.reason
-        if g.cacheable and g.kind == "sliding" and g.window == 1:
-            reason = "window 1: no hit reads earlier tokens"
-        groups.append(GroupPlan(index=i, group=g, blocks_per_chunk=blocks_per_chunk if g.cacheable else None,
-                                chunk_bytes=span * g.bytes_per_token, cacheable=g.cacheable, reason=reason))
-    return Plan(geometry=geometry, chunk_tokens=min(attention), groups=tuple(groups)), spans
+    groups = tuple(group_plan(i, g, span * g.bytes_per_token, blocks_per_chunk)
+                   for i, (g, span) in enumerate(zip(geometry.groups, spans)))
+    return Plan(geometry=geometry, chunk_tokens=min(attention), groups=groups), spans
