@@ -80,6 +80,10 @@ class SpecContext:
         return Index(self.plan, self.config.capacities, policy=self.config.policy, share=share,
                      anchored=not mixed)
 
+    def span(self, group: int) -> int:
+        """Tokens one chunk of plan group `group` covers (all groups alike without span_tokens)."""
+        return self.span_tokens[group] if self.span_tokens else self.plan.chunk_tokens
+
     @property
     def disk_root(self) -> Path | None:
         d = self.config.directory

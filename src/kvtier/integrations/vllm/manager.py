@@ -83,13 +83,12 @@ class KvtierManager(OffloadingManager):
             return None
         return self._okey.pop((chunk_hash, group), None)
 
-    def _span(self, key: OffloadKey, rc: ReqContext) -> tuple[int, int]:
+    def _span(self, key: OffloadKey, group: int, rc: ReqContext) -> tuple[int, int]:
+        """The token span of `key`'s chunk, a chunk of plan group `group`."""
         end = rc.get_offload_key_position(key)
         if end is None:
             return 0, 0
-        g = self.ctx.group_of.get(int.from_bytes(key[-4:], "big"))
-        span = self.ctx.span_tokens[g] if g is not None and self.ctx.span_tokens else self.ctx.plan.chunk_tokens
-        return max(0, end - span), end
+        return max(0, end - self.ctx.span(group)), end
 
     # -- OffloadingManager ---------------------------------------------------------------------
 
@@ -133,7 +132,7 @@ class KvtierManager(OffloadingManager):
             assert split is not None, "vLLM loads only keys that lookup() reported as hits"
             h, g = split
             places = self.index.where(h, g)
-            start, end = self._span(key, req_context)
+            start, end = self._span(key, g, req_context)
             if not places:
                 # Evicted between lookup() and now (another request's store or a Redis adoption
                 # took its slot): an item with no place fails the load job in the worker, so vLLM
@@ -198,7 +197,7 @@ class KvtierManager(OffloadingManager):
                         evicted.append(gone)
             if places:
                 self._okey[split] = key
-                start, end = self._span(key, req_context)
+                start, end = self._span(key, g, req_context)
                 items.append(ChunkItem(g, h, start, end, tuple(places)))
                 to_store.append(key)
                 self._pending[key] = [t for t, _ in places]
