@@ -151,7 +151,7 @@ class DiskTier(SlotTier):
         self.closed = False
         self.dir = self.root / namespace_id
         self.strides = [slot_stride(b) for b in layout.slot_bytes]
-        self._lock_fd, _, why = open_namespace_dir(self.dir)  # the directory fd holds the lock
+        self._lock_fd, why = open_namespace_dir(self.dir)  # the directory fd holds the lock
         self.read_only = why is not None
         if why is not None:
             self.last_error = why

@@ -89,12 +89,13 @@ def _refuse_unsafe(path: Path, st: os.stat_result) -> None:
             f"{stat.S_IMODE(st.st_mode):o}); run `chmod 700 {str(path)!r}` or choose another directory")
 
 
-def open_namespace_dir(path: Path) -> tuple[int | None, bool, str | None]:
+def open_namespace_dir(path: Path) -> tuple[int, str | None]:
     """Open (create 0700 if missing) a namespace directory and take its writer lock.
 
-    Returns (directory fd, locked, why it is read-only or None). The directory is opened without
-    following a symlink and checked (`_refuse_unsafe`); every file in it is opened relative to its
-    fd, so a directory renamed or replaced after the check is never written through. The writer
+    Returns (directory fd, None) when locked, or (directory fd, why it is read-only) when it could
+    not be written (then unlocked). The directory is opened without following a symlink and
+    checked (`_refuse_unsafe`); every file in it is opened relative to its fd, so a directory
+    renamed or replaced after the check is never written through. The writer
     lock is an `flock` on the directory itself, which no cleaner can delete out from under a
     writer (a `.lock` file could be); `.lock` only tells the next writer who holds it.
     Raises `TierError` when another writer holds the lock, or the directory is unsafe or can be
@@ -125,7 +126,7 @@ def open_namespace_dir(path: Path) -> tuple[int | None, bool, str | None]:
         if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
             os.close(dfd)
             raise TierError(f"disk tier cannot use {str(path / '.lock')!r}: {exc.strerror}") from None
-        return dfd, False, f"{path} is read-only ({exc.strerror}); saves will fail"
+        return dfd, f"{path} is read-only ({exc.strerror}); saves will fail"
     try:
         try:
             fcntl.flock(dfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -141,7 +142,7 @@ def open_namespace_dir(path: Path) -> tuple[int | None, bool, str | None]:
         os.pwrite(lock_fd, f"{os.getpid()}\n".encode(), 0)
     finally:
         os.close(lock_fd)
-    return dfd, True, None
+    return dfd, None
 
 
 def lock_for_tools(path: Path) -> int | None:
