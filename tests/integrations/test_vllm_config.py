@@ -256,3 +256,23 @@ def test_metrics_files_of_exited_processes_are_removed(tmp_path: Path) -> None:
     names = sorted(p.name for p in (tmp_path / "metrics").iterdir())
     assert names == sorted([f"scheduler-{os.getppid()}.json", f"scheduler-{os.getpid()}.json"])
     assert read_metrics(tmp_path) == {"y": 2, "z": 1}
+
+
+def test_every_group_vllm_offloads_is_cacheable_in_its_plan() -> None:
+    """vLLM decides which groups a hit needs; a group kvtier declined would answer MISS for every
+    key and veto every hit of the model. A state group's chunk in vLLM is blocks_per_chunk pages."""
+    from kvtier.core.geometry import Geometry, Group
+    from kvtier.integrations.vllm.engine_plan import engine_plan
+
+    geometry = Geometry(groups=(
+        Group(name="full", kind="full", num_layers=2, tokens_per_block=16, bytes_per_token_per_layer=256,
+              dtype="float32"),
+        Group(name="swa1", kind="sliding", num_layers=1, tokens_per_block=16, bytes_per_token_per_layer=256,
+              window=1, dtype="float32", cacheable=False, reason="declined"),
+        Group(name="gdn", kind="state", num_layers=3, tokens_per_block=16, state_bytes_per_layer=4096,
+              dtype="uint8"),
+    ), tokens_per_hash=16)
+    plan, spans = engine_plan(geometry, 4)
+    assert [gp.cacheable for gp in plan.groups] == [True, True, True]
+    assert spans == (64, 64, 64)
+    assert [gp.chunk_bytes for gp in plan.groups] == [64 * 512, 64 * 256, 4 * 3 * 4096]

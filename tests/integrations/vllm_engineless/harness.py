@@ -15,13 +15,17 @@ zeroed, then request B with the same prefix loads what kvtier stored, and every 
 every group is compared with what A's forward wrote.
 
 Scenario keys: name; layers (list of "full"/"sliding"/"mla", or dicts {"kind", "block_size",
-"heads", "head_size", "window"} for groups with their own tokens per block); window;
+"heads", "head_size", "window", "name"} for groups with their own tokens per block; kind "state"
+is a GDN/Mamba layer with {"conv", "ssm"} state shapes); mamba_cache_mode (default "align");
+draft_layers (layer indices whose groups vLLM marks as an EAGLE/MTP drafter's); kv_bytes and
+max_model_len (a small GPU cache, so requests preempt each other); window;
 block_size (the scheduler's hash block); prompt_tokens;
 b_extra_tokens (B = A's prompt + this many new tokens); extra (merged into
 kv_connector_extra_config); fail_reads ("load": every tier read fails after A); partial (run
 the partial-chunk worker check instead of the two requests); lookups (N distinct keys looked up
 through the manager: its per-key maps must stay bounded); lifecycle ("abort_load", "reset_load",
-"reset_store", "repeat_store": transfers held in flight across steps, as on a GPU).
+"reset_store", "repeat_store", "preempt_store": transfers held in flight across steps, as on a
+GPU).
 This is a test helper, not kvtier code: it imports vLLM internals that move between releases.
 """
 
@@ -65,7 +69,7 @@ class Harness:
         from vllm.engine.arg_utils import EngineArgs
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
         from vllm.v1.core.sched.scheduler import Scheduler
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec, SlidingWindowSpec
         from vllm.v1.structured_output import StructuredOutputManager
         from vllm.utils.hashing import sha256
 
@@ -87,7 +91,7 @@ class Harness:
             os.write(fd, os.urandom(32))
             os.close(fd)
             extra["kvtier.secret_file"] = path
-        args = EngineArgs(model=model, skip_tokenizer_init=True, max_model_len=2048, enforce_eager=True,
+        args = EngineArgs(model=model, skip_tokenizer_init=True, max_model_len=int(sc.get("max_model_len", 2048)), enforce_eager=True,
                           block_size=bs, dtype="float32", enable_prefix_caching=True,
                           kv_transfer_config={
                               "kv_connector": "KvtierConnector",
@@ -95,6 +99,9 @@ class Harness:
                               "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                               "kv_connector_extra_config": extra})
         vconf = args.create_engine_config()
+        self.mamba_mode = mode = sc.get("mamba_cache_mode", "align")
+        if any(not isinstance(x, str) and x["kind"] == "state" for x in layers):
+            vconf.cache_config.mamba_cache_mode = mode
         if vconf.cache_config.kv_cache_layout is None:
             vconf.cache_config.kv_cache_layout = "LBHNC"
         self.specs, self.shape = {}, {}
@@ -102,6 +109,13 @@ class Harness:
             d = {"kind": layer} if isinstance(layer, str) else dict(layer)
             kind, lbs = d["kind"], int(d.get("block_size", bs))
             heads, head = int(d.get("heads", 2)), int(d.get("head_size", 32))
+            if kind == "state":  # a GDN/Mamba layer: one state per block, (conv, ssm) float32
+                conv, ssm = tuple(d.get("conv", (4, 128))), tuple(d.get("ssm", (2, 16, 48)))
+                spec = MambaSpec(block_size=lbs, shapes=(conv, ssm), dtypes=(torch.float32, torch.float32),
+                                 mamba_cache_mode=mode)
+                self.shape[i] = ("state", spec.page_size_bytes // 4)
+                self.specs[d.get("name", f"model.layers.{i}.linear_attn")] = spec
+                continue
             if kind == "mla":
                 spec = MLAAttentionSpec(block_size=lbs, num_kv_heads=1, head_size=head, dtype=torch.float32)
                 self.shape[i] = (1, lbs, head)  # one latent vector per token
@@ -110,15 +124,20 @@ class Harness:
                 spec = (SlidingWindowSpec(sliding_window=int(d.get("window", window)), **common) if kind == "sliding"
                         else FullAttentionSpec(**common))
                 self.shape[i] = (2, lbs, heads * head)  # K and V
-            self.specs[f"model.layers.{i}.self_attn.attn"] = spec
+            self.specs[d.get("name", f"model.layers.{i}.self_attn.attn")] = spec
+        kv_bytes = int(sc.get("kv_bytes", 64 << 20))  # small: requests preempt each other
         try:
             from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
             groups = get_global_kv_cache_groups(vconf, [self.specs])
-            kvc = get_kv_cache_configs(vconf, [self.specs], [64 << 20], groups)[0]
+            kvc = get_kv_cache_configs(vconf, [self.specs], [kv_bytes], groups)[0]
         except ImportError:  # vLLM 0.32
             from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
-            kvc = get_kv_cache_configs(vconf, [self.specs], [64 << 20])[0]
+            kvc = get_kv_cache_configs(vconf, [self.specs], [kv_bytes])[0]
         kvc.kv_cache_layout = vconf.cache_config.kv_cache_layout
+        draft = {list(self.specs)[i] for i in sc.get("draft_layers", ())}
+        for group in kvc.kv_cache_groups:  # as vLLM marks an EAGLE/MTP drafter's groups
+            if draft & set(group.layer_names):
+                group.is_eagle_group = True
         vconf.cache_config.num_gpu_blocks = kvc.num_blocks
         self.kvc, self.vconf = kvc, vconf
         from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
@@ -134,11 +153,17 @@ class Harness:
         index = {n: i for i, n in enumerate(self.specs)}
         for t in kvc.kv_cache_tensors:
             for li, name in enumerate(t.layers):
-                k, lbs, e = self.shape[index[name]]
                 off = t.offset + li * t.layer_stride
+                self.layer_of[name] = index[name]
+                if self.shape[index[name]][0] == "state":
+                    n = self.shape[index[name]][1]
+                    self.kv[name] = backing.view(torch.float32).as_strided(
+                        (kvc.num_blocks, n), (t.block_stride // 4, 1), off // 4)
+                    self.block_of[name] = int(self.specs[name].block_size)
+                    continue
+                k, lbs, e = self.shape[index[name]]
                 self.kv[name] = backing.view(torch.float32).as_strided(
                     (kvc.num_blocks, k, lbs, e), (t.block_stride // 4, lbs * e, e, 1), off // 4)
-                self.layer_of[name] = index[name]
                 self.block_of[name] = lbs
         with set_current_vllm_config(vconf):
             self.wconn.register_kv_caches(self.kv)
@@ -159,6 +184,9 @@ class Harness:
             for g, group in enumerate(self.kvc.kv_cache_groups):
                 for name in group.layer_names:
                     lbs = self.block_of[name]
+                    if self.is_state(name):
+                        self.write_states(req, name, blocks[g], start, start + n)
+                        continue
                     for pos in range(start, start + n):
                         if pos // lbs >= len(blocks[g]):
                             continue
@@ -166,6 +194,27 @@ class Harness:
                         if b:
                             self.kv[name][b, :, pos % lbs] = self.value(req.all_token_ids[pos], pos,
                                                                        self.layer_of[name])
+
+    def is_state(self, name: str) -> bool:
+        return self.shape[self.layer_of[name]][0] == "state"
+
+    def write_states(self, req, name: str, blocks: list[int], start: int, end: int) -> None:
+        """A state layer's block b holds the state after the block's last token (vLLM's align
+        mode); the fake state is f(that token, its position, layer) in every element. Written for
+        each block boundary this step crossed, and for the block holding the step's last token
+        (the running state). Outside align mode vLLM keeps one running state per request, which
+        every step overwrites: a stored block then holds the state of wherever the request was."""
+        lbs = self.block_of[name]
+        if self.mamba_mode != "align":  # one running state, overwritten every step
+            for bid in blocks:
+                if bid:
+                    self.kv[name][bid] = self.value(req.all_token_ids[end - 1], end - 1, self.layer_of[name])
+            return
+        for b in range(start // lbs, -(-end // lbs)):
+            last = min(end, (b + 1) * lbs) - 1
+            if last < start or b >= len(blocks) or not blocks[b]:
+                continue
+            self.kv[name][blocks[b]] = self.value(req.all_token_ids[last], last, self.layer_of[name])
 
     def step(self):
         from vllm.forward_context import ForwardContext
@@ -218,6 +267,16 @@ class Harness:
             checked = bad = 0
             for name in group.layer_names:
                 lbs = self.block_of[name]
+                if self.is_state(name):  # a state block ending at or before `upto`: its state
+                    for b in range(upto // lbs):
+                        bid = blocks[g][b] if b < len(blocks[g]) else 0
+                        if bid == 0:
+                            continue
+                        last = (b + 1) * lbs - 1
+                        checked += 1
+                        bad += int(not bool(self.torch.all(
+                            self.kv[name][bid] == self.value(prompt[last], last, self.layer_of[name]))))
+                    continue
                 for pos in range(upto):
                     bid = blocks[g][pos // lbs]
                     if bid == 0:
@@ -310,6 +369,14 @@ def run_partial(sc: dict) -> dict:
     second = ChunkItem(g, b"\x22" * 16, bpc * h.bs, 2 * bpc * h.bs, (("cpu", 1),))
     worker.submit_store(5, spec(list(range(1, bpc + 2)), 0), KvtierLoadStoreSpec([item, second]))
     out["gap_store"] = [r.success for r in worker.get_finished() if r.job_id == 5]
+    # an expedited (vLLM 0.33 sync) load whose tier read fails: the job fails, the block keeps
+    # what it had
+    h.kv[name][6] = -1.0
+    for tier in worker.tiers.values():
+        tier.read = lambda *a, **k: False
+    worker.submit_load(6, KvtierLoadStoreSpec([item]), spec([6], bpc - 1), expedited=True)
+    out["failed_expedited_load"] = [r.success for r in worker.get_finished() if r.job_id == 6]
+    out["block6_kept"] = bool(h.torch.all(h.kv[name][6] == -1.0))
     return out
 
 
@@ -392,6 +459,24 @@ def run_lifecycle(sc: dict) -> dict:
             if not h.sched.requests:
                 break
         h.drain()
+    elif kind == "preempt_store":  # A and A2 outgrow the GPU cache while stores are in flight
+        prompt = [100 + (i * 7919) % 900 for i in range(n)]
+        h.add("a", prompt, max_tokens=int(sc.get("decode_tokens", 64)))
+        h.add("a2", [900 - (i * 31) % 800 for i in range(n)], max_tokens=int(sc.get("decode_tokens", 64)))
+        h.hold = 2
+        preempted = 0
+        for i in range(400):
+            so = h.step()
+            preempted += len(getattr(so, "preempted_req_ids", None) or ())
+            if i % 3 == 0:  # results reach vLLM a step late: stores stay in flight
+                h.hold = max(h.hold, 1)
+            if not h.sched.requests:
+                break
+        h.hold = 0
+        h.drain()
+        out["preempted"] = preempted
+        out["unfinished"] = sorted(h.sched.requests)
+        out["num_blocks"] = h.kvc.num_blocks
     else:
         prompt = _store_a(h, n)
     if kind == "reset_store":  # A's last stores are still queued when the cache is reset

@@ -62,6 +62,8 @@ class SpecContext:
     group_of: dict[int, int]  # vLLM KV-cache group id -> kvtier plan group index
     blocks_per_chunk: int
     span_tokens: tuple[int, ...] = ()  # tokens one chunk of each plan group covers (engine_plan)
+    # why offloading is off for this engine ("" when on): every lookup misses, nothing is stored
+    off_reason: str = ""
 
     def new_index(self) -> Index:
         """The index both sides size their slots from. Where the groups' chunks span different

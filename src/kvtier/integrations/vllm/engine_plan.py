@@ -14,24 +14,33 @@ offloading accepts them; the hybrids kvtier exists for are exactly those models.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from kvtier.core.geometry import Geometry
 from kvtier.core.plan import Plan, group_plan, make_plan
-from kvtier.errors import UnsupportedModelError
 
 
 def engine_plan(geometry: Geometry, blocks_per_chunk: int) -> tuple[Plan, tuple[int, ...]]:
-    """(plan, each group's chunk span in tokens) for vLLM's `blocks_per_chunk`."""
+    """(plan, each group's chunk span in tokens) for vLLM's `blocks_per_chunk`.
+
+    A state group (Mamba/GDN, vLLM's align mode) keeps one state page per block, and vLLM's
+    worker moves a chunk as its `blocks_per_chunk` pages (only the last one is a hit's state), so
+    inside vLLM its chunk is `blocks_per_chunk` state pages, not kvtier's one checkpoint.
+
+    Every group vLLM offloads is cacheable here: vLLM, not kvtier, decides which groups a hit
+    needs (it leaves out the ones no hit can use), and a group kvtier declined would answer MISS
+    for every key and so veto every hit of the model."""
+    geometry = replace(geometry, groups=tuple(g if g.cacheable else replace(g, cacheable=True, reason="")
+                                              for g in geometry.groups))
     spans = tuple(g.tokens_per_block * blocks_per_chunk for g in geometry.groups)
     attention = {s for g, s in zip(geometry.groups, spans) if g.cacheable and not g.is_state}
-    if len(attention) <= 1:
+    if len(attention) <= 1 and len({s for g, s in zip(geometry.groups, spans) if g.cacheable}) <= 1:
         plan = make_plan(geometry, blocks_per_chunk=blocks_per_chunk)
-        return plan, tuple(plan.chunk_tokens for _ in geometry.groups)
-    state = [g.name for g in geometry.groups if g.cacheable and g.is_state]
-    if state:
-        raise UnsupportedModelError(
-            f"groups {state} keep state checkpoints and the attention groups chunk "
-            f"{sorted(attention)} tokens at blocks_per_chunk={blocks_per_chunk}; kvtier offloads "
-            "state models in vLLM only when every attention group has the same tokens per block")
-    groups = tuple(group_plan(i, g, span * g.bytes_per_token, blocks_per_chunk)
-                   for i, (g, span) in enumerate(zip(geometry.groups, spans)))
-    return Plan(geometry=geometry, chunk_tokens=min(attention), groups=groups), spans
+        spans = tuple(plan.chunk_tokens for _ in geometry.groups)
+    else:
+        plan = Plan(geometry=geometry, chunk_tokens=min(attention or set(spans)),
+                    groups=tuple(group_plan(i, g, span * g.bytes_per_token, blocks_per_chunk)
+                                 for i, (g, span) in enumerate(zip(geometry.groups, spans))))
+    groups = tuple(group_plan(gp.index, gp.group, gp.group.state_bytes * blocks_per_chunk, blocks_per_chunk)
+                   if gp.group.is_state else gp for gp in plan.groups)
+    return replace(plan, groups=groups), spans

@@ -149,6 +149,20 @@ def kv_format(spec: object) -> str:
     return str(fmt) if fmt else str(getattr(spec, "dtype", "?")).removeprefix("torch.")
 
 
+def state_cache_modes(specs: Sequence[object]) -> set[str]:
+    """vLLM's `mamba_cache_mode` of every state (Mamba/GDN) spec among `specs`. Only "align"
+    keeps a state per block boundary; in the other modes a state block holds wherever the request
+    was last, so a stored one would restore the wrong state."""
+    return {str(getattr(s, "mamba_cache_mode", "none")) for s in specs if type(s).__name__ == "MambaSpec"}
+
+
+def _state_page_bytes(spec: object) -> int:
+    """A state spec's page without vLLM's padding (what the worker's canonical refs move)."""
+    from dataclasses import replace
+
+    return int(replace(spec, page_size_padded=None).page_size_bytes)  # type: ignore[type-var]
+
+
 def geometry_from_engine_specs(
     model: str, groups: Sequence[EngineGroup], specs: Sequence[object], tokens_per_hash: int,
     layer_of: dict[str, int] | None = None,
@@ -164,6 +178,17 @@ def geometry_from_engine_specs(
         per_layer = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs
         layer_specs = [per_layer[n] for n in eg.layer_names] if isinstance(per_layer, dict) else [spec] * len(eg.layer_names)
         kinds = {type(s).__name__ for s in layer_specs}
+        if kinds == {"MambaSpec"}:  # a Mamba/GDN state group: one state page per block
+            pages = {_state_page_bytes(s) for s in layer_specs}
+            if len(pages) != 1:
+                raise UnsupportedModelError(
+                    f"vLLM group {eg.group_id} holds state layers of different sizes {sorted(pages)}; "
+                    "kvtier describes a group by one page size")
+            out.append(Group(
+                name=f"vllm{eg.group_id}_state", kind="state", num_layers=len(eg.layer_names),
+                tokens_per_block=int(layer_specs[0].block_size), state_bytes_per_layer=pages.pop(),
+                dtype="uint8", layers=tuple(names.get(n, i) for i, n in enumerate(eg.layer_names))))
+            continue
         if not kinds <= set(_ATTENTION_SPECS):
             return None
         first = layer_specs[0]

