@@ -32,3 +32,24 @@ def test_plan_engine_vllm_gemma3_270m() -> None:
     # bfloat16 (vLLM's CPU dtype for this model), 1 KV head x 256 x (K, V) x 2 bytes x 3 layers
     assert all(g["chunk_bytes"] == 128 * 1 * 256 * 2 * 2 * 3 for g in groups)
     assert plan["chunk_tokens"] == 128
+
+
+@pytest.mark.parametrize("name, kinds", [("qwen3-next-80b-a3b", ["state"] * 3 + ["full"]),
+                                         ("falcon-h1-0.5b", ["full", "state"])])
+def test_plan_engine_vllm_state_models(name: str, kinds: list[str], config_path, tmp_path: Path) -> None:
+    """GDN (Qwen3-Next) and parallel Mamba-2 (Falcon-H1) models: vLLM's groups with the state
+    pages vLLM's own model class gives (align mode), one block per chunk by default (a state chunk
+    in vLLM is blocks_per_chunk pages, of which a hit reads one)."""
+    (tmp_path / "config.json").write_text(config_path(name).read_text())
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_LOGGING_LEVEL="ERROR")
+    proc = subprocess.run(
+        [str(Path(sys.executable).with_name("kvtier")), "plan", str(tmp_path), "--engine", "vllm", "--json"],
+        env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plan = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [g["kind"] for g in plan["groups"]] == kinds
+    assert all(g["blocks_per_chunk"] == 1 for g in plan["groups"]) and plan["chunk_tokens"] == 128
+    state = [g for g in plan["groups"] if g["kind"] == "state"]
+    # Qwen3-Next: conv (3, 8192) bfloat16 + recurrent (32, 128, 128) float32 per layer, 12 a group
+    if name == "qwen3-next-80b-a3b":
+        assert all(g["chunk_bytes"] == 12 * (3 * 8192 * 2 + 32 * 128 * 128 * 4) for g in state)

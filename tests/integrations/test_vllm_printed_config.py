@@ -20,7 +20,7 @@ pytest.importorskip("vllm")
 
 def _engine(geometry, tmp_path: Path, extra: dict, engine_id: str):
     import torch
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec, SlidingWindowSpec
     from vllm.v1.kv_offload.config import (OffloadingCacheConfig, OffloadingConfig, OffloadingGroupConfig,
                                            OffloadingModelConfig, OffloadingParallelConfig)
 
@@ -31,7 +31,10 @@ def _engine(geometry, tmp_path: Path, extra: dict, engine_id: str):
     for gid, g in enumerate(gr for gr in geometry.groups if gr.cacheable):
         esize = dtype_bytes(g.dtype)
         common = dict(block_size=g.tokens_per_block, dtype=torch_dtype[esize])
-        if g.kind == "mla":
+        if g.is_state:  # a GDN/Mamba layer in vLLM's align mode: one state page per block
+            spec = MambaSpec(block_size=g.tokens_per_block, shapes=((g.state_bytes_per_layer,),),
+                             dtypes=(torch.uint8,), mamba_cache_mode="align")
+        elif g.kind == "mla":
             spec = MLAAttentionSpec(num_kv_heads=1, head_size=g.bytes_per_token_per_layer // esize, **common)
         else:
             common.update(num_kv_heads=1, head_size=g.bytes_per_token_per_layer // (2 * esize))
@@ -51,9 +54,10 @@ def _engine(geometry, tmp_path: Path, extra: dict, engine_id: str):
         parallel=OffloadingParallelConfig(0, 1, 1, 1, 1, 1, 0, 1, None, True))
 
 
-@pytest.mark.parametrize("name", ["deepseek-v4-like", "gpt-oss-120b-fp8kv", "gemma-3-270m", "llama-4-scout"])
+@pytest.mark.parametrize("name", ["deepseek-v4-like", "gpt-oss-120b-fp8kv", "gemma-3-270m", "llama-4-scout",
+                                  "qwen3-next-80b-a3b", "falcon-h1-0.5b"])
 def test_the_printed_config_starts_the_spec(name: str, geometry_path, config_path, tmp_path: Path) -> None:
-    """Attention geometries (state groups come from config.json instead, tested end to end)."""
+    """Attention and state (GDN, Mamba-2) geometries."""
     from kvtier.integrations.vllm.spec import KvtierOffloadingSpec
 
     path = geometry_path(name)
@@ -67,7 +71,11 @@ def test_the_printed_config_starts_the_spec(name: str, geometry_path, config_pat
     # each group's chunk is blocks_per_chunk of its own blocks, and its slots are sized for it
     for gp, g, span in zip(ctx.plan.groups, cacheable, ctx.span_tokens):
         assert span == g.tokens_per_block * ctx.blocks_per_chunk
-        assert gp.chunk_bytes == span * g.bytes_per_token_per_layer * g.num_layers
+        if g.is_state:  # blocks_per_chunk state pages
+            assert gp.chunk_bytes == g.state_bytes * ctx.blocks_per_chunk and gp.group.kind == "state"
+        else:
+            assert gp.chunk_bytes == span * g.bytes_per_token_per_layer * g.num_layers
+    assert not ctx.off_reason
 
 
 def test_mixed_blocks_print_no_token_chunk_size(geometry_path) -> None:

@@ -203,6 +203,8 @@ def render(plan: Plan, hit_tokens: int | None, *, engine_blocks: bool = True) ->
             row.append(str(len(plan.chunks_for_hit(gp.index, t))) if gp.cacheable else "-")
         if not gp.cacheable:
             row.append(f"not cached: {gp.reason}")
+        elif gp.group.is_state and gp.blocks_per_chunk and gp.chunk_bytes != gp.group.state_bytes:
+            row.append("vLLM: one state page per block; a hit reads the last")
         elif gp.group.is_state:
             row.append("one state checkpoint per chunk")
         else:
@@ -245,7 +247,17 @@ def run(args: argparse.Namespace) -> int:
     if args.hit_tokens is not None and args.hit_tokens < 0:
         raise ConfigError(f"--hit-tokens {args.hit_tokens} must be >= 0")
     bpc = parse_blocks_per_chunk(args.blocks_per_chunk) if args.blocks_per_chunk is not None else None
+    in_vllm_with_state = args.engine == "vllm" and any(g.is_state for g in geometry.groups)
+    if in_vllm_with_state and args.chunk_tokens is None and bpc is None:
+        bpc = 1  # a state chunk in vLLM is blocks_per_chunk state pages of which a hit reads one
     plan = make_plan(geometry, chunk_tokens=args.chunk_tokens, blocks_per_chunk=bpc)
+    if in_vllm_with_state:
+        # inside vLLM a state group's chunk is blocks_per_chunk state pages (engine_plan)
+        from kvtier.integrations.vllm.engine_plan import engine_plan
+
+        engine_bpc = native_blocks_per_chunk(plan)
+        if engine_bpc is not None:
+            plan = engine_plan(geometry, engine_bpc)[0]
     if args.json:
         print(json.dumps(plan_json(plan, args.hit_tokens)))
         for w in vllm_warnings(plan):

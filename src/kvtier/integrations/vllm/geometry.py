@@ -230,8 +230,9 @@ def geometry_from_engine_specs(
 def geometry_from_vllm(path: str, dtype: str | None = None, block_size: int | None = None) -> Geometry:
     """The geometry vLLM would build for the model at `path` (its groups, in its order).
 
-    Builds vLLM's engine config (no weights are loaded), gives vLLM's grouping code one
-    attention spec per layer as kvtier reads config.json, and converts the groups it returns.
+    Builds vLLM's engine config (no weights are loaded), gives vLLM's grouping code one spec per
+    layer (attention as kvtier reads config.json; Mamba/GDN state as vLLM's own model class
+    shapes it, in align mode) and converts the groups it returns.
     """
     import torch
     from vllm.engine.arg_utils import EngineArgs
@@ -242,8 +243,12 @@ def geometry_from_vllm(path: str, dtype: str | None = None, block_size: int | No
         SlidingWindowSpec,
     )
 
+    hf_cfg = read_hf_config(str(path))
+    stateful = any(g.is_state for g in geometry_from_hf_config(hf_cfg, dtype=dtype or "bfloat16").groups)
+    # state models offload only with prefix caching in align mode (spec.py turns it off otherwise)
+    extra_args = {"enable_prefix_caching": True, "mamba_cache_mode": "align"} if stateful else {}
     args = EngineArgs(model=str(path), dtype=dtype or "auto", block_size=block_size,
-                      max_model_len=2048, enforce_eager=True)
+                      max_model_len=2048, enforce_eager=True, skip_tokenizer_init=True, **extra_args)
     vconf = args.create_engine_config()
     if vconf.cache_config.kv_cache_layout is None:
         # the engine core resolves this from its attention backends; "LBHNC" is what the
@@ -253,14 +258,19 @@ def geometry_from_vllm(path: str, dtype: str | None = None, block_size: int | No
     if vconf.cache_config.cache_dtype not in (None, "auto"):
         kv_dtype = str(vconf.cache_config.cache_dtype)
     block = vconf.cache_config.block_size or 16
-    hf = geometry_from_hf_config(read_hf_config(str(path)), dtype=kv_dtype, block_size=block)
+    hf = geometry_from_hf_config(hf_cfg, dtype=kv_dtype, block_size=block)
     tdtype = getattr(torch, kv_dtype)
     esize = dtype_bytes(kv_dtype)
     specs: dict[str, object] = {}
     for g in hf.groups:
+        if g.is_state:
+            state = _vllm_state_spec(vconf, block)
+            for i in g.layers:
+                specs[f"model.layers.{i}.linear_attn"] = state
+            continue
         if g.kind not in ("full", "sliding", "chunked"):
             raise UnsupportedModelError(
-                f"kvtier plan --engine vllm reads attention models only; group {g.name!r} is "
+                f"kvtier plan --engine vllm reads attention and state models only; group {g.name!r} is "
                 f"{g.kind!r} (use --engine hf to see kvtier's own grouping)"
             )
         # vLLM groups by page size: one head of the layer's bytes per token gives the same page.
@@ -279,10 +289,30 @@ def geometry_from_vllm(path: str, dtype: str | None = None, block_size: int | No
         EngineGroup(gid, int(gs.kv_cache_spec.block_size), tuple(gs.layer_names))
         for gid, gs in enumerate(groups)
     ]
-    geometry = geometry_for_groups(str(path), kv_dtype, engine_groups, tokens_per_hash=block)
-    return Geometry(groups=geometry.groups, tokens_per_hash=block, name=geometry.name,
+    geometry = geometry_from_engine_specs(str(path), engine_groups, [gs.kv_cache_spec for gs in groups],
+                                          tokens_per_hash=block, layer_of={n: layer_index(n) for n in specs})
+    if geometry is None:
+        geometry = geometry_for_groups(str(path), kv_dtype, engine_groups, tokens_per_hash=block)
+    return Geometry(groups=geometry.groups, tokens_per_hash=block, name=hf.name,
                     source=f"vLLM {_vllm_version()} KV-cache groups of {path}, dtype {kv_dtype}, "
                            f"block_size {block}")
+
+
+def _vllm_state_spec(vconf: object, block: int) -> object:
+    """The MambaSpec vLLM's own model class gives a state layer (shapes and dtypes), align mode."""
+    from vllm.model_executor.models import ModelRegistry
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    mc = vconf.model_config  # type: ignore[attr-defined]
+    cls, _ = ModelRegistry.resolve_model_cls(mc.architectures, mc)
+    try:
+        shapes = cls.get_mamba_state_shape_from_config(vconf)
+        dtypes = cls.get_mamba_state_dtype_from_config(vconf)
+    except AttributeError:
+        raise UnsupportedModelError(
+            f"vLLM's {cls.__name__} does not describe its state shapes; kvtier plan --engine vllm "
+            "cannot show its groups (use --engine hf)") from None
+    return MambaSpec(block_size=block, shapes=tuple(shapes), dtypes=tuple(dtypes), mamba_cache_mode="align")
 
 
 def _vllm_version() -> str:
