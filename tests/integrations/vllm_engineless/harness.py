@@ -121,8 +121,13 @@ class Harness:
                 self.shape[i] = (1, lbs, head)  # one latent vector per token
             else:
                 common = dict(block_size=lbs, num_kv_heads=heads, head_size=head, dtype=torch.float32)
-                spec = (SlidingWindowSpec(sliding_window=int(d.get("window", window)), **common) if kind == "sliding"
-                        else FullAttentionSpec(**common))
+                if kind == "sliding":
+                    spec = SlidingWindowSpec(sliding_window=int(d.get("window", window)), **common)
+                elif kind == "chunked":  # Llama-4-style chunked local attention
+                    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec
+                    spec = ChunkedLocalAttentionSpec(attention_chunk_size=int(d["chunk"]), **common)
+                else:
+                    spec = FullAttentionSpec(**common)
                 self.shape[i] = (2, lbs, heads * head)  # K and V
             self.specs[d.get("name", f"model.layers.{i}.self_attn.attn")] = spec
         kv_bytes = int(sc.get("kv_bytes", 64 << 20))  # small: requests preempt each other
