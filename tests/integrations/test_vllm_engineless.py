@@ -63,6 +63,10 @@ SCENARIOS = [
     # (model.layers.i.self_attn.attn and model.{num_layers + i}.mixer)
     {"name": "falcon_h1_like", "layers": ["full", "full", {"kind": "state", "name": "model.2.mixer"},
                                           {"kind": "state", "name": "model.3.mixer"}]},
+    # Llama-4-style chunked local attention (64-token chunks) beside full attention; A: 230
+    # tokens, so B's 224-token hit ends inside a local chunk
+    {"name": "chunked_local", "prompt_tokens": 230,
+     "layers": ["full", {"kind": "chunked", "chunk": 64}, "full", {"kind": "chunked", "chunk": 64}]},
     # an EAGLE/MTP drafter's group beside the target's full-attention groups
     {"name": "draft_group", "draft_layers": [2],
      "layers": ["full", "full", {"kind": "sliding", "window": 1024, "name": "model.layers.2.mtp.attn"}]},
@@ -253,3 +257,13 @@ def test_a_draft_group_never_vetoes_the_targets_hit(results: dict) -> None:
     r = ok(results, "draft_group")
     assert r["external_tokens"] == 176, r
     assert all(g["checked"] > 0 for g in r["groups"]) and r["mismatches"] == 0, r["groups"]
+
+
+def test_chunked_local_groups_load_only_the_hits_local_chunk(results: dict) -> None:
+    r = ok(results, "chunked_local")
+    assert [k for _, k, _, _ in r["geometry"]] == ["full", "chunked"]
+    assert r["external_tokens"] == 224 and r["mismatches"] == 0, r
+    assert all(g["checked"] > 0 for g in r["groups"]), r["groups"]
+    c = r["counters"]
+    # tokens 192..223 of the local chunk [192, 256): two 16-token blocks; the full group all 14
+    assert (c["loaded_chunks_group0"], c["loaded_chunks_group1"]) == (14, 2), c
