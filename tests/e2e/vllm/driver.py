@@ -6,7 +6,8 @@ second one in the same process, and a subprocess is how a user runs vLLM anyway.
 
     {"model": DIR, "dtype": "float32", "kv": {...kv_transfer_config...},
      "prompts": [[token ids], ...], "max_tokens": 8, "passes": 2,
-     "between": ["reset"] | [["reset", "corrupt_disk"], ["reset"]], "directory": DIR}
+     "between": ["reset"] | [["reset", "corrupt_disk"], ["reset"]], "directory": DIR,
+     "engine_args": {...more keyword arguments of vllm.LLM...}}
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ def main() -> int:
 
     kw = dict(model=sc["model"], max_model_len=sc.get("max_model_len", 1024), enforce_eager=True,
               dtype=sc.get("dtype", "auto"), seed=0, enable_prefix_caching=True)
+    kw.update(sc.get("engine_args", {}))  # e.g. {"mamba_cache_mode": "align"}
     if sc.get("kv") is not None:
         kw["kv_transfer_config"] = sc["kv"]
     llm = LLM(**kw)

