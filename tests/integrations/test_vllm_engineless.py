@@ -67,6 +67,14 @@ SCENARIOS = [
     # tokens, so B's 224-token hit ends inside a local chunk
     {"name": "chunked_local", "prompt_tokens": 230,
      "layers": ["full", {"kind": "chunked", "chunk": 64}, "full", {"kind": "chunked", "chunk": 64}]},
+    # DeepSeek V4 (a tiny config; the KV-cache specs vLLM's own DeepSeek-V4 layer classes build,
+    # vllm_engineless/dsv4_specs.py): six groups of 64/64/64/256/4/8 tokens per block (sliding
+    # MLA, compressed MLA + indexer, compressor states, the MTP layer's group), hash unit 4,
+    # every layer packed into one block; both KV formats. A: 1,100 tokens.
+    {"name": "dsv4_fp8_ds_mla", "dsv4": "fp8_ds_mla", "prompt_tokens": 1100,
+     "extra": {"kvtier.cpu_bytes": "512MiB"}},
+    {"name": "dsv4_bfloat16", "dsv4": "bfloat16", "prompt_tokens": 1100,
+     "extra": {"kvtier.cpu_bytes": "512MiB"}},
     # an EAGLE/MTP drafter's group beside the target's full-attention groups
     {"name": "draft_group", "draft_layers": [2],
      "layers": ["full", "full", {"kind": "sliding", "window": 1024, "name": "model.layers.2.mtp.attn"}]},
@@ -267,3 +275,26 @@ def test_chunked_local_groups_load_only_the_hits_local_chunk(results: dict) -> N
     c = r["counters"]
     # tokens 192..223 of the local chunk [192, 256): two 16-token blocks; the full group all 14
     assert (c["loaded_chunks_group0"], c["loaded_chunks_group1"]) == (14, 2), c
+
+
+@pytest.mark.parametrize("name", ["dsv4_fp8_ds_mla", "dsv4_bfloat16"])
+def test_deepseek_v4_restores_every_page_of_every_group(results: dict, name: str) -> None:
+    """vLLM's own DeepSeek-V4 specs: groups of 64/64/64/256/4/8 tokens per block, layers of
+    different pages in one group, padded fp8_ds_mla pages, one packed block for every layer.
+    vLLM gives the scheduler one representative spec per group and moves a packed block as one
+    region; the workers' handshake sizes the scheduler's slots alike. B restores 1,024 tokens
+    and every page of every group is byte-exact (kvtier stopped at start with 'unknown dtype
+    fp8_ds_mla' and 'model_type deepseek_v4 is not supported')."""
+    r = ok(results, name)
+    assert r["num_groups"] == 6
+    assert [tpb for _, _, tpb, _ in r["geometry"]] == [64, 64, 64, 256, 4, 8]
+    assert r["external_tokens"] == 1024, r
+    assert all(g["checked"] > 0 for g in r["groups"]) and r["mismatches"] == 0, r["groups"]
+    assert r["namespace"] == r["scheduler_namespace"]  # the scheduler took the workers' layout
+    assert r["counters"]["layout_from_workers"] == 1
+    assert r["counters"].get("load_jobs_failed", 0) == 0
+
+
+def test_the_two_deepseek_v4_formats_never_share_a_namespace(results: dict) -> None:
+    a, b = ok(results, "dsv4_fp8_ds_mla"), ok(results, "dsv4_bfloat16")
+    assert a["namespace"] != b["namespace"]

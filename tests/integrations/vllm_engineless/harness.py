@@ -91,13 +91,14 @@ class Harness:
             os.write(fd, os.urandom(32))
             os.close(fd)
             extra["kvtier.secret_file"] = path
+        ktc = {"kv_connector": "KvtierConnector", "kv_connector_module_path": "kvtier.integrations.vllm.connector",
+               "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
+        if sc.get("dsv4"):  # DeepSeek V4: the specs vLLM's own DeepSeek-V4 layer classes build
+            self._init_dsv4(sc, ktc)
+            return
         args = EngineArgs(model=model, skip_tokenizer_init=True, max_model_len=int(sc.get("max_model_len", 2048)), enforce_eager=True,
                           block_size=bs, dtype="float32", enable_prefix_caching=True,
-                          kv_transfer_config={
-                              "kv_connector": "KvtierConnector",
-                              "kv_connector_module_path": "kvtier.integrations.vllm.connector",
-                              "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                              "kv_connector_extra_config": extra})
+                          kv_transfer_config=ktc)
         vconf = args.create_engine_config()
         self.mamba_mode = mode = sc.get("mamba_cache_mode", "align")
         if any(not isinstance(x, str) and x["kind"] == "state" for x in layers):
@@ -130,7 +131,28 @@ class Harness:
                     spec = FullAttentionSpec(**common)
                 self.shape[i] = (2, lbs, heads * head)  # K and V
             self.specs[d.get("name", f"model.layers.{i}.self_attn.attn")] = spec
-        kv_bytes = int(sc.get("kv_bytes", 64 << 20))  # small: requests preempt each other
+        self._finish_init(sc, vconf, int(sc.get("kv_bytes", 64 << 20)))
+
+    def _init_dsv4(self, sc: dict, ktc: dict) -> None:
+        import dsv4_specs
+
+        _, self.specs, vconf, _ = dsv4_specs.build(sc["dsv4"], mtp=bool(sc.get("mtp", True)),
+                                                   kv_transfer_config=ktc)
+        # every DeepSeek-V4 cache is an opaque page per block: its real (unpadded) bytes
+        self.shape = {i: ("page", int(getattr(spec, "real_page_size_bytes", spec.page_size_bytes)))
+                      for i, spec in enumerate(self.specs.values())}
+        self._finish_init(sc, vconf, int(sc.get("kv_bytes", 256 << 20)))
+
+    def _finish_init(self, sc: dict, vconf, kv_bytes: int) -> None:
+        import torch
+        from vllm.config import set_current_vllm_config
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+        from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.structured_output import StructuredOutputManager
+        from vllm.utils.hashing import sha256
+
         try:
             from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
             groups = get_global_kv_cache_groups(vconf, [self.specs])
@@ -147,7 +169,11 @@ class Harness:
         self.kvc, self.vconf = kvc, vconf
         from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
         sched_bs, self.hash_bs = resolve_kv_cache_block_sizes(kvc, vconf)  # lcm and gcd of the groups'
-        self.sched = Scheduler(vllm_config=vconf, kv_cache_config=kvc,
+        try:  # the scheduler gets one representative spec per group, as EngineCore gives it
+            from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
+        except ImportError:
+            from vllm.v1.core.kv_cache_planning import generate_scheduler_kv_cache_config
+        self.sched = Scheduler(vllm_config=vconf, kv_cache_config=generate_scheduler_kv_cache_config([kvc]),
                                structured_output_manager=StructuredOutputManager(vconf),
                                block_size=sched_bs, hash_block_size=self.hash_bs, log_stats=True)
         with set_current_vllm_config(vconf):
@@ -160,6 +186,11 @@ class Harness:
             for li, name in enumerate(t.layers):
                 off = t.offset + li * t.layer_stride
                 self.layer_of[name] = index[name]
+                if self.shape[index[name]][0] == "page":  # opaque bytes, this layer's own stride
+                    self.kv[name] = backing.view(torch.uint8).as_strided(
+                        (kvc.num_blocks, self.shape[index[name]][1]), (t.block_stride, 1), off)
+                    self.block_of[name] = int(self.specs[name].block_size)
+                    continue
                 if self.shape[index[name]][0] == "state":
                     n = self.shape[index[name]][1]
                     self.kv[name] = backing.view(torch.float32).as_strided(
@@ -172,6 +203,9 @@ class Harness:
                 self.block_of[name] = lbs
         with set_current_vllm_config(vconf):
             self.wconn.register_kv_caches(self.kv)
+        meta = self.wconn.get_handshake_metadata()  # as EngineCore does after registration
+        if meta is not None:
+            self.sched.connector.set_xfer_handshake_metadata_pp_aware({(0, 0): meta})
         init_none_hash(sha256)
         self.hasher = get_request_block_hasher(self.hash_bs, sha256)
         self.failed: set[str] = set()
@@ -192,6 +226,9 @@ class Harness:
                     if self.is_state(name):
                         self.write_states(req, name, blocks[g], start, start + n)
                         continue
+                    if self.is_page(name):
+                        self.write_pages(req.all_token_ids, name, blocks[g], start, start + n)
+                        continue
                     for pos in range(start, start + n):
                         if pos // lbs >= len(blocks[g]):
                             continue
@@ -199,6 +236,24 @@ class Harness:
                         if b:
                             self.kv[name][b, :, pos % lbs] = self.value(req.all_token_ids[pos], pos,
                                                                        self.layer_of[name])
+
+    def is_page(self, name: str) -> bool:
+        return self.shape[self.layer_of[name]][0] == "page"
+
+    def page_value(self, tokens: list[int], b: int, name: str) -> object:
+        """An opaque page's bytes: int32s seed + 0, 1, 2, ..., seed a function of the block's
+        tokens so far, its index and the layer."""
+        seed = hash((tuple(tokens), b, self.layer_of[name])) & 0x3FFFFFFF
+        n = self.kv[name].shape[1] // 4
+        return (self.torch.arange(n, dtype=self.torch.int32) + seed).view(self.torch.uint8)
+
+    def write_pages(self, tokens: list[int], name: str, blocks: list[int], start: int, end: int) -> None:
+        """DeepSeek-V4 caches (compressed entries, compressor states): a block's page is a
+        function of the tokens of the block computed so far."""
+        lbs = self.block_of[name]
+        for b in range(start // lbs, -(-end // lbs)):
+            if b < len(blocks) and blocks[b]:
+                self.kv[name][blocks[b]] = self.page_value(tokens[b * lbs:min(end, (b + 1) * lbs)], b, name)
 
     def is_state(self, name: str) -> bool:
         return self.shape[self.layer_of[name]][0] == "state"
@@ -272,6 +327,15 @@ class Harness:
             checked = bad = 0
             for name in group.layer_names:
                 lbs = self.block_of[name]
+                if self.is_page(name):  # whole blocks before `upto`: their page bytes
+                    for b in range(upto // lbs):
+                        bid = blocks[g][b] if b < len(blocks[g]) else 0
+                        if bid == 0:
+                            continue
+                        checked += 1
+                        want = self.page_value(prompt[b * lbs:(b + 1) * lbs], b, name)
+                        bad += int(not bool(self.torch.equal(self.kv[name][bid], want)))
+                    continue
                 if self.is_state(name):  # a state block ending at or before `upto`: its state
                     for b in range(upto // lbs):
                         bid = blocks[g][b] if b < len(blocks[g]) else 0
@@ -333,6 +397,8 @@ def run_two_requests(sc: dict) -> dict:
                    "geometry": [[gp.name, gp.kind, gp.group.tokens_per_block, gp.chunk_bytes]
                                 for gp in h.wconn.connector_worker.spec.ctx.plan.groups],
                    "geometry_source": h.wconn.connector_worker.spec.ctx.plan.geometry.source,
+                   "namespace": h.wconn.connector_worker.spec.ctx.namespace.id,
+                   "scheduler_namespace": h.sched.connector.connector_scheduler.manager.ctx.namespace.id,
                    "blocks_per_chunk": h.wconn.connector_worker.spec.blocks_per_chunk
                    if hasattr(h.wconn.connector_worker, "spec") else None})
     return result

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata
 from vllm.v1.kv_offload.base import LoadStoreSpec, OffloadKey
 
 from kvtier.index.index import Index
@@ -48,6 +49,18 @@ class KvtierLoadStoreSpec(LoadStoreSpec):
         return f"KvtierLoadStoreSpec({len(self.items)} chunks)"
 
 
+@dataclass(frozen=True)
+class KvtierHandshake(KVConnectorHandshakeMetadata):
+    """What a worker tells the scheduler after registering its KV caches: its exact bytes per
+    block of each offloaded group (vLLM gives the scheduler flattened specs)."""
+
+    page_bytes: tuple[int, ...]
+    # the worker's namespace parts: the scheduler's flattened specs describe some groups
+    # differently, and the scheduler must look chunks up (Redis, disk) under the workers' name
+    geometry_fingerprint: str = ""
+    kv_dtype: str = ""
+
+
 # vLLM's KVCacheConfig of each engine in this process, by engine id: KvtierConnector records it
 # before vLLM builds the spec, which reads its groups' KV-cache specs from here (the offloading
 # config vLLM hands a spec names the groups but not their kinds, windows or page sizes).
@@ -64,6 +77,8 @@ class SpecContext:
     span_tokens: tuple[int, ...] = ()  # tokens one chunk of each plan group covers (engine_plan)
     # why offloading is off for this engine ("" when on): every lookup misses, nothing is stored
     off_reason: str = ""
+    # vLLM's bytes per block of each group (its KV-cache specs), when the spec saw them
+    page_bytes: tuple[int, ...] | None = None
 
     def new_index(self) -> Index:
         """The index both sides size their slots from. Where the groups' chunks span different

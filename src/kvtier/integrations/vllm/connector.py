@@ -21,7 +21,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 from vllm.v1.outputs import KVConnectorOutput
 
-from .common import ENGINE_KV_CACHE_CONFIGS
+from kvtier.errors import ConfigError
+
+from .common import ENGINE_KV_CACHE_CONFIGS, KvtierHandshake
 
 
 class KvtierConnector(OffloadingConnector):
@@ -36,6 +38,35 @@ class KvtierConnector(OffloadingConnector):
             ENGINE_KV_CACHE_CONFIGS.pop(engine_id, None)
         if self.connector_worker is not None:
             self.connector_worker.spec.reports_failures = True  # type: ignore[attr-defined]
+
+    # -- the workers' layout reaches the scheduler -------------------------------------------
+    # vLLM hands the scheduler one representative KV-cache spec per group (it flattens a group
+    # of layers with different pages, DeepSeek V4's), the workers the real ones. Slots must be
+    # sized alike on both sides, so each worker reports its exact bytes per block through vLLM's
+    # handshake (collected after the KV caches are registered, before any request).
+
+    def get_handshake_metadata(self):  # noqa: ANN201 - vLLM's type
+        w = self.connector_worker
+        spec = getattr(w, "spec", None)
+        ctx = getattr(spec, "ctx", None)
+        if ctx is None or ctx.page_bytes is None:
+            return None
+        return KvtierHandshake(page_bytes=tuple(ctx.page_bytes),
+                               geometry_fingerprint=ctx.namespace.geometry_fingerprint,
+                               kv_dtype=ctx.namespace.dtype)
+
+    def set_xfer_handshake_metadata(self, metadata) -> None:  # noqa: ANN001 - vLLM's type
+        s = self.connector_scheduler
+        if s is None:
+            return
+        layouts = {(m.page_bytes, m.geometry_fingerprint, m.kv_dtype)
+                   for m in metadata.values() if isinstance(m, KvtierHandshake)}
+        if len(layouts) > 1:
+            raise ConfigError(f"kvtier: the workers report different layouts {sorted(layouts)}")
+        adopt = getattr(s.manager, "adopt_worker_pages", None)
+        if layouts and adopt is not None:
+            with getattr(s.manager, "lock", contextlib.nullcontext()):
+                adopt(*layouts.pop())
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         w = self.connector_worker

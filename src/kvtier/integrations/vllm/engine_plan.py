@@ -20,12 +20,17 @@ from kvtier.core.geometry import Geometry
 from kvtier.core.plan import Plan, group_plan, make_plan
 
 
-def engine_plan(geometry: Geometry, blocks_per_chunk: int) -> tuple[Plan, tuple[int, ...]]:
+def engine_plan(geometry: Geometry, blocks_per_chunk: int,
+                page_bytes: tuple[int, ...] | None = None) -> tuple[Plan, tuple[int, ...]]:
     """(plan, each group's chunk span in tokens) for vLLM's `blocks_per_chunk`.
 
     A state group (Mamba/GDN, vLLM's align mode) keeps one state page per block, and vLLM's
     worker moves a chunk as its `blocks_per_chunk` pages (only the last one is a hit's state), so
     inside vLLM its chunk is `blocks_per_chunk` state pages, not kvtier's one checkpoint.
+
+    `page_bytes` (vLLM's bytes per block of each group, from its KV-cache specs) size every
+    group's chunk exactly where kvtier's description rounds (DeepSeek V4's padded and compressed
+    pages).
 
     Every group vLLM offloads is cacheable here: vLLM, not kvtier, decides which groups a hit
     needs (it leaves out the ones no hit can use), and a group kvtier declined would answer MISS
@@ -43,4 +48,7 @@ def engine_plan(geometry: Geometry, blocks_per_chunk: int) -> tuple[Plan, tuple[
                                  for i, (g, span) in enumerate(zip(geometry.groups, spans))))
     groups = tuple(group_plan(gp.index, gp.group, gp.group.state_bytes * blocks_per_chunk, blocks_per_chunk)
                    if gp.group.is_state else gp for gp in plan.groups)
+    if page_bytes is not None:  # vLLM's own bytes per block of each group (its specs)
+        groups = tuple(group_plan(gp.index, gp.group, page * blocks_per_chunk, blocks_per_chunk)
+                       for gp, page in zip(groups, page_bytes, strict=True))
     return replace(plan, groups=groups), spans

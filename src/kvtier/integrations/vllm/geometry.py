@@ -163,6 +163,35 @@ def _state_page_bytes(spec: object) -> int:
     return int(replace(spec, page_size_padded=None).page_size_bytes)  # type: ignore[type-var]
 
 
+def _attention_kind(spec: object) -> tuple[str, int | None]:
+    kind = _ATTENTION_SPECS[type(spec).__name__]
+    window = getattr(spec, "sliding_window", None)
+    chunk = getattr(spec, "attention_chunk_size", None)
+    if kind == "sliding" or (kind in ("full", "mla") and window):
+        return "sliding", int(window)
+    if kind == "chunked" or (kind in ("full", "mla") and chunk):
+        return "chunked", int(chunk)
+    return kind, None
+
+
+def _page_bytes(spec: object) -> int:
+    """The bytes of one block of one layer that vLLM's offloading moves: the page without vLLM's
+    padding (a state page without its padding to the attention page)."""
+    if type(spec).__name__ == "MambaSpec":
+        return _state_page_bytes(spec)
+    return int(spec.unpadded_page_size_bytes)  # type: ignore[attr-defined]
+
+
+def engine_page_bytes(groups: Sequence[EngineGroup], specs: Sequence[object]) -> tuple[int, ...]:
+    """Each vLLM group's bytes per block, all its layers (a chunk is `blocks_per_chunk` of them)."""
+    out = []
+    for eg, spec in zip(groups, specs, strict=True):
+        per_layer = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs
+        layer_specs = [per_layer[n] for n in eg.layer_names] if isinstance(per_layer, dict) else [spec] * len(eg.layer_names)
+        out.append(sum(_page_bytes(s) for s in layer_specs))
+    return tuple(out)
+
+
 def geometry_from_engine_specs(
     model: str, groups: Sequence[EngineGroup], specs: Sequence[object], tokens_per_hash: int,
     layer_of: dict[str, int] | None = None,
@@ -191,33 +220,33 @@ def geometry_from_engine_specs(
             continue
         if not kinds <= set(_ATTENTION_SPECS):
             return None
-        first = layer_specs[0]
-        shape = {(type(s).__name__, s.block_size, s.unpadded_page_size_bytes, getattr(s, "sliding_window", None),
-                  getattr(s, "attention_chunk_size", None), kv_format(s)) for s in layer_specs}
-        if len(shape) != 1:
+        # a group's kind: sliding if its layers look back a window, chunked if a local chunk
+        kinds_of = {_attention_kind(s) for s in layer_specs}
+        kind = ("sliding" if any(k[0] == "sliding" for k in kinds_of)
+                else "chunked" if any(k[0] == "chunked" for k in kinds_of)
+                else "mla" if any(k[0] == "mla" for k in kinds_of) else "full")
+        window = max((k[1] for k in kinds_of if k[0] == "sliding"), default=None)
+        chunk = max((k[1] for k in kinds_of if k[0] == "chunked"), default=None)
+        tpbs = {int(s.block_size) for s in layer_specs}
+        if tpbs != {eg.tokens_per_block}:
             raise UnsupportedModelError(
-                f"vLLM group {eg.group_id} holds layers with different KV specs {sorted(map(str, shape))}; "
-                "kvtier describes a group by one spec and refuses rather than guess its chunk bytes")
-        kind = _ATTENTION_SPECS[type(first).__name__]
-        window = getattr(first, "sliding_window", None) if kind in ("full", "sliding", "mla") else None
-        chunk = getattr(first, "attention_chunk_size", None)
-        if kind in ("full", "mla") and window:
-            kind = "sliding"
-        elif kind in ("full", "mla") and chunk:
-            kind = "chunked"
-        page = int(first.unpadded_page_size_bytes)
-        tpb = int(first.block_size)
-        if tpb != eg.tokens_per_block or page % tpb:
-            raise UnsupportedModelError(
-                f"vLLM group {eg.group_id}: {page}-byte pages of {tpb} tokens (offloading says "
-                f"{eg.tokens_per_block} tokens per block); kvtier needs whole bytes per token")
-        fmt = kv_format(first)
+                f"vLLM group {eg.group_id}: layers of {sorted(tpbs)} tokens per block (offloading says "
+                f"{eg.tokens_per_block}); kvtier refuses a group whose blocks it cannot size")
+        tpb = eg.tokens_per_block
+        n = len(eg.layer_names)
+        # Exact where every layer has the same page of whole bytes per token. Otherwise (DeepSeek
+        # V4: compressed entries, indexer keys and padded fp8_ds_mla pages in one group) the group
+        # is described by its kind and rounded-up bytes per token, and its exact bytes per block
+        # (engine_page_bytes) size its chunks and enter the namespace.
+        total = sum(_page_bytes(s) for s in layer_specs)
+        fmts = {kv_format(s) for s in layer_specs}
+        fmt = fmts.pop() if len(fmts) == 1 else "uint8"
         out.append(Group(
             name=f"vllm{eg.group_id}_{kind}",
             kind=kind,
-            num_layers=len(eg.layer_names),
+            num_layers=n,
             tokens_per_block=tpb,
-            bytes_per_token_per_layer=page // tpb,
+            bytes_per_token_per_layer=-(-total // (tpb * n)),
             window=int(window) if kind == "sliding" else None,
             attention_chunk=int(chunk) if kind == "chunked" else None,
             dtype=fmt if fmt in DTYPE_BYTES else "uint8",

@@ -39,8 +39,9 @@ CONFIG_INFO_KEYS = ("kvtier_namespace", "kvtier_chunk_tokens", "kvtier_tiers", "
 
 
 class KvtierManager(OffloadingManager):
-    def __init__(self, ctx: SpecContext, metrics: Metrics) -> None:
+    def __init__(self, ctx: SpecContext, metrics: Metrics, relayout=None) -> None:  # noqa: ANN001
         self.ctx = ctx
+        self.relayout = relayout  # the spec's adopt_worker_pages
         self.metrics = metrics
         self.index: Index = ctx.new_index()
         # memo of key -> (chunk hash, group); bounded (recomputing is one blake2b call)
@@ -63,6 +64,35 @@ class KvtierManager(OffloadingManager):
                                              password=redis_password(ctx.config))
         self._rebuild()
         metrics.flush(force=True)
+
+    def adopt_worker_pages(self, page_bytes: tuple[int, ...], fingerprint: str = "", kv_dtype: str = "") -> bool:
+        """The workers' exact bytes per block and namespace (KvtierConnector's handshake); see
+        the spec's."""
+        return self.relayout(page_bytes, fingerprint, kv_dtype) if self.relayout is not None else False
+
+    def adopt_context(self, ctx: SpecContext) -> None:
+        """The workers' exact layout arrived (the spec's `adopt_worker_pages`, before any
+        request): slots, chunk sizes and namespace are rebuilt from it."""
+        if self._pins or self._pending or self._loads:
+            raise RuntimeError("kvtier: the workers' layout arrived after transfers began")
+        self.ctx = ctx
+        self.index = ctx.new_index()
+        self._split.clear()
+        self._okey.clear()
+        self._evicted_later.clear()
+        if self._redis is not None:
+            from kvtier.store.tiers.redis import RedisTier
+
+            from .config import redis_password
+
+            self._redis.close()
+            self._redis = RedisTier.from_url(str(ctx.config.redis_url), namespace_id=ctx.namespace.id,
+                                             password=redis_password(ctx.config))
+        for gp in ctx.plan.groups:
+            self.metrics.info[f"chunk_bytes_group{gp.index}"] = gp.chunk_bytes
+        self.metrics.add("layout_from_workers")
+        self._rebuild()
+        self.metrics.flush(force=True)
 
     # -- keys ----------------------------------------------------------------------------------
 

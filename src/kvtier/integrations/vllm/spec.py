@@ -34,8 +34,8 @@ from kvtier.core.keys import Namespace
 from .common import ENGINE_KV_CACHE_CONFIGS, Metrics, SpecContext, model_identity
 from .config import parse_config
 from .engine_plan import engine_plan
-from .geometry import (EngineGroup, geometry_for_groups, geometry_from_engine_specs, kv_format,
-                       state_cache_modes)
+from .geometry import (EngineGroup, engine_page_bytes, geometry_for_groups, geometry_from_engine_specs,
+                       kv_format, state_cache_modes)
 
 log = logging.getLogger("kvtier.vllm")
 
@@ -64,33 +64,68 @@ class KvtierOffloadingSpec(OffloadingSpec):
         geometry, kv_dtype = None, config.model.dtype
         kvc = ENGINE_KV_CACHE_CONFIGS.get(getattr(config, "engine_id", None))
         state_modes: set[str] | None = None
+        page_bytes: tuple[int, ...] | None = None
         if kvc is not None:  # KvtierConnector handed over vLLM's own KV-cache specs
             specs = [kvc.kv_cache_groups[g.group_id].kv_cache_spec for g in groups]
             state_modes = state_cache_modes(specs)
             order = {n: i for i, n in enumerate(dict.fromkeys(n for g in groups for n in g.layer_names))}
             geometry = geometry_from_engine_specs(config.model.name, groups, specs,
                                                   config.cache.tokens_per_hash, order)
+            if geometry is not None:
+                page_bytes = engine_page_bytes(groups, specs)
             formats = sorted({kv_format(s) for s in specs})
             if formats != [config.model.dtype]:  # fp8 formats never share a key with each other
                 kv_dtype = f"{config.model.dtype}/kv={','.join(formats)}"
         if geometry is None:  # not plain attention (state groups), or the stock connector
             geometry = geometry_for_groups(config.model.name, config.model.dtype, groups,
                                            config.cache.tokens_per_hash)
-        plan, spans = engine_plan(geometry, bpc)
         off_reason = _state_offload_off(geometry, state_modes)
         if off_reason:
             log.warning("kvtier: offloading is off for this engine: %s", off_reason)
-        rank, world = config.parallel.rank, config.parallel.world_size
-        namespace = Namespace(model=model_identity(config.model.name),
-                              geometry_fingerprint=geometry.fingerprint(),
-                              dtype=kv_dtype, rank=rank, world_size=world,
-                              tenant=tier_config.tenant)
-        self.ctx = SpecContext(plan=plan, namespace=namespace, config=tier_config,
-                               group_of={g.group_id: i for i, g in enumerate(groups)},
-                               blocks_per_chunk=bpc, span_tokens=spans, off_reason=off_reason)
+        self._parts = dict(geometry=geometry, kv_dtype=kv_dtype, config=tier_config, groups=groups,
+                           bpc=bpc, off_reason=off_reason)
+        self.ctx = self._context(page_bytes)
         self._manager: OffloadingManager | None = None
         self._worker: OffloadingWorker | None = None
         self.reports_failures = False  # set by KvtierConnector, which turns failures into recomputes
+
+    def _context(self, page_bytes: tuple[int, ...] | None, fingerprint: str = "",
+                 kv_dtype: str = "") -> SpecContext:
+        """The plan, namespace and slots of this engine, with vLLM's exact bytes per block of each
+        group where known (a worker's specs; the scheduler's are flattened by vLLM, so the
+        scheduler learns them from the workers' handshake: `adopt_worker_pages`)."""
+        p = self._parts
+        plan, spans = engine_plan(p["geometry"], p["bpc"], page_bytes)
+        rank, world = self.config.parallel.rank, self.config.parallel.world_size
+        namespace = Namespace(model=model_identity(self.config.model.name),
+                              geometry_fingerprint=fingerprint or _fingerprint(p["geometry"], page_bytes),
+                              dtype=kv_dtype or p["kv_dtype"], rank=rank, world_size=world,
+                              tenant=p["config"].tenant)
+        return SpecContext(plan=plan, namespace=namespace, config=p["config"],
+                           group_of={g.group_id: i for i, g in enumerate(p["groups"])},
+                           blocks_per_chunk=p["bpc"], span_tokens=spans, off_reason=p["off_reason"],
+                           page_bytes=page_bytes)
+
+    def adopt_worker_pages(self, page_bytes: tuple[int, ...], fingerprint: str = "",
+                           kv_dtype: str = "") -> bool:
+        """The workers' exact bytes per block and namespace parts (KvtierConnector's handshake).
+        vLLM hands the scheduler one representative spec per group, so a group whose layers have
+        different pages (DeepSeek V4), or a packed layout vLLM moves as one region, is sized and
+        named wrong there until the workers say; True when the context changed (the manager then
+        rebuilds its index before any request)."""
+        page_bytes = tuple(int(b) for b in page_bytes)
+        ns = self.ctx.namespace
+        if page_bytes == self.ctx.page_bytes and fingerprint in ("", ns.geometry_fingerprint) \
+                and kv_dtype in ("", ns.dtype):
+            return False
+        if len(page_bytes) != len(self.ctx.plan.groups):
+            raise ConfigError(
+                f"the workers report {len(page_bytes)} KV-cache groups, the scheduler has "
+                f"{len(self.ctx.plan.groups)}; the engine's processes disagree")
+        self.ctx = self._context(page_bytes, fingerprint, kv_dtype)
+        if self._manager is not None:
+            self._manager.adopt_context(self.ctx)
+        return True
 
     @classmethod
     def config_info_keys(cls, extra_config: object) -> tuple[str, ...]:
@@ -110,7 +145,7 @@ class KvtierOffloadingSpec(OffloadingSpec):
             for gp in self.ctx.plan.groups:
                 metrics.info[f"chunk_bytes_group{gp.index}"] = gp.chunk_bytes
             metrics.info["offload_off"] = int(bool(self.ctx.off_reason))
-            self._manager = KvtierManager(self.ctx, metrics)
+            self._manager = KvtierManager(self.ctx, metrics, relayout=self.adopt_worker_pages)
             log.info("kvtier: manager on %s, plan chunk_tokens=%d, namespace %s",
                      dict(self.ctx.config.capacities_bytes), self.ctx.plan.chunk_tokens,
                      self.ctx.namespace.id)
@@ -120,10 +155,30 @@ class KvtierOffloadingSpec(OffloadingSpec):
         if self._worker is None:
             from .worker import KvtierWorker
 
+            # What vLLM's worker really moves per block of each group: the pages of its layers,
+            # or, for a packed layout (DeepSeek V4 interleaves every layer in one block), the
+            # whole packed block as one region. The scheduler learns it by the handshake.
+            moved = tuple(sum(r.page_size_bytes for r in refs) for refs in kv_caches.group_data_refs)
+            if self.ctx.page_bytes is not None and len(moved) == len(self.ctx.plan.groups) \
+                    and moved != self.ctx.page_bytes:
+                self.ctx = self._context(moved)
             rank = self.ctx.namespace.rank
             self._worker = KvtierWorker(self.ctx, kv_caches,
                                         Metrics(f"worker{rank}", self.ctx.config.directory))
         return self._worker
+
+
+def _fingerprint(geometry: object, page_bytes: tuple[int, ...] | None) -> str:
+    """The geometry's fingerprint, with vLLM's exact bytes per block of each group where kvtier's
+    description rounds them (two layouts that round alike never share a namespace)."""
+    fp = geometry.fingerprint()  # type: ignore[attr-defined]
+    implied = tuple(g.state_bytes if g.is_state else g.bytes_per_token * g.tokens_per_block
+                    for g in geometry.groups)  # type: ignore[attr-defined]
+    if page_bytes is None or tuple(page_bytes) == implied:
+        return fp
+    import hashlib
+
+    return hashlib.sha256(f"{fp}:{','.join(map(str, page_bytes))}".encode()).hexdigest()[:16]
 
 
 def _state_offload_off(geometry: object, modes: set[str] | None) -> str:
