@@ -12,6 +12,9 @@ and a full chunk 128.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -19,11 +22,25 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "vllm"))
 from test_vllm_engine import _same_threads, _scenario, _text_prompt  # noqa: E402
-from vllm_e2e import kv_transfer_config, run_engine  # noqa: E402
+from vllm_e2e import run_engine  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 PAGE_BYTES = 2 * 128 * 2 * 1 * 128 * 4  # = 2 x 256 x 2 x 1 x 64 x 4: 256 KiB in every group
+
+
+def printed_transfer_config(model: Path) -> dict:
+    """`kvtier plan MODEL --engine vllm --dtype float32`: vLLM's groups (256/256/128 tokens per
+    block) and the --kv-transfer-config it prints."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_LOGGING_LEVEL="ERROR")
+    proc = subprocess.run([str(Path(sys.executable).with_name("kvtier")), "plan", str(model), "--engine", "vllm",
+                           "--dtype", "float32"], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    rows = [line.split() for line in lines if line.startswith("vllm")]
+    assert [(r[0], r[3]) for r in rows] == [("vllm0_sliding", "256"), ("vllm1_sliding", "256"),
+                                            ("vllm2_full", "128")], proc.stdout
+    return json.loads(next(line for line in lines if line.strip().startswith('{"kv_connector"')))
 
 
 def test_tiny_gemma4_past_the_window_equals_the_engine_without_kvtier(tmp_path: Path) -> None:
@@ -37,7 +54,11 @@ def test_tiny_gemma4_past_the_window_equals_the_engine_without_kvtier(tmp_path: 
     env = _same_threads()
     base = run_engine({**_scenario(model, None, ps, tmp_path / "none", max_tokens=12, passes=1,
                                    max_model_len=2048), "directory": None, "env": env})
-    kv = kv_transfer_config(tmp_path, tiers="cpu", cpu_bytes="256MiB")
+    # the engine starts from exactly what `kvtier plan MODEL --engine vllm` prints (with a
+    # directory for kvtier's counters and a host budget that fits this machine)
+    kv = printed_transfer_config(model)
+    assert kv["kv_connector_extra_config"]["blocks_per_chunk"] == 1
+    kv["kv_connector_extra_config"].update({"kvtier.directory": str(tmp_path), "kvtier.cpu_bytes": "256MiB"})
     res = run_engine({**_scenario(model, kv, ps, tmp_path, max_tokens=12, max_model_len=2048), "env": env})
     plain = base["outputs"][0][0]
     first, second = (o[0] for o in res["outputs"])
