@@ -5,6 +5,7 @@ sliding) and the sliding group's first chunk starting mid-chunk, as vLLM sends i
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -73,6 +74,16 @@ def _keys(rc: ReqContext) -> list:
     return keys
 
 
+def _finished(worker, timeout: float = 30.0) -> list:
+    """The worker's finished transfers, polled as vLLM polls them each step."""
+    deadline = time.monotonic() + timeout
+    while True:
+        results = worker.get_finished()
+        if results or time.monotonic() > deadline:
+            return results
+        time.sleep(0.005)
+
+
 def _roundtrip(tmp_path: Path, tiers: str, corrupt: bool = False,
                vanish: bool = False) -> tuple[bool, list, list]:
     ctx = _ctx(tmp_path, tiers)
@@ -120,7 +131,7 @@ def _roundtrip(tmp_path: Path, tiers: str, corrupt: bool = False,
     dst = GPULoadStoreSpec([31, 32, 33, 34, 35, 36] + [43, 44, 45], group_sizes=[6, 3],
                            block_indices=[0, 3])
     assert worker.submit_load(8, spec, dst)
-    results = worker.get_finished()
+    results = _finished(worker)  # a disk read finishes on kvtier's I/O thread
     manager.complete_load(keys2[:3] + keys2[4:], rc2)
     assert [r.job_id for r in results] == [8]
     got = [layers[0][31:37].clone(), layers[1][43:46].clone()]

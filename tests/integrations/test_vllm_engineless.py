@@ -75,6 +75,9 @@ SCENARIOS = [
      "extra": {"kvtier.cpu_bytes": "512MiB"}},
     {"name": "dsv4_bfloat16", "dsv4": "bfloat16", "prompt_tokens": 1100,
      "extra": {"kvtier.cpu_bytes": "512MiB"}},
+    # a disk that does not answer until the test releases it; a 64 KiB queue for slow writes
+    {"name": "slow_disk", "slow_disk": True,
+     "extra": {"kvtier.tiers": "cpu,disk", "kvtier.disk_bytes": "16MiB", "kvtier.io_queue_bytes": "64KiB"}},
     # an EAGLE/MTP drafter's group beside the target's full-attention groups
     {"name": "draft_group", "draft_layers": [2],
      "layers": ["full", "full", {"kind": "sliding", "window": 1024, "name": "model.layers.2.mtp.attn"}]},
@@ -298,3 +301,19 @@ def test_deepseek_v4_restores_every_page_of_every_group(results: dict, name: str
 def test_the_two_deepseek_v4_formats_never_share_a_namespace(results: dict) -> None:
     a, b = ok(results, "dsv4_fp8_ds_mla"), ok(results, "dsv4_bfloat16")
     assert a["namespace"] != b["namespace"]
+
+
+def test_a_slow_disk_never_blocks_a_step(results: dict) -> None:
+    """Request A runs to the end while every disk write is held (the steps would hang for 20 s
+    if submit_store waited for the disk): the cpu tier has A's chunks, the disk writes wait on
+    kvtier's I/O thread, those past kvtier.io_queue_bytes are dropped and counted, and the queued
+    ones land once the disk answers. C restores every byte from the cpu tier."""
+    r = ok(results, "slow_disk")
+    assert r["a_finished"] and r["disk_write_started"], r
+    held, released = r["held"], r["released"]
+    assert held["stored_chunks_cpu"] == 21 and held["stored_chunks_disk"] == 0, held
+    assert held["store_dropped_disk"] > 0, held  # 64 KiB hold 8 chunks of 8 KiB
+    assert released["stored_chunks_disk"] > 0
+    assert released["stored_chunks_disk"] + released["store_dropped_disk"] == 21, released
+    c = r["c"]
+    assert c["external_tokens"] == 192 and c["checked"] > 0 and c["mismatches"] == 0, c

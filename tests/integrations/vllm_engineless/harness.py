@@ -35,6 +35,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 import traceback
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
@@ -373,7 +374,7 @@ def run_two_requests(sc: dict) -> dict:
     req = h.add("b", prompt_b, max_tokens=3)
     external = 0
     result: dict = {}
-    for _ in range(10):
+    for _ in range(500):  # a load from disk or Redis finishes on kvtier's I/O thread
         before = req.num_computed_tokens
         so = h.step()
         n_sched = so.num_scheduled_tokens.get("b", 0)
@@ -383,6 +384,7 @@ def run_two_requests(sc: dict) -> dict:
             result = h.check_loaded(req, prompt_b, external)
             break
         assert req.num_computed_tokens >= before
+        time.sleep(0.01)  # as a model step would take
     h.drain()
     disk = os.path.join(h.tmp, "disk")
     if os.path.isdir(disk):
@@ -490,7 +492,7 @@ def _hold_results(h: Harness) -> None:
 
 def _load_and_check(h: Harness, req_id: str, prompt: list[int]) -> dict:
     req = h.add(req_id, prompt, max_tokens=2)
-    for _ in range(12):
+    for _ in range(500):
         so = h.step()
         n = so.num_scheduled_tokens.get(req_id, 0)
         if n:
@@ -499,6 +501,7 @@ def _load_and_check(h: Harness, req_id: str, prompt: list[int]) -> dict:
             out["external_tokens"] = ext
             h.drain()
             return out
+        time.sleep(0.01)
     return {"external_tokens": -1, "checked": 0, "mismatches": 0, "never_scheduled": True}
 
 
@@ -578,6 +581,44 @@ def run_lifecycle(sc: dict) -> dict:
     return out
 
 
+def run_slow_disk(sc: dict) -> dict:
+    """A disk that does not answer until released: the engine's steps go on (submit_store
+    returns with the disk writes queued), writes past kvtier.io_queue_bytes are dropped and
+    counted, and once the disk answers the queued writes land."""
+    import threading
+
+    h = Harness(sc)
+    worker = h.wconn.connector_worker.worker
+    disk = worker.tiers["disk"]
+    gate, entered = threading.Event(), threading.Event()
+    write_many = disk.write_many
+
+    def held(batch):
+        entered.set()
+        if not gate.wait(20):  # released by the test below; 20 s means the engine blocked
+            raise TimeoutError("disk never released")
+        return write_many(batch)
+
+    disk.write_many = held
+    prompt = [100 + (i * 7919) % 900 for i in range(int(sc.get("prompt_tokens", 200)))]
+    h.add("a", prompt)
+    steps = 0
+    while h.sched.requests and steps < 40:
+        h.step()
+        steps += 1
+    c = h.counters()
+    out = {"steps": steps, "a_finished": not h.sched.requests, "disk_write_started": entered.is_set(),
+           "held": {k: c.get(k, 0) for k in ("store_jobs", "stored_chunks_cpu", "stored_chunks_disk",
+                                             "store_dropped_disk")}}
+    gate.set()
+    worker._lane.drain(30)
+    worker.metrics.flush(force=True)
+    c = h.counters()
+    out["released"] = {k: c.get(k, 0) for k in ("stored_chunks_disk", "store_dropped_disk")}
+    out["c"] = _load_and_check(h, "c", prompt + [4, 5, 6]) if _fresh_gpu_cache(h) else {}
+    return out
+
+
 def run_lookups(sc: dict) -> dict:
     """Many distinct keys looked up (all misses): the manager's per-key maps stay bounded."""
     import random
@@ -609,6 +650,7 @@ def main() -> None:
     for sc in scenarios:
         try:
             run = (run_partial if sc.get("partial") else run_lookups if sc.get("lookups")
+                   else run_slow_disk if sc.get("slow_disk")
                    else run_lifecycle if sc.get("lifecycle") else run_two_requests)
             results[sc["name"]] = run(sc)
         except Exception as exc:  # noqa: BLE001 - reported to the test, which decides

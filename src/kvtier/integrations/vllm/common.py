@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -119,6 +120,10 @@ class SpecContext:
         return self.chunk_hash(bytes(key[:-4])), g
 
 
+_COUNT_LOCK = threading.Lock()
+_FLUSH_LOCK = threading.Lock()
+
+
 @dataclass
 class Metrics:
     """Counters of one side (scheduler or worker), written as JSON into
@@ -133,10 +138,15 @@ class Metrics:
     _pruned: bool = False
 
     def add(self, name: str, n: int = 1) -> None:
-        self.counts[name] = self.counts.get(name, 0) + n
-        self._dirty = True
+        with _COUNT_LOCK:  # the worker's background I/O thread counts too
+            self.counts[name] = self.counts.get(name, 0) + n
+            self._dirty = True
 
     def flush(self, force: bool = False) -> None:
+        with _FLUSH_LOCK:  # the engine thread and the worker's I/O thread both flush
+            self._flush(force)
+
+    def _flush(self, force: bool) -> None:
         if self.directory is None or not (self._dirty or force):
             return
         out = Path(self.directory) / "metrics"
@@ -147,8 +157,10 @@ class Metrics:
             if not self._pruned:  # one file per process id forever was the old behaviour
                 self._pruned = True
                 _prune_dead(out)
+            with _COUNT_LOCK:
+                counts = dict(self.counts)
             tmp.write_text(json.dumps({"role": self.role, "pid": os.getpid(), "time": time.time(),
-                                       "counts": self.counts, "info": self.info}))
+                                       "counts": counts, "info": self.info}))
             os.replace(tmp, path)  # readers never see half a file
         except OSError:
             return

@@ -20,6 +20,7 @@ vLLM's and are left to it.
 | `kvtier.redis_url` | `redis://host:port/db`, `rediss://`, `redis+cluster://`, `redis+sentinel://`; never with a password in it (vLLM logs this config) | required with redis |
 | `kvtier.secret_file` | a file (mode 0600, at least 16 bytes) holding the tenant secret that MACs every disk and Redis payload; or set `KVTIER_SECRET_FILE` / `KVTIER_SECRET` in the engine's environment | none |
 | `kvtier.redis_password_file` | a file (mode 0600) holding the Redis password; or set `KVTIER_REDIS_PASSWORD` in the engine's environment | none |
+| `kvtier.io_queue_bytes` | disk and Redis writes that may wait for the worker's background I/O thread; a store past it skips those tiers (counted `store_dropped_<tier>`), never waits | `"256MiB"` |
 | `kvtier.tenant` | a salt mixed into every key: engines with different tenants share nothing. Change it when the weights change under the same model path (a new fine-tune, a new revision): kvtier's namespace sees the path, config and dtype, not the weights | `""` |
 """
 
@@ -34,7 +35,8 @@ from kvtier.core.units import parse_bytes
 
 PREFIX = "kvtier."
 KEYS = ("tiers", "cpu_bytes", "disk_bytes", "redis_bytes", "directory", "policy", "share",
-        "chunk_tokens", "redis_url", "redis_password_file", "secret_file", "tenant")
+        "chunk_tokens", "redis_url", "redis_password_file", "secret_file", "tenant", "io_queue_bytes")
+IO_QUEUE_BYTES = 256 << 20  # disk/Redis writes waiting for the background lane, per worker
 PASSWORD_ENV = "KVTIER_REDIS_PASSWORD"
 TIERS = ("cpu", "disk", "redis")
 
@@ -53,6 +55,7 @@ class VllmTierConfig:
     tenant: str = ""
     redis_password_file: str | None = None  # the path only: the password is read when connecting
     secret_file: str | None = None  # the path only: the tenant secret is read when tiers open
+    io_queue_bytes: int = IO_QUEUE_BYTES
 
     @property
     def capacities(self) -> dict[str, int]:
@@ -145,6 +148,7 @@ def parse_config(extra_config: Mapping[str, object]) -> VllmTierConfig:
         isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens <= 0
     ):
         raise ConfigError(f"kvtier.chunk_tokens={chunk_tokens!r} must be a positive integer")
+    io_queue = parse_size("kvtier.io_queue_bytes", ours.get("io_queue_bytes", IO_QUEUE_BYTES))
     tenant = ours.get("tenant", "")
     if not isinstance(tenant, str):
         raise ConfigError(f"kvtier.tenant={tenant!r} must be a string, e.g. \"finetune-2026-11\"")
@@ -158,6 +162,7 @@ def parse_config(extra_config: Mapping[str, object]) -> VllmTierConfig:
         redis_url=redis_url,
         tenant=tenant,
         redis_password_file=password_file,
+        io_queue_bytes=io_queue,
         secret_file=secret_file,
     )
 

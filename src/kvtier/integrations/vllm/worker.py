@@ -6,8 +6,13 @@ layers. A chunk payload of group g is, for each layer ref of g in vLLM's order, 
 chunk's `blocks_per_chunk` blocks back to back: `sum(page_bytes) * blocks_per_chunk` bytes, the
 group's own size (not a row sized for all groups).
 
-Transfers run in `submit_*` on CPU tensors (the engine thread is the only user of the KV
-tensors between steps, and a copy of a few MiB is cheaper than a thread hand-off). When the
+`submit_*` never wait for a disk or a network (lane.py): a store copies the chunk's pages into
+a host buffer and writes the cpu tier inline (memory copies), then queues its disk and Redis
+writes on one background thread, whose queue drops a write past `kvtier.io_queue_bytes`
+(counted `store_dropped_<tier>`). A load whose chunks are all in the cpu tier finishes inline;
+one that reads disk or Redis reads and verifies on that thread, and its pages are scattered into
+the KV tensors on the engine thread, in `get_finished` (a memory copy). vLLM keeps the request
+waiting meanwhile, as it does for any asynchronous load. When the
 tensors live on a GPU, the copies run on a side CUDA stream through pinned host buffers (after
 waiting for the compute stream): a load finishes when its event fires (`get_finished` polls),
 a store waits for its device->host copy before the tier write; tier I/O stays on the host.
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -41,6 +47,7 @@ from kvtier.store.payload import ChunkHeader, make_header
 from kvtier.store.tiers.base import Tier, TierLayout
 
 from .common import ChunkItem, KvtierLoadStoreSpec, Metrics, SpecContext
+from .lane import Lane
 
 log = logging.getLogger("kvtier.vllm")
 
@@ -105,6 +112,11 @@ class KvtierWorker(OffloadingWorker):
         # (job id, event, host buffers the async copies read, bytes, start time)
         self._in_flight: list[tuple[int, torch.cuda.Event, list[torch.Tensor], int, float]] = []
         self._finished: list[TransferResult] = []
+        slow = [t for t in self.tiers if t != "cpu"]
+        self._lane = Lane("tier-io", ctx.config.io_queue_bytes) if slow else None
+        # loads whose disk/Redis reads finished on the lane: (job id, start, placement, read result)
+        self._read_done: deque[tuple[int, float, list, tuple[bool, list, int]]] = deque()
+        self._reading: set[int] = set()
         self.metrics.flush(force=True)
 
     # -- OffloadingWorker ----------------------------------------------------------------------
@@ -124,14 +136,41 @@ class KvtierWorker(OffloadingWorker):
         alike; 0.32 never passes the argument."""
         t0 = time.perf_counter()
         assert isinstance(src_spec, KvtierLoadStoreSpec)
-        ok, nbytes, pending = self._load(src_spec.items, dst_spec)
+        placement = self._placement(dst_spec, src_spec.items)
+        if placement is None:
+            self._done(job_id, False, 0, t0, "load")
+            return True
+        slow = any(it.places and it.places[0][0] != "cpu" for _, placed in placement for it, _ in placed)
+        if slow and self._lane is not None:
+            self._reading.add(job_id)  # disk/Redis reads on the lane; scattered in get_finished
+
+            def read(job_id=job_id, placement=placement) -> None:
+                self._read_done.append((job_id, t0, placement, self._read(placement)))
+
+            self._lane.submit(read)
+            if expedited:  # vLLM waits for it within the step anyway; tiers stay on one thread
+                self._lane.drain()
+                self._finish_reads()
+            return True
+        self._finish_load(job_id, t0, placement, self._read(placement))
+        return True
+
+    def _finish_load(self, job_id: int, t0: float, placement: list, read: tuple[bool, list, int]) -> None:
+        ok, staged, nbytes = read
+        pending = self._scatter_all(staged) if ok else None
         if pending is not None:  # device copies in flight on the side stream
             self._in_flight.append((job_id, pending[0], pending[1], nbytes, t0))
         else:
             self._done(job_id, ok, nbytes, t0, "load")
-        return True
+
+    def _finish_reads(self) -> None:
+        while self._read_done:  # loads whose tier reads finished on the lane
+            job_id, t0, placement, read = self._read_done.popleft()
+            self._reading.discard(job_id)
+            self._finish_load(job_id, t0, placement, read)
 
     def get_finished(self) -> list[TransferResult]:
+        self._finish_reads()
         while self._in_flight and self._in_flight[0][1].query():  # in submission order
             job_id, _, _, nbytes, t0 = self._in_flight.pop(0)  # host buffers may go now
             self._done(job_id, True, nbytes, t0, "load")
@@ -141,11 +180,16 @@ class KvtierWorker(OffloadingWorker):
         return out
 
     def wait(self, job_ids: set[int]) -> None:
+        if self._lane is not None and self._reading & set(job_ids):
+            self._lane.drain()  # only when vLLM asks to wait for a load on disk or Redis
+            self._finish_reads()
         for job_id, event, _, _, _ in self._in_flight:
             if job_id in job_ids:
                 event.synchronize()
 
     def shutdown(self) -> None:
+        if self._lane is not None:
+            self._lane.close()  # queued disk/Redis writes land before the tiers close
         if self._stream is not None:
             self._stream.synchronize()
         self.metrics.flush(force=True)
@@ -239,21 +283,34 @@ class KvtierWorker(OffloadingWorker):
                 for tier, slot in item.places:
                     writes.setdefault(tier, []).append((g, slot, header, buf[k]))
             for tier, batch in writes.items():  # one batch a tier: the disk tier's two write lanes
-                for good in self.tiers[tier].write_many(batch):
-                    if good:
-                        total += nbytes
-                        self.metrics.add(f"stored_chunks_{tier}")
-                    else:
-                        ok = False  # the index will find the miss at load time and recompute
-                        self.metrics.add(f"store_failed_{tier}")
+                if tier != "cpu" and self._lane is not None:
+                    if not self._lane.submit(lambda t=tier, b=batch, n=nbytes: self._write(t, b, n),
+                                             write_bytes=nbytes * len(batch)):
+                        # the queue is full: this tier skips these chunks (a later load there is
+                        # a counted miss), the engine never waits for a disk or a network
+                        self.metrics.add(f"store_dropped_{tier}", len(batch))
+                    continue
+                good = self._write(tier, batch, nbytes)
+                total += good * nbytes
+                ok = ok and good == len(batch)  # the index will find a miss at load time
         return ok, total
 
-    def _load(
-        self, items: Sequence[ChunkItem], spec: GPULoadStoreSpec
-    ) -> tuple[bool, int, tuple[torch.cuda.Event, list[torch.Tensor]] | None]:
-        placement = self._placement(spec, items)
-        if placement is None:
-            return False, 0, None
+    def _write(self, tier: str, batch: list, nbytes: int) -> int:
+        """Write a batch into one tier (inline for cpu, on the lane for disk and Redis)."""
+        good = 0
+        for written in self.tiers[tier].write_many(batch):
+            if written:
+                good += 1
+                self.metrics.add(f"stored_chunks_{tier}")
+            else:
+                self.metrics.add(f"store_failed_{tier}")
+        if tier != "cpu":
+            self.metrics.flush()  # on the lane: the engine thread may not poll again soon
+        return good
+
+    def _read(self, placement: list) -> tuple[bool, list, int]:
+        """Read and verify every chunk of a load into host buffers: (all found, staged, bytes).
+        Runs on the lane when a chunk is on disk or in Redis, inline otherwise."""
         total = 0
         staged = []
         for g, placed in placement:
@@ -262,17 +319,21 @@ class KvtierWorker(OffloadingWorker):
             for k, (item, blocks) in enumerate(placed):
                 if not item.places:  # the scheduler lost it between lookup and load: a miss
                     self.metrics.add("load_miss_vanished")
-                    return False, 0, None
+                    return False, [], 0
                 tier, slot = item.places[0]
                 if not self.tiers[tier].read(g, slot, self._header(item, blocks), buf[k]):
                     # a miss or a corrupt payload (the tier counted and dropped it): nothing of
                     # this job is reported as loaded; vLLM recomputes the request
                     self.metrics.add(f"load_miss_{tier}")
-                    return False, 0, None
+                    return False, [], 0
                 self.metrics.add(f"loaded_chunks_{tier}")
                 self.metrics.add(f"loaded_chunks_group{g}")
             staged.append((g, placed, buf))
             total += nbytes * len(placed)
+        return True, staged, total
+
+    def _scatter_all(self, staged: list) -> tuple[torch.cuda.Event, list[torch.Tensor]] | None:
+        """Write verified chunks into their blocks (the engine thread: a memory copy)."""
         blocks = 0
         keep: list[torch.Tensor] = []
         for g, placed, buf in staged:
@@ -284,10 +345,10 @@ class KvtierWorker(OffloadingWorker):
             blocks += len(bids)
         self.metrics.add("loaded_blocks", blocks)
         if self._stream is None:
-            return True, total, None
+            return None
         event = torch.cuda.Event()
         event.record(self._stream)
-        return True, total, (event, keep)  # host buffers must outlive their async copies
+        return event, keep  # host buffers must outlive their async copies
 
     def _gather(self, ref: _Ref, bids: torch.Tensor) -> torch.Tensor:
         """The pages of blocks `bids` of one layer, as a host tensor (num_blocks, page_bytes)."""
