@@ -101,6 +101,7 @@ def _roundtrip(tmp_path: Path, tiers: str, corrupt: bool = False,
     assert worker.submit_store(7, src, out.store_spec)
     assert [(r.job_id, r.success) for r in worker.get_finished()] == [(7, True)]
     manager.complete_store(out.keys_to_store, rc)
+    assert worker.drain()  # the disk writes landed (they run on kvtier's I/O thread)
     if "cpu" in tiers:
         # the payload layout itself: sliding chunk 1 holds block 13 in its second half only,
         # chunk 2 holds blocks 14, 15 (a symmetric store/load bug would pass a round trip)

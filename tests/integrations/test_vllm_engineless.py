@@ -78,6 +78,10 @@ SCENARIOS = [
     # a disk that does not answer until the test releases it; a 64 KiB queue for slow writes
     {"name": "slow_disk", "slow_disk": True,
      "extra": {"kvtier.tiers": "cpu,disk", "kvtier.disk_bytes": "16MiB", "kvtier.io_queue_bytes": "64KiB"}},
+    # the Redis tier (a server started for the run), which holds its lookups' answers back
+    {"name": "slow_redis", "slow_redis": True,
+     "extra": {"kvtier.tiers": "redis", "kvtier.redis_bytes": "16MiB", "kvtier.cpu_bytes": None,
+               "kvtier.redis_url": "@redis"}},
     # an EAGLE/MTP drafter's group beside the target's full-attention groups
     {"name": "draft_group", "draft_layers": [2],
      "layers": ["full", "full", {"kind": "sliding", "window": 1024, "name": "model.layers.2.mtp.attn"}]},
@@ -93,8 +97,13 @@ def _run(version: str) -> dict:
             pytest.fail(f"vLLM 0.33's Python code is not in {VLLM033}; run `bash scripts/setup-vllm033.sh` "
                         "(make test does)")
         env["PYTHONPATH"] = os.pathsep.join([str(VLLM033), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    proc = subprocess.run([sys.executable, str(HARNESS), json.dumps(SCENARIOS)], env=env,
-                          capture_output=True, text=True, timeout=600)
+    sys.path.insert(0, str(HERE.parent))
+    from redis_servers import redis_server
+
+    with redis_server() as srv:  # for the scenarios with "@redis" as their URL
+        text = json.dumps(SCENARIOS).replace('"@redis"', json.dumps(srv.url))
+        proc = subprocess.run([sys.executable, str(HARNESS), text], env=env,
+                              capture_output=True, text=True, timeout=600)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             out = json.loads(line[len("RESULT "):])
@@ -317,3 +326,15 @@ def test_a_slow_disk_never_blocks_a_step(results: dict) -> None:
     assert released["stored_chunks_disk"] + released["store_dropped_disk"] == 21, released
     c = r["c"]
     assert c["external_tokens"] == 192 and c["checked"] > 0 and c["mismatches"] == 0, c
+
+
+def test_a_slow_redis_never_blocks_a_lookup(results: dict) -> None:
+    """A new index (a second engine) asks Redis whether it holds B's chunks; Redis does not
+    answer until released, and the engine keeps stepping (lookups answer RETRY, B waits; a
+    lookup waiting for Redis held the whole step before). Then B restores every byte from it."""
+    r = ok(results, "slow_redis")
+    assert r["asked"] and r["b_waiting"] and r["steps_while_held"] == 20, r
+    b = r["b"]
+    assert b["external_tokens"] == 192 and b["checked"] > 0 and b["mismatches"] == 0, b
+    c = r["counters"]
+    assert c["adopted_from_redis"] > 0 and c["loaded_chunks_redis"] > 0, c

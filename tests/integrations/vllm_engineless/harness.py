@@ -611,11 +611,55 @@ def run_slow_disk(sc: dict) -> dict:
            "held": {k: c.get(k, 0) for k in ("store_jobs", "stored_chunks_cpu", "stored_chunks_disk",
                                              "store_dropped_disk")}}
     gate.set()
-    worker._lane.drain(30)
+    worker.drain()
     worker.metrics.flush(force=True)
     c = h.counters()
     out["released"] = {k: c.get(k, 0) for k in ("stored_chunks_disk", "store_dropped_disk")}
     out["c"] = _load_and_check(h, "c", prompt + [4, 5, 6]) if _fresh_gpu_cache(h) else {}
+    return out
+
+
+def run_slow_redis(sc: dict) -> dict:
+    """A second scheduler index that does not know A's chunks (a new engine sharing Redis): B's
+    lookups go to Redis, which does not answer until released. The steps go on (lookups answer
+    RETRY, B waits), then B restores every byte from Redis."""
+    import threading
+
+    h = Harness(sc)
+    prompt = _store_a(h, int(sc.get("prompt_tokens", 200)))
+    worker = h.wconn.connector_worker.worker
+    worker.drain()  # A's Redis writes landed
+    manager = h.sched.connector.connector_scheduler.manager
+    manager.reset_cache()  # forget A's chunks, as a second engine's index would not know them
+    assert _fresh_gpu_cache(h)
+    gate, asked = threading.Event(), threading.Event()
+    exists_many = manager._redis.exists_many
+
+    def held(headers):
+        asked.set()
+        gate.wait(20)
+        return exists_many(headers)
+
+    manager._redis.exists_many = held
+    req = h.add("b", prompt + [1, 2, 3], max_tokens=2)
+    steps = 0
+    while steps < 20 and not req.num_computed_tokens:
+        h.step()
+        steps += 1
+    out = {"steps_while_held": steps, "asked": asked.is_set(), "b_waiting": "b" in h.sched.requests
+           and not req.num_computed_tokens}
+    gate.set()
+    for _ in range(500):
+        so = h.step()
+        n = so.num_scheduled_tokens.get("b", 0)
+        if n:
+            ext = req.num_computed_tokens - n
+            out["b"] = h.check_loaded(req, prompt + [1, 2, 3], ext)
+            out["b"]["external_tokens"] = ext
+            break
+        time.sleep(0.01)
+    h.drain()
+    out["counters"] = h.counters()
     return out
 
 
@@ -650,7 +694,7 @@ def main() -> None:
     for sc in scenarios:
         try:
             run = (run_partial if sc.get("partial") else run_lookups if sc.get("lookups")
-                   else run_slow_disk if sc.get("slow_disk")
+                   else run_slow_disk if sc.get("slow_disk") else run_slow_redis if sc.get("slow_redis")
                    else run_lifecycle if sc.get("lifecycle") else run_two_requests)
             results[sc["name"]] = run(sc)
         except Exception as exc:  # noqa: BLE001 - reported to the test, which decides

@@ -15,6 +15,8 @@ store but never blocks the engine and keeps the two processes' views trivially c
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Collection
 
 from vllm.v1.kv_offload.base import (
@@ -30,9 +32,12 @@ from vllm.v1.kv_offload.base import (
 from kvtier.index.index import Index
 
 from .common import ChunkItem, KvtierLoadStoreSpec, Metrics, SpecContext
+from .lane import Lane
 
 log = logging.getLogger("kvtier.vllm")
 
+REDIS_LOOKUP_TIMEOUT_S = 2.0  # a Redis answer later than this is a counted miss
+REDIS_ANSWER_TTL_S = 1.0  # an answer not used within this is asked again
 SPLIT_MEMO_KEYS = 1 << 16  # key -> (chunk hash, group) memo entries kept before it is cleared
 CONFIG_INFO_KEYS = ("kvtier_namespace", "kvtier_chunk_tokens", "kvtier_tiers", "kvtier_group_slots",
                     "kvtier_chunk_bytes")
@@ -62,6 +67,13 @@ class KvtierManager(OffloadingManager):
             # shared with other engines: a key this index lacks may still be in Redis
             self._redis = RedisTier.from_url(str(ctx.config.redis_url), namespace_id=ctx.namespace.id,
                                              password=redis_password(ctx.config))
+        # asynchronous Redis lookups (see _redis_answer): one background thread, its own lock
+        self._rlock = threading.Lock()
+        self._want: list[tuple[bytes, int]] = []
+        self._asked: dict[tuple[bytes, int], float] = {}
+        self._answers: dict[tuple[bytes, int], tuple[bool, float]] = {}  # (in Redis, when)
+        self._check_queued = False
+        self._lane = Lane("redis-lookup", 0) if self._redis is not None else None
         self._rebuild()
         metrics.flush(force=True)
 
@@ -85,9 +97,13 @@ class KvtierManager(OffloadingManager):
 
             from .config import redis_password
 
-            self._redis.close()
-            self._redis = RedisTier.from_url(str(ctx.config.redis_url), namespace_id=ctx.namespace.id,
-                                             password=redis_password(ctx.config))
+            with self._rlock:
+                self._redis.close()
+                self._redis = RedisTier.from_url(str(ctx.config.redis_url), namespace_id=ctx.namespace.id,
+                                                 password=redis_password(ctx.config))
+                self._want.clear()
+                self._asked.clear()
+                self._answers.clear()
         for gp in ctx.plan.groups:
             self.metrics.info[f"chunk_bytes_group{gp.index}"] = gp.chunk_bytes
         self.metrics.add("layout_from_workers")
@@ -131,22 +147,72 @@ class KvtierManager(OffloadingManager):
         if self.ctx.off_reason:
             self.metrics.add("lookup_keys_offload_off")
             return LookupResult.MISS
-        if split is None or not (self.index.contains(*split) or self._adopt_from_redis(*split)):
+        if split is None:
             return LookupResult.MISS
+        if not self.index.contains(*split):
+            if self._redis is None:
+                return LookupResult.MISS
+            answer = self._redis_answer(split)
+            if answer is None:
+                return LookupResult.RETRY  # vLLM asks again next step; the step never waits
+            if not (answer and self._adopt_from_redis(*split)):
+                return LookupResult.MISS
         self._okey[split] = key  # held: its eviction is reported under this key
         self.metrics.add("lookup_hit_keys")
         return LookupResult.HIT
 
-    def _adopt_from_redis(self, h: bytes, g: int) -> bool:
-        """Another engine (or an earlier process) may have put this chunk in the shared Redis
-        tier: one EXISTS round trip, then the index tracks it like its own entries."""
-        if self._redis is None:
-            return False
+    # -- the shared Redis tier, asked off the engine thread ----------------------------------
+    # A key this index lacks may be in Redis (another engine, an earlier process). lookup()
+    # never makes that round trip itself: it queues the key and answers RETRY; a background
+    # thread asks Redis for every queued key in one pipeline and records the answers, which the
+    # next lookup of the key (vLLM retries the next step) consumes. An answer that takes longer
+    # than REDIS_LOOKUP_TIMEOUT_S is a counted miss, so a hung Redis never holds a request back.
+
+    def _redis_answer(self, split: tuple[bytes, int]) -> bool | None:
+        with self._rlock:
+            now = time.monotonic()
+            answer = self._answers.pop(split, None)
+            if answer is not None and now - answer[1] <= REDIS_ANSWER_TTL_S:
+                self._asked.pop(split, None)
+                return answer[0]
+            asked = self._asked.get(split)
+            if asked is not None:
+                if now - asked > REDIS_LOOKUP_TIMEOUT_S:
+                    del self._asked[split]
+                    self.metrics.add("redis_lookup_timeouts")
+                    return False
+                return None
+            if len(self._asked) >= SPLIT_MEMO_KEYS:  # bounded like every per-key map here
+                self._asked.clear()
+            self._asked[split] = now
+            self._want.append(split)
+            if not self._check_queued:
+                self._check_queued = self._lane.submit(self._check_redis)
+            self.metrics.add("redis_lookups_queued")
+            return None
+
+    def _check_redis(self) -> None:
+        """On the lane: one pipelined EXISTS for every key queued since the last check."""
         from kvtier.store.payload import make_header
 
-        header = make_header(self.ctx.namespace.id, h, g, 0, 0, self.ctx.plan.groups[g].chunk_bytes)
-        if not self._redis.exists_many([header])[0]:
-            return False
+        with self._rlock:
+            want, self._want = self._want, []
+            self._check_queued = False
+            ctx, redis = self.ctx, self._redis
+        if not want or redis is None:
+            return
+        headers = [make_header(ctx.namespace.id, h, g, 0, 0, ctx.plan.groups[g].chunk_bytes) for h, g in want]
+        found = redis.exists_many(headers)
+        with self._rlock:
+            if len(self._answers) >= SPLIT_MEMO_KEYS:
+                self._answers.clear()
+            now = time.monotonic()
+            for split, there in zip(want, found):
+                if split in self._asked:
+                    self._answers[split] = (bool(there), now)
+
+    def _adopt_from_redis(self, h: bytes, g: int) -> bool:
+        """Redis said it holds this chunk: the index tracks it like its own entries."""
         r = self.index.put(h, g, "redis")
         for e in r.evicted:
             gone = self._gone(e.chunk_hash, e.group)
@@ -293,6 +359,9 @@ class KvtierManager(OffloadingManager):
         self._loads.clear()
         self._okey.clear()
         self._evicted_later.clear()
+        with self._rlock:  # Redis answers from before the reset are not asked again
+            self._answers.clear()
+            self._asked.clear()
         self.metrics.add("resets")
         self.metrics.flush()
 
@@ -318,6 +387,8 @@ class KvtierManager(OffloadingManager):
 
     def shutdown(self) -> None:
         self.metrics.flush(force=True)
+        if self._lane is not None:
+            self._lane.close(5.0)
         if self._redis is not None:
             self._redis.close()
 

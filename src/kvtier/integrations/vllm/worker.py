@@ -187,6 +187,10 @@ class KvtierWorker(OffloadingWorker):
             if job_id in job_ids:
                 event.synchronize()
 
+    def drain(self, timeout: float | None = 30.0) -> bool:
+        """Wait until every disk and Redis write and read queued so far has run."""
+        return self._lane.drain(timeout) if self._lane is not None else True
+
     def shutdown(self) -> None:
         if self._lane is not None:
             self._lane.close()  # queued disk/Redis writes land before the tiers close
