@@ -663,6 +663,58 @@ def run_slow_redis(sc: dict) -> dict:
     return out
 
 
+def run_submit_timing(sc: dict) -> dict:
+    """Median wall time of submit_store / submit_load over N one-chunk jobs, with the worker's
+    disk and Redis I/O on its background thread (as shipped) and inline (the lane switched off),
+    side by side in one run. A measurement for the closing note and docs, not a test."""
+    import statistics
+
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+    from kvtier.integrations.vllm.common import ChunkItem, KvtierLoadStoreSpec
+
+    h = Harness(sc)
+    worker = h.wconn.connector_worker.worker
+    n = int(sc.get("jobs", 1000))
+    g, bpc = 3, worker.bpc  # the full-attention group
+    ngroups = len(h.kvc.kv_cache_groups)
+    tiers = [t for t in worker.tiers]
+    slots = min(worker.ctx.new_index().slots(g, t) for t in tiers if t != "redis")
+
+    def spec(block: int) -> GPULoadStoreSpec:
+        return GPULoadStoreSpec([block] * bpc, [bpc if i == g else 0 for i in range(ngroups)],
+                                [0] * ngroups)
+
+    def run(mode: str) -> dict:
+        lane = worker._lane
+        if mode == "inline":
+            worker._lane = None
+        store_t, load_t = [], []
+        for j in range(n):
+            item = ChunkItem(g, j.to_bytes(4, "big") * 4, 0, bpc * h.bs, tuple((t, j % slots) for t in tiers))
+            t0 = time.perf_counter()
+            worker.submit_store(j, spec(1 + j % 8), KvtierLoadStoreSpec([item]))
+            store_t.append(time.perf_counter() - t0)
+            worker.get_finished()
+        worker.drain()
+        for j in range(n):  # read back from the slowest configured tier
+            slow = [t for t in tiers if t != "cpu"][-1]
+            item = ChunkItem(g, j.to_bytes(4, "big") * 4, 0, bpc * h.bs, ((slow, j % slots),))
+            t0 = time.perf_counter()
+            worker.submit_load(10 ** 6 + j, KvtierLoadStoreSpec([item]), spec(9 + j % 8))
+            load_t.append(time.perf_counter() - t0)
+            worker.get_finished()
+        worker.drain()
+        worker.get_finished()
+        worker._lane = lane
+        return {"store_median_ms": statistics.median(store_t) * 1e3,
+                "load_median_ms": statistics.median(load_t) * 1e3}
+
+    out = {"jobs": n, "tiers": tiers, "background": run("background"), "inline": run("inline")}
+    out["store_ratio_inline_over_background"] = out["inline"]["store_median_ms"] / out["background"]["store_median_ms"]
+    out["load_ratio_inline_over_background"] = out["inline"]["load_median_ms"] / out["background"]["load_median_ms"]
+    return out
+
+
 def run_lookups(sc: dict) -> dict:
     """Many distinct keys looked up (all misses): the manager's per-key maps stay bounded."""
     import random
@@ -695,6 +747,7 @@ def main() -> None:
         try:
             run = (run_partial if sc.get("partial") else run_lookups if sc.get("lookups")
                    else run_slow_disk if sc.get("slow_disk") else run_slow_redis if sc.get("slow_redis")
+                   else run_submit_timing if sc.get("submit_timing")
                    else run_lifecycle if sc.get("lifecycle") else run_two_requests)
             results[sc["name"]] = run(sc)
         except Exception as exc:  # noqa: BLE001 - reported to the test, which decides
