@@ -85,7 +85,7 @@ def _finished(worker, timeout: float = 30.0) -> list:
 
 
 def _roundtrip(tmp_path: Path, tiers: str, corrupt: bool = False,
-               vanish: bool = False) -> tuple[bool, list, list]:
+               vanish: bool = False, read_raises: bool = False) -> tuple[bool, list, list]:
     ctx = _ctx(tmp_path, tiers)
     manager = KvtierManager(ctx, Metrics("scheduler", None))
     kv, layers = _kv()
@@ -128,6 +128,12 @@ def _roundtrip(tmp_path: Path, tiers: str, corrupt: bool = False,
         h, g = ctx.split_key(keys2[1])
         for tier, _ in manager.index.where(h, g):
             assert manager.index.remove(h, g, tier)
+    if read_raises:  # an unexpected error inside a tier read on kvtier's I/O thread
+
+        def boom(*args, **kwargs):
+            raise RuntimeError("tier read exploded")
+
+        worker.tiers["disk"].read = boom
     spec = manager.prepare_load(keys2[:3] + keys2[4:], rc2)
     dst = GPULoadStoreSpec([31, 32, 33, 34, 35, 36] + [43, 44, 45], group_sizes=[6, 3],
                            block_indices=[0, 3])
@@ -153,6 +159,59 @@ def test_corrupt_disk_payload_fails_the_load_job(tmp_path: Path) -> None:
     assert not ok  # reported as failed, so vLLM recomputes instead of using the blocks
 
 
+def test_a_tier_read_that_raises_still_finishes_the_load_as_failed(tmp_path: Path) -> None:
+    """The job must reach vLLM (as failed, so it recomputes): a job that never finished left
+    its request waiting for KV forever."""
+    ok, got, want = _roundtrip(tmp_path, "disk", read_raises=True)
+    assert not ok
+
+
 def test_a_hit_key_evicted_before_prepare_load_fails_the_job(tmp_path: Path) -> None:
     ok, got, want = _roundtrip(tmp_path, "cpu", vanish=True)
     assert not ok  # a failed job: vLLM recomputes; the scheduler did not crash
+
+
+class _FakeRedis:
+    """Answers EXISTS from a set; counts round trips."""
+
+    def __init__(self, held: set) -> None:
+        self.held, self.calls = held, 0
+
+    def exists_many(self, headers):
+        self.calls += 1
+        return [(h.chunk_hash, h.group) in self.held for h in headers]
+
+    def close(self) -> None:
+        pass
+
+
+def test_redis_answers_serve_every_lookup_for_their_ttl_then_are_asked_again(tmp_path: Path,
+                                                                              monkeypatch) -> None:
+    """A lookup queues the key and answers RETRY; once Redis answered, every lookup of the key
+    within the TTL uses that answer (a negative answer used once made every other waiting request
+    ask again); an expired answer is asked again, not turned into a timeout miss."""
+    from kvtier.integrations.vllm import manager as mod
+
+    ctx = _ctx(tmp_path, "cpu")
+    extra = {"kvtier.tiers": "cpu,redis", "kvtier.directory": str(tmp_path), "kvtier.cpu_bytes": 1 << 20,
+             "kvtier.redis_bytes": 1 << 20, "kvtier.redis_url": "redis://127.0.0.1:1/0"}
+    ctx = SpecContext(plan=ctx.plan, namespace=ctx.namespace, config=parse_config(extra),
+                      group_of=ctx.group_of, blocks_per_chunk=BPC)
+    manager = KvtierManager(ctx, Metrics("scheduler", None))
+    fake = _FakeRedis(set())
+    manager._redis = fake
+    rc = ReqContext(req_id="a")
+    key = make_offload_key(b"\x07" * 32, 0)
+    rc.set_offload_key_position(key, TPB * BPC)
+    assert manager.lookup(key, rc) == LookupResult.RETRY
+    manager._lane.drain(10)
+    assert [manager.lookup(key, rc) for _ in range(3)] == [LookupResult.MISS] * 3  # one answer, reused
+    assert fake.calls == 1
+    monkeypatch.setattr(mod, "REDIS_ANSWER_TTL_S", 0.0)
+    time.sleep(0.01)
+    fake.held.add(ctx.split_key(key))  # another engine stored it meanwhile
+    assert manager.lookup(key, rc) == LookupResult.RETRY  # stale: asked again
+    manager._lane.drain(10)
+    monkeypatch.setattr(mod, "REDIS_ANSWER_TTL_S", 1.0)
+    assert manager.lookup(key, rc) == LookupResult.HIT and fake.calls == 2
+    manager.shutdown()

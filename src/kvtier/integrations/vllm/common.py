@@ -159,12 +159,13 @@ class Metrics:
                 _prune_dead(out)
             with _COUNT_LOCK:
                 counts = dict(self.counts)
+                self._dirty = False  # an add() after this copy marks it dirty again
             tmp.write_text(json.dumps({"role": self.role, "pid": os.getpid(), "time": time.time(),
                                        "counts": counts, "info": self.info}))
             os.replace(tmp, path)  # readers never see half a file
         except OSError:
+            self._dirty = True  # written next time
             return
-        self._dirty = False
 
 
 def _prune_dead(out: Path) -> None:

@@ -41,7 +41,8 @@ class Lane:
         with self._cond:
             if self._closed:
                 return False
-            if write_bytes and self._pending_bytes + write_bytes > self.max_bytes:
+            # an empty queue admits any write (one store job may be larger than the limit)
+            if write_bytes and self._pending_bytes and self._pending_bytes + write_bytes > self.max_bytes:
                 return False
             self._pending_bytes += write_bytes
             self._queue.append((fn, write_bytes))
@@ -53,14 +54,19 @@ class Lane:
         with self._cond:
             return self._cond.wait_for(lambda: not self._queue and not self._busy, timeout)
 
-    def close(self, timeout: float = 30.0) -> None:
-        if self._closed:
-            return
-        self.drain(timeout)
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
+    def close(self, timeout: float = 30.0) -> bool:
+        """Run what is queued (up to `timeout`), drop the rest, stop the thread. True when the
+        thread has stopped, so its owner may close what the queued work used."""
+        atexit.unregister(self.close)
+        if not self._closed:
+            self.drain(timeout)
+            with self._cond:
+                self._closed = True
+                self._queue.clear()  # what did not run in time is dropped, not run later
+                self._pending_bytes = 0
+                self._cond.notify_all()
         self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     def _run(self) -> None:
         while True:

@@ -171,10 +171,11 @@ class KvtierManager(OffloadingManager):
     def _redis_answer(self, split: tuple[bytes, int]) -> bool | None:
         with self._rlock:
             now = time.monotonic()
-            answer = self._answers.pop(split, None)
-            if answer is not None and now - answer[1] <= REDIS_ANSWER_TTL_S:
-                self._asked.pop(split, None)
-                return answer[0]
+            answer = self._answers.get(split)
+            if answer is not None:  # kept for its TTL: every request waiting on it uses it
+                if now - answer[1] <= REDIS_ANSWER_TTL_S:
+                    return answer[0]
+                del self._answers[split]  # stale: asked again below
             asked = self._asked.get(split)
             if asked is not None:
                 if now - asked > REDIS_LOOKUP_TIMEOUT_S:
@@ -208,7 +209,7 @@ class KvtierManager(OffloadingManager):
                 self._answers.clear()
             now = time.monotonic()
             for split, there in zip(want, found):
-                if split in self._asked:
+                if self._asked.pop(split, None) is not None:  # not reset or timed out meanwhile
                     self._answers[split] = (bool(there), now)
 
     def _adopt_from_redis(self, h: bytes, g: int) -> bool:

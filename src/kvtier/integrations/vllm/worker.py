@@ -145,12 +145,17 @@ class KvtierWorker(OffloadingWorker):
             self._reading.add(job_id)  # disk/Redis reads on the lane; scattered in get_finished
 
             def read(job_id=job_id, placement=placement) -> None:
-                self._read_done.append((job_id, t0, placement, self._read(placement)))
+                try:
+                    result = self._read(placement)
+                except Exception:  # noqa: BLE001 - a job must always finish, as a miss here
+                    log.exception("kvtier: a tier read failed; the load fails and vLLM recomputes")
+                    result = (False, [], 0)
+                self._read_done.append((job_id, t0, placement, result))
 
-            self._lane.submit(read)
-            if expedited:  # vLLM waits for it within the step anyway; tiers stay on one thread
-                self._lane.drain()
-                self._finish_reads()
+            if not self._lane.submit(read):  # the lane is closed (shutdown): a failed load
+                self._reading.discard(job_id)
+                self._done(job_id, False, 0, t0, "load")
+            # an expedited load (0.33's sync loads) is waited for by vLLM's wait(), not here
             return True
         self._finish_load(job_id, t0, placement, self._read(placement))
         return True
@@ -192,8 +197,11 @@ class KvtierWorker(OffloadingWorker):
         return self._lane.drain(timeout) if self._lane is not None else True
 
     def shutdown(self) -> None:
-        if self._lane is not None:
-            self._lane.close()  # queued disk/Redis writes land before the tiers close
+        if self._lane is not None and not self._lane.close():
+            # queued disk/Redis I/O did not finish in time: leave the tiers open to it
+            log.warning("kvtier: background tier I/O still running at shutdown; tiers left open")
+            self.metrics.flush(force=True)
+            return
         if self._stream is not None:
             self._stream.synchronize()
         self.metrics.flush(force=True)
