@@ -75,6 +75,10 @@ SCENARIOS = [
      "extra": {"kvtier.cpu_bytes": "512MiB"}},
     {"name": "dsv4_bfloat16", "dsv4": "bfloat16", "prompt_tokens": 1100,
      "extra": {"kvtier.cpu_bytes": "512MiB"}},
+    # the same model (no MTP drafting) started from exactly the --kv-transfer-config that
+    # `kvtier plan MODEL --engine vllm` prints for its config.json (host memory set to 512 MiB)
+    {"name": "dsv4_from_plan", "dsv4": "fp8_ds_mla", "mtp": False, "from_plan": True,
+     "prompt_tokens": 1100, "extra": {"kvtier.cpu_bytes": "512MiB"}},
     # a disk that does not answer until the test releases it; a 64 KiB queue for slow writes
     {"name": "slow_disk", "slow_disk": True,
      "extra": {"kvtier.tiers": "cpu,disk", "kvtier.disk_bytes": "16MiB", "kvtier.io_queue_bytes": "64KiB"}},
@@ -304,6 +308,21 @@ def test_deepseek_v4_restores_every_page_of_every_group(results: dict, name: str
     assert all(g["checked"] > 0 for g in r["groups"]) and r["mismatches"] == 0, r["groups"]
     assert r["namespace"] == r["scheduler_namespace"]  # the scheduler took the workers' layout
     assert r["counters"]["layout_from_workers"] == 1
+    assert r["counters"].get("load_jobs_failed", 0) == 0
+
+
+def test_deepseek_v4_runs_from_the_config_kvtier_plan_prints(results: dict) -> None:
+    """`kvtier plan DIR --engine vllm` on a DeepSeek V4 config.json asks vLLM's own DeepSeek V4
+    layer classes for their specs; the connector config it prints starts the scheduler and both
+    connector halves, and B restores 1,024 tokens byte-exact in every group."""
+    r = ok(results, "dsv4_from_plan")
+    printed = r["printed"]
+    assert printed["kv_connector"] == "KvtierConnector"
+    assert printed["kv_connector_extra_config"]["blocks_per_chunk"] == 1
+    assert r["num_groups"] == 5  # no MTP drafting: no draft group
+    assert [tpb for _, _, tpb, _ in r["geometry"]] == [64, 64, 256, 4, 8]
+    assert r["external_tokens"] == 1024, r
+    assert all(g["checked"] > 0 for g in r["groups"]) and r["mismatches"] == 0, r["groups"]
     assert r["counters"].get("load_jobs_failed", 0) == 0
 
 

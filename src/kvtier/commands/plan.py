@@ -220,6 +220,12 @@ def render(plan: Plan, hit_tokens: int | None, *, engine_blocks: bool = True) ->
         out.append(f"hit of {t} tokens restores {human_bytes(r)} ({r} B); restoring every chunk "
                    f"of every group would move {human_bytes(n)} ({n} B{ratio})")
     out.append("")
+    if any(x.compress_ratio > 1 for x in g.groups) and not g.source.startswith("vLLM"):
+        # DeepSeek V4: vLLM packs these caches into groups of its own (other blocks, other
+        # spans); a config from kvtier's grouping would not describe them
+        out.append("vLLM groups DeepSeek V4's caches its own way: run `kvtier plan MODEL --engine vllm` "
+                   "for its groups and the --kv-transfer-config to start it with")
+        return "\n".join(out)
     out.append("vLLM --kv-transfer-config for this plan (set kvtier.cpu_bytes to the host memory "
                "it may use; more keys in docs/vllm.md):")
     out.append("  " + json.dumps(vllm_transfer_config(plan, engine_blocks=engine_blocks)))

@@ -9,9 +9,17 @@ Invariants (checked in `Group.__post_init__` / `Geometry.__post_init__`):
 - attention kinds (`full`, `mla`, `sliding`, `chunked`) have `bytes_per_token_per_layer > 0`
   and no `state_bytes_per_layer`; `state` has `state_bytes_per_layer > 0` and no per-token bytes;
 - `sliding` has a `window >= 1`, `chunked` an `attention_chunk >= 1`, other kinds neither;
+- `compress_ratio` (default 1) is how many tokens one cache entry covers: DeepSeek V4's
+  compressed caches hold one entry per 4 or 128 tokens, so their bytes per token are not whole.
+  For such a group `bytes_per_token_per_layer` is the bytes of one *entry*; only `full` and `mla`
+  groups (a compressed cache keeps every entry of the history) may have a ratio above 1, and
+  `tokens_per_block` is a multiple of it (a block holds whole entries). Sizes go through
+  `Group.bytes_for_tokens`, never `bytes_per_token * tokens`;
 - a group that is not cacheable says why (`reason`); it stays in the geometry so both sides
   of a connection see the same group indices (never silently dropped on one side only);
-- group names are unique.
+- group names are unique;
+- a layer is in at most one attention group and one state group, except in a geometry with
+  compressed groups (DeepSeek V4: a layer holds several caches).
 """
 
 from __future__ import annotations
@@ -50,6 +58,7 @@ _GROUP_FIELDS = {
     "cacheable",
     "reason",
     "layers",
+    "compress_ratio",
 }
 _GEOMETRY_FIELDS = {"name", "tokens_per_hash", "groups"}
 
@@ -85,6 +94,8 @@ class Group:
     # empty when unknown (a hand-written geometry JSON). Integrations map groups back to model
     # layers with it, so when given it is part of the fingerprint.
     layers: tuple[int, ...] = ()
+    # tokens per cache entry (DeepSeek V4's compressed caches: 4 or 128); 1 = one entry per token
+    compress_ratio: int = 1
 
     def __post_init__(self) -> None:
         where = f"group {self.name!r}"
@@ -122,6 +133,19 @@ class Group:
             raise ConfigError(
                 f"{where} has an 'attention_chunk' but kind {self.kind!r}; only 'chunked' has one"
             )
+        _positive_int(self.compress_ratio, f"{where} field 'compress_ratio'")
+        if self.compress_ratio > 1:
+            if self.kind not in ("full", "mla"):
+                raise ConfigError(
+                    f"{where} has compress_ratio={self.compress_ratio} but kind {self.kind!r}; only "
+                    "'full' and 'mla' groups (caches that keep every compressed entry) have one"
+                )
+            if self.tokens_per_block % self.compress_ratio:
+                raise ConfigError(
+                    f"{where} has tokens_per_block={self.tokens_per_block}, not a multiple of its "
+                    f"compress_ratio={self.compress_ratio}; a block holds whole entries: use "
+                    f"{self.compress_ratio * max(1, self.tokens_per_block // self.compress_ratio)}"
+                )
         dtype_bytes(self.dtype)
         if not isinstance(self.cacheable, bool):
             raise ConfigError(f"{where} field 'cacheable' is {self.cacheable!r}; use true or false")
@@ -151,8 +175,25 @@ class Group:
 
     @property
     def bytes_per_token(self) -> int:
-        """Bytes one token occupies across all layers of the group (0 for state groups)."""
+        """Bytes one token occupies across all layers of the group (0 for state groups).
+        A compressed group (`compress_ratio > 1`) has no whole bytes per token: use
+        `bytes_for_tokens`."""
+        if self.compress_ratio != 1:
+            raise ConfigError(
+                f"group {self.name!r} holds one entry per {self.compress_ratio} tokens; its size is "
+                "bytes_for_tokens(n), not a per-token figure"
+            )
         return self.bytes_per_token_per_layer * self.num_layers
+
+    def bytes_for_tokens(self, tokens: int) -> int:
+        """Bytes `tokens` tokens occupy across all layers of the group (0 for state groups).
+        For a compressed group `tokens` is a multiple of `compress_ratio` (whole entries)."""
+        if tokens % self.compress_ratio:
+            raise ConfigError(
+                f"group {self.name!r} holds one entry per {self.compress_ratio} tokens; {tokens} "
+                "tokens is not a whole number of entries"
+            )
+        return tokens // self.compress_ratio * self.bytes_per_token_per_layer * self.num_layers
 
     @property
     def state_bytes(self) -> int:
@@ -170,6 +211,8 @@ class Group:
             out["state_bytes_per_layer"] = self.state_bytes_per_layer
         else:
             out["bytes_per_token_per_layer"] = self.bytes_per_token_per_layer
+        if self.compress_ratio != 1:  # absent when 1: older geometries keep their fingerprints
+            out["compress_ratio"] = self.compress_ratio
         if self.window is not None:
             out["window"] = self.window
         if self.attention_chunk is not None:
@@ -214,6 +257,7 @@ class Group:
             cacheable=data.get("cacheable", True),
             reason=data.get("reason", ""),
             layers=_layers_from_json(data.get("layers", ()), label),
+            compress_ratio=data.get("compress_ratio", 1),
         )
 
 
@@ -240,9 +284,12 @@ class Geometry:
                 raise ConfigError(f"group name {g.name!r} appears twice; group names must be unique")
             seen.add(g.name)
         # A layer has at most one attention cache and one state (Falcon-H1 runs attention and
-        # Mamba side by side in every layer, so its layers are in one group of each).
+        # Mamba side by side in every layer, so its layers are in one group of each). DeepSeek V4
+        # is the exception, recognised by its compressed groups: each of its layers holds a
+        # sliding window, compressed entries, indexer keys and compressor states side by side.
         owner: dict[tuple[bool, int], str] = {}
-        for g in self.groups:
+        compressed = any(g.compress_ratio > 1 for g in self.groups)
+        for g in () if compressed else self.groups:
             for layer in g.layers:
                 slot = (g.is_state, layer)
                 if slot in owner:

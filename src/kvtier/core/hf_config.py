@@ -26,10 +26,11 @@ block sizes (vLLM pads state pages into larger blocks) reads its own geometry in
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 from kvtier.errors import ConfigError, UnsupportedModelError
-from kvtier.core.geometry import Geometry, Group, dtype_bytes
+from kvtier.core.geometry import DTYPE_BYTES, Geometry, Group, dtype_bytes
 from kvtier.core.hf_families import FAMILIES, Cfg, Reader, Spec, read_llama
 
 DEFAULT_BLOCK_SIZE = 16
@@ -52,6 +53,10 @@ _WRAPPERS = {
     "qwen3_5": "qwen3_5_text",
     "qwen3_5_moe": "qwen3_5_moe_text",
 }
+
+# KV formats that are not an element dtype: each row is packed by the model's own kernels, and
+# the family reader sizes it (DeepSeek V4: fp8 no-rope part + bf16 rope part + scales)
+PACKED_FORMATS = {"fp8_ds_mla": ("deepseek_v4",)}
 
 SUPPORTED_MODEL_TYPES = tuple(sorted({*FAMILIES, *_WRAPPERS}))
 
@@ -80,16 +85,21 @@ def geometry_from_hf_config(
     if isinstance(block, bool) or not isinstance(block, int) or block <= 0:
         raise ConfigError(f"block_size {block_size!r} must be a positive integer (tokens per block)")
     kv_dtype = _normalise_dtype(dtype) if dtype is not None else _config_dtype(text, config)
-    d = dtype_bytes(kv_dtype)
     if not isinstance(model_type, str) or not model_type:
         raise ConfigError("config.json has no 'model_type'; give a geometry JSON instead")
+    if kv_dtype in PACKED_FORMATS and model_type not in PACKED_FORMATS[kv_dtype]:
+        raise ConfigError(
+            f"dtype {kv_dtype!r} is a packed KV format of {', '.join(PACKED_FORMATS[kv_dtype])} only; "
+            f"model_type {model_type!r} takes one of: {', '.join(DTYPE_BYTES)}"
+        )
+    d = 1 if kv_dtype in PACKED_FORMATS else dtype_bytes(kv_dtype)
     family = FAMILIES.get(model_type)
     if family is None:
         reader, defaults, source = _generic(text, model_type), {}, f"generic reading of model_type {model_type!r}"
     else:
         (reader, defaults), source = family, f"hf config.json, model_type {model_type!r}"
     try:
-        layers = reader(Cfg(text, model_type, defaults), d)
+        layers = reader(Cfg(text, model_type, defaults, kv_format=kv_dtype), d)
     except ConfigError:
         raise
     except (TypeError, ValueError, KeyError, IndexError, AttributeError, ArithmeticError) as exc:
@@ -159,10 +169,13 @@ def _group(layers: list[tuple[int, Spec]], block: int, dtype: str) -> tuple[Grou
         names[spec.label] = names.get(spec.label, 0) + 1
         name = spec.label if names[spec.label] == 1 else f"{spec.label}_{names[spec.label]}"
         out.append(Group(
-            name=name, kind=spec.kind, num_layers=len(members[spec]), tokens_per_block=block,
+            name=name, kind=spec.kind, num_layers=len(members[spec]),
+            # a block holds whole entries of a compressed cache
+            tokens_per_block=math.lcm(block, spec.compress_ratio),
             bytes_per_token_per_layer=spec.bytes_per_token_per_layer,
             state_bytes_per_layer=spec.state_bytes_per_layer, window=spec.window,
-            attention_chunk=spec.attention_chunk, dtype=dtype, layers=tuple(members[spec]),
+            attention_chunk=spec.attention_chunk, dtype=spec.dtype or dtype, layers=tuple(members[spec]),
+            compress_ratio=spec.compress_ratio, cacheable=spec.cacheable, reason=spec.reason,
         ))
     return tuple(out)
 

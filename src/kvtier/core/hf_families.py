@@ -26,6 +26,10 @@ class Spec:
     state_bytes_per_layer: int = 0
     window: int | None = None
     attention_chunk: int | None = None
+    compress_ratio: int = 1  # tokens per cache entry (DeepSeek V4's compressed caches)
+    dtype: str | None = None  # None: the KV dtype; else this group's own (fp32 states, uint8 rows)
+    cacheable: bool = True
+    reason: str = ""
 
 
 MAX_LAYERS = 100_000  # far above any published model; a typo of 10**9 must not build a 10**9-entry list
@@ -34,8 +38,10 @@ MAX_LAYERS = 100_000  # far above any published model; a typo of 10**9 must not 
 class Cfg:
     """A config dict with the family's transformers defaults and errors that name the field."""
 
-    def __init__(self, data: Mapping[str, object], model_type: str, defaults: Mapping[str, object]):
+    def __init__(self, data: Mapping[str, object], model_type: str, defaults: Mapping[str, object],
+                 kv_format: str = ""):
         self.data, self.model_type, self.defaults = data, model_type, defaults
+        self.kv_format = kv_format  # the KV dtype's name ("fp8_ds_mla" means DeepSeek's packed rows)
 
     def get(self, key: str) -> object:
         # The class default applies only when the key is absent, as in transformers: an explicit
@@ -313,6 +319,106 @@ def _llama4(cfg: Cfg, d: int) -> list[tuple[int, Spec]]:
     return _by_type(cfg, types, specs)
 
 
+# DeepSeek V4 (as vLLM 0.32/0.33 caches it; transformers' own V4 cache keeps compressor buffers
+# and entry counts kvtier does not restore, so the transformers integration refuses the model)
+_DSV4_TYPES = {"sliding_attention": 0, "compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
+_DSV4_BY_RATIO = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
+
+
+def _dsv4_layer_types(cfg: Cfg) -> list[tuple[str, int]]:
+    """(layer type, compress ratio) of each decoder layer, read as transformers' DeepseekV4Config
+    does: `layer_types` + `compress_rates`, else the legacy per-layer `compress_ratios` (which may
+    list the MTP layers after the decoder's), else the V4 default (2 HCA, then CSA/HCA in turn)."""
+    n = cfg.layers()
+    rates = {k: v for k, v in _DSV4_TYPES.items() if v}
+    given = cfg.data.get("compress_rates")
+    if isinstance(given, Mapping):
+        for k, v in given.items():
+            rates[str(k)] = _positive_field(cfg, f"compress_rates[{k!r}]", v)
+    for key in ("compress_rate_csa", "compress_rate_hca"):
+        if key in cfg.data:
+            name = "compressed_sparse_attention" if key.endswith("csa") else "heavily_compressed_attention"
+            rates[name] = _positive_field(cfg, key, cfg.data[key])
+    types = cfg.data.get("layer_types")
+    legacy = cfg.data.get("compress_ratios")
+    if types is None and isinstance(legacy, list):
+        if len(legacy) < n or any(r not in _DSV4_BY_RATIO for r in legacy):
+            raise ConfigError(
+                f"config.json of model_type {cfg.model_type!r} has compress_ratios={legacy!r}; it must "
+                f"list one of 0, 4, 128 for each of the {n} layers"
+            )
+        types = [_DSV4_BY_RATIO[r] for r in legacy[:n]]
+    if types is None:
+        types = ["heavily_compressed_attention"] * min(n, 2) + [
+            "compressed_sparse_attention" if i % 2 else "heavily_compressed_attention" for i in range(max(n - 2, 0))]
+    if not isinstance(types, list) or len(types) != n:
+        raise ConfigError(
+            f"config.json field 'layer_types' must list one type per layer ({n} layers), got {types!r}"
+        )
+    out = []
+    for i, t in enumerate(types):
+        if t not in _DSV4_TYPES:
+            raise UnsupportedModelError(
+                f"layer {i} of model_type {cfg.model_type!r} has layer type {t!r}; kvtier reads "
+                f"{', '.join(_DSV4_TYPES)} for this family"
+            )
+        out.append((t, rates.get(t, 0)))
+    return out
+
+
+def _deepseek_v4(cfg: Cfg, d: int) -> list[tuple[int, Spec]]:
+    """DeepSeek V4: shared-KV MQA (one head of `head_dim`, K = V) over a sliding window on every
+    layer; compressed layers add one cache entry per `ratio` tokens (CSA: 4, HCA: 128) and a
+    compressor state (a window of uncompressed K/V + gate, float32: CSA's overlapping windows keep
+    2 x ratio tokens of 2 series, HCA's ratio tokens of one); CSA adds the lightning indexer's
+    compressed keys (fp8 + a float32 scale per entry, whatever the KV dtype) and its own compressor
+    state. MTP layers (`num_nextn_predict_layers`) cache a sliding window only, when the engine
+    drafts with them.
+
+    Sizes are vLLM's (0.32/0.33 DeepseekV4 attention specs, checked against them in
+    tests/integrations/test_vllm_plan_dsv4.py). Under `fp8_ds_mla` (DeepSeek's packed format, what
+    vLLM uses by default) a row is the fp8 no-rope part, the bf16 rope part and one scale byte per
+    64 values plus one pad byte: 584 bytes for head_dim 512, rope 64."""
+    head, window = cfg.int("head_dim"), cfg.int("sliding_window")
+    rope = cfg.get("qk_rope_head_dim")
+    if rope is None:
+        factor = cfg.get("partial_rotary_factor")
+        rope = round(head * factor) if isinstance(factor, (int, float)) and factor > 0 else 64
+    rope = _positive_field(cfg, "qk_rope_head_dim", rope)
+    index_dim = cfg.int("index_head_dim")
+    if cfg.kv_format == "fp8_ds_mla":
+        nope = head - rope
+        row, row_dtype = nope + 2 * rope + nope // 64 + 1, "uint8"
+    else:
+        row, row_dtype = head * d, None
+    swa = Spec("sliding", "sliding", row, window=window, dtype=row_dtype)
+    out: list[tuple[int, Spec]] = []
+    layers = _dsv4_layer_types(cfg)
+    for i, (t, ratio) in enumerate(layers):
+        out.append((i, swa))
+        if not ratio:
+            continue
+        csa = t == "compressed_sparse_attention"
+        out.append((i, Spec(f"compressed_{ratio}", "mla", row, compress_ratio=ratio, dtype=row_dtype)))
+        if csa:
+            out.append((i, Spec("indexer", "mla", index_dim + STATE_FP32_BYTES, compress_ratio=ratio,
+                                dtype="uint8")))
+        series = 2 if csa else 1
+        out.append((i, Spec(f"compressor_{ratio}", "sliding", series * head * 2 * STATE_FP32_BYTES,
+                            window=series * ratio, dtype="float32")))
+        if csa:
+            out.append((i, Spec("indexer_compressor", "sliding", 2 * index_dim * 2 * STATE_FP32_BYTES,
+                                window=2 * ratio, dtype="float32")))
+    mtp = cfg.data.get("num_nextn_predict_layers", cfg.defaults.get("num_nextn_predict_layers")) or 0
+    if isinstance(mtp, bool) or not isinstance(mtp, int) or mtp < 0:
+        raise ConfigError(f"config.json of model_type {cfg.model_type!r} has num_nextn_predict_layers="
+                          f"{mtp!r}; it must be an integer >= 0")
+    draft = Spec("mtp_sliding", "sliding", row, window=window, dtype=row_dtype, cacheable=False,
+                 reason="MTP draft layer: cached only when the engine drafts with it")
+    out += [(len(layers) + j, draft) for j in range(mtp)]
+    return out
+
+
 Reader = Callable[[Cfg, int], list[tuple[int, Spec]]]
 
 # model_type -> (reader, transformers 5.19 class defaults the reader may need)
@@ -338,6 +444,8 @@ FAMILIES: dict[str, tuple[Reader, dict[str, object]]] = {
                  "head_dim": 64, "sliding_window": 128, "hidden_size": 2880}),
     "deepseek_v2": (_mla, {"kv_lora_rank": 512, "qk_rope_head_dim": 64}),
     "deepseek_v3": (_mla, {"num_hidden_layers": 61, "kv_lora_rank": 512, "qk_rope_head_dim": 64}),
+    "deepseek_v4": (_deepseek_v4, {"num_hidden_layers": 43, "head_dim": 512, "sliding_window": 128,
+                                   "index_head_dim": 128, "num_nextn_predict_layers": 1}),
     "kimi_k2": (_mla, {"kv_lora_rank": 512, "qk_rope_head_dim": 64}),
     "qwen3_next": (_gated_deltanet, {"head_dim": 256, "linear_conv_kernel_dim": 4,
                                      "linear_key_head_dim": 128, "linear_value_head_dim": 128,

@@ -199,7 +199,7 @@ def make_plan(
         if g.is_state:
             groups.append(group_plan(i, g, g.state_bytes, 1))
         else:
-            groups.append(group_plan(i, g, chunk_tokens * g.bytes_per_token, chunk_tokens // g.tokens_per_block))
+            groups.append(group_plan(i, g, g.bytes_for_tokens(chunk_tokens), chunk_tokens // g.tokens_per_block))
     return Plan(geometry=geometry, chunk_tokens=chunk_tokens, groups=tuple(groups))
 
 

@@ -21,7 +21,8 @@ How a prompt of P tokens runs:
 
 Refused with UnsupportedModelError, never served: Mamba-1 families (their selective scan cannot
 continue a multi-token suffix from a cached state in transformers), chunked-local attention
-(Llama 4) and MLA, whose cache layouts this integration does not restore yet. Batch size > 1 and
+(Llama 4), MLA and DeepSeek V4 (compressor buffers beside its KV), whose cache layouts this
+integration does not restore yet. Batch size > 1 and
 padding are refused with ConfigError (run one sequence per call). A store made for another model,
 geometry or dtype is a namespace miss: nothing is restored from it and nothing saved to it.
 """
@@ -110,6 +111,12 @@ def check_supported(model: torch.nn.Module) -> None:
         raise UnsupportedModelError(
             f"{type(model).__name__} is a multimodal model; kvtier's transformers integration is "
             "tested on text-only causal LMs (load the text model, e.g. AutoModelForCausalLM)"
+        )
+    if mt == "deepseek_v4":
+        raise UnsupportedModelError(
+            "model_type 'deepseek_v4': transformers' DeepSeek V4 cache keeps compressor buffers, "
+            "overlap states and entry counts beside its KV, which kvtier does not restore; serve it "
+            "with vLLM and kvtier's connector (docs/vllm.md)"
         )
     if mt in MAMBA1_MODEL_TYPES:
         raise UnsupportedModelError(

@@ -46,8 +46,6 @@ This is a test helper, not kvtier code: it imports vLLM internals that move betw
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import json
 import os
 import sys
@@ -96,45 +94,6 @@ def engine_config(model: str, kv_format: str, *, mtp: bool = True, max_model_len
     return args.create_engine_config()
 
 
-@contextlib.contextmanager
-def _cpu_stand_ins(fp8_recipe_modules: list = ()):
-    """torch.cuda.Event/Stream stand-ins (as vllm/v1/worker/cpu/shm.py), and SM100's answer to
-    compute_fp8_einsum_recipe in the given CUDA layer modules, only while layers are built."""
-    import torch
-
-    class _Event:
-        def __init__(self, *args, **kwargs) -> None:
-            self.record = self.synchronize = self.wait = lambda *a, **k: None
-            self.query = lambda: True
-
-    class _Stream:
-        def __init__(self, *args, **kwargs) -> None:
-            self.wait_stream = self.wait_event = self.synchronize = lambda *a, **k: None
-            self.device = torch.device("cpu")
-
-    saved = [(torch.cuda, "Event", torch.cuda.Event), (torch.cuda, "Stream", torch.cuda.Stream)]
-    torch.cuda.Event, torch.cuda.Stream = _Event, _Stream
-    for mod in fp8_recipe_modules:
-        saved.append((mod, "compute_fp8_einsum_recipe", mod.compute_fp8_einsum_recipe))
-        mod.compute_fp8_einsum_recipe = lambda block_size=128: ((1, 1, block_size), True)  # SM100
-    try:
-        yield
-    finally:
-        for obj, name, value in reversed(saved):
-            setattr(obj, name, value)
-
-
-def _ensure_distributed(vconf) -> None:
-    """A one-process gloo world (TP = PP = 1): the layers ask for their TP size."""
-    from vllm.distributed import parallel_state as ps
-
-    if ps.model_parallel_is_initialized():
-        return
-    ps.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                    distributed_init_method=f"file://{tempfile.mktemp(prefix='dsv4-dist-')}")
-    ps.ensure_model_parallel_initialized(1, 1)
-
-
 def attention_class(kv_format: str, platform: str = "cpu"):
     """vLLM's DeepSeek-V4 attention layer class for the format, and the modules whose
     compute_fp8_einsum_recipe (a CUDA device query) it calls."""
@@ -154,57 +113,20 @@ def attention_class(kv_format: str, platform: str = "cpu"):
 def build(kv_format: str = "fp8_ds_mla", *, mtp: bool = True, platform: str = "cpu",
           directory: str | None = None, **engine_kw):
     """(model dir, specs, vllm config, layer modules): see dsv4_specs. `engine_kw` go to
-    EngineArgs (the engine-less harness passes its kv_transfer_config)."""
+    EngineArgs (the engine-less harness passes its kv_transfer_config). The layers are built and
+    asked for their specs by kvtier's own code (kvtier.integrations.vllm.dsv4, which `kvtier plan
+    --engine vllm` runs), with the layer class this helper picks for the format."""
     if kv_format not in FORMATS:
         raise ValueError(f"kv_format must be one of {sorted(FORMATS)}, not {kv_format!r}")
-    from vllm.config import get_layers_from_vllm_config, set_current_vllm_config
-    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
-    from vllm.v1.kv_cache_interface import AttentionSpec
-    from vllm.v1.worker.utils import customize_attention_spec
+    from kvtier.integrations.vllm import dsv4
 
     model = write_config(directory or tempfile.mkdtemp(prefix="kvtier-dsv4-"), mtp=int(mtp))
     vconf = engine_config(model, kv_format, mtp=mtp, **engine_kw)
-    hf = vconf.model_config.hf_config
-    n = hf.num_hidden_layers
     cls, recipe_modules = attention_class(kv_format, platform)
-    with set_current_vllm_config(vconf), _cpu_stand_ins(recipe_modules):
-        _ensure_distributed(vconf)
-        target = [cls(vconf, prefix=f"model.layers.{i}.attn") for i in range(n)]
-        before = set(vconf.compilation_config.static_forward_context)
-        # the MTP drafter's layer: the same decoder layer at index n (compress ratio 0, so only its
-        # sliding-window cache), registered after every target layer, as DeepSeekV4MTP builds it
-        draft = [cls(vconf, prefix=f"model.layers.{n + j}.attn")
-                 for j in range(hf.num_nextn_predict_layers if mtp else 0)]
-        draft_names = set(vconf.compilation_config.static_forward_context) - before
-    specs: dict[str, object] = {}
-    layers = get_layers_from_vllm_config(vconf, AttentionLayerBase)
-    for name in draft_names:  # as vLLM's proposer marks the drafter's layers (0.33)
-        if name in layers and hasattr(layers[name], "is_draft_layer"):
-            layers[name].is_draft_layer = True
-    for name, module in layers.items():  # GPUModelRunner.get_kv_cache_spec
-        spec = module.get_kv_cache_spec(vconf)
-        if not spec:
-            continue
-        if isinstance(spec, AttentionSpec):
-            spec = customize_attention_spec(module.get_attn_backend(), spec)
-        if getattr(module, "is_draft_layer", False) and "is_draft" in {f.name for f in dataclasses.fields(spec)}:
-            spec = dataclasses.replace(spec, is_draft=True)
-        specs[name] = spec
-    resolve_layout(vconf, specs)
-    return model, specs, vconf, target + draft
-
-
-def resolve_layout(vconf, specs: dict) -> str:
-    """The KV-cache layout, resolved as EngineCore does before planning the cache (from the layers'
-    backends and the specs), and recorded on vconf.cache_config."""
-    from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
-    from vllm.v1.attention.backends.utils import (get_supported_kv_cache_layouts, record_kv_cache_layout,
-                                                  resolve_kv_cache_layout)
-
-    if vconf.cache_config.kv_cache_layout is None:
-        names = [x.name for x in get_supported_kv_cache_layouts(get_current_attn_backends(vconf))]
-        record_kv_cache_layout(vconf.cache_config, resolve_kv_cache_layout(vconf, [names], specs.values()).name)
-    return vconf.cache_config.kv_cache_layout
+    layers, draft_names = dsv4.build_layers(vconf, mtp=mtp, cls=cls, recipe_modules=recipe_modules)
+    specs = dsv4.collect_specs(vconf, draft_names)
+    dsv4.resolve_layout(vconf, specs)
+    return model, specs, vconf, layers
 
 
 def dsv4_specs(kv_format: str = "fp8_ds_mla", **kw) -> tuple[str, dict[str, object]]:

@@ -137,8 +137,14 @@ class Harness:
     def _init_dsv4(self, sc: dict, ktc: dict) -> None:
         import dsv4_specs
 
+        directory = dsv4_specs.write_config(os.path.join(self.tmp, "dsv4"), mtp=1)
+        if sc.get("from_plan"):  # start from the config `kvtier plan DIR --engine vllm` prints
+            self.printed = _printed_transfer_config(directory)
+            keep = {k: v for k, v in ktc["kv_connector_extra_config"].items()
+                    if k in ("kvtier.directory", "kvtier.cpu_bytes")}  # the host memory it may use
+            ktc = dict(self.printed, kv_connector_extra_config={**self.printed["kv_connector_extra_config"], **keep})
         _, self.specs, vconf, _ = dsv4_specs.build(sc["dsv4"], mtp=bool(sc.get("mtp", True)),
-                                                   kv_transfer_config=ktc)
+                                                   directory=directory, kv_transfer_config=ktc)
         # every DeepSeek-V4 cache is an opaque page per block: its real (unpadded) bytes
         self.shape = {i: ("page", int(getattr(spec, "real_page_size_bytes", spec.page_size_bytes)))
                       for i, spec in enumerate(self.specs.values())}
@@ -359,8 +365,32 @@ class Harness:
                 "mismatches": sum(p["mismatches"] for p in per_group)}
 
     def counters(self) -> dict:
+        """kvtier's counter files, written first: kvtier rewrites them at most once a second, and
+        both sides live in this process (an engine's are read after it has shut down)."""
         from kvtier.integrations.vllm.common import read_metrics
+
+        manager = getattr(self.sched.connector.connector_scheduler, "manager", None)
+        worker = getattr(self.wconn.connector_worker, "worker", None)
+        for side in (manager, worker):
+            if getattr(side, "metrics", None) is not None:
+                side.metrics.flush(force=True)
         return read_metrics(self.tmp)
+
+
+def _printed_transfer_config(model: str) -> dict:
+    """The --kv-transfer-config `kvtier plan MODEL --engine vllm` prints (run in this process:
+    the same vLLM version as the harness)."""
+    import contextlib
+    import io
+
+    from kvtier.cli import main as kvtier_main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = kvtier_main(["plan", model, "--engine", "vllm"])
+    assert rc == 0, out.getvalue()
+    line = next(x for x in out.getvalue().splitlines() if x.strip().startswith('{"kv_connector"'))
+    return json.loads(line)
 
 
 def run_two_requests(sc: dict) -> dict:
@@ -402,7 +432,8 @@ def run_two_requests(sc: dict) -> dict:
                    "namespace": h.wconn.connector_worker.spec.ctx.namespace.id,
                    "scheduler_namespace": h.sched.connector.connector_scheduler.manager.ctx.namespace.id,
                    "blocks_per_chunk": h.wconn.connector_worker.spec.blocks_per_chunk
-                   if hasattr(h.wconn.connector_worker, "spec") else None})
+                   if hasattr(h.wconn.connector_worker, "spec") else None,
+                   "printed": getattr(h, "printed", None)})
     return result
 
 

@@ -44,7 +44,7 @@ def engine_plan(geometry: Geometry, blocks_per_chunk: int,
         spans = tuple(plan.chunk_tokens for _ in geometry.groups)
     else:
         plan = Plan(geometry=geometry, chunk_tokens=min(attention or set(spans)),
-                    groups=tuple(group_plan(i, g, span * g.bytes_per_token, blocks_per_chunk)
+                    groups=tuple(group_plan(i, g, g.bytes_for_tokens(span), blocks_per_chunk)
                                  for i, (g, span) in enumerate(zip(geometry.groups, spans))))
     groups = tuple(group_plan(gp.index, gp.group, gp.group.state_bytes * blocks_per_chunk, blocks_per_chunk)
                    if gp.group.is_state else gp for gp in plan.groups)

@@ -23,6 +23,10 @@ from kvtier.errors import ConfigError, UnsupportedModelError
 from kvtier.core.geometry import DTYPE_BYTES, Geometry, Group, dtype_bytes
 from kvtier.core.hf_config import geometry_from_hf_config
 
+# kvtier's connector, as `kvtier plan` prints it (without kvtier's keys: grouping does not read them)
+KVTIER_TRANSFER = {"kv_connector": "KvtierConnector", "kv_connector_module_path": "kvtier.integrations.vllm.connector",
+                   "kv_role": "kv_both"}
+
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
@@ -265,7 +269,6 @@ def geometry_from_vllm(path: str, dtype: str | None = None, block_size: int | No
     """
     import torch
     from vllm.engine.arg_utils import EngineArgs
-    from vllm.v1.core.kv_cache_utils import get_kv_cache_groups
     from vllm.v1.kv_cache_interface import (
         ChunkedLocalAttentionSpec,
         FullAttentionSpec,
@@ -273,6 +276,8 @@ def geometry_from_vllm(path: str, dtype: str | None = None, block_size: int | No
     )
 
     hf_cfg = read_hf_config(str(path))
+    if hf_cfg.get("model_type") == "deepseek_v4":
+        return _geometry_from_vllm_dsv4(str(path), dtype, block_size)
     stateful = any(g.is_state for g in geometry_from_hf_config(hf_cfg, dtype=dtype or "bfloat16").groups)
     # state models offload only with prefix caching in align mode (spec.py turns it off otherwise)
     extra_args = {"enable_prefix_caching": True, "mamba_cache_mode": "align"} if stateful else {}
@@ -313,18 +318,72 @@ def geometry_from_vllm(path: str, dtype: str | None = None, block_size: int | No
             else:
                 spec = FullAttentionSpec(**common)
             specs[f"model.layers.{i}.self_attn.attn"] = spec
-    groups = get_kv_cache_groups(vconf, specs)
+    groups = _vllm_groups(vconf, specs)
     engine_groups = [
         EngineGroup(gid, int(gs.kv_cache_spec.block_size), tuple(gs.layer_names))
         for gid, gs in enumerate(groups)
     ]
+    unit = _hash_unit(vconf, groups)
     geometry = geometry_from_engine_specs(str(path), engine_groups, [gs.kv_cache_spec for gs in groups],
-                                          tokens_per_hash=block, layer_of={n: layer_index(n) for n in specs})
+                                          tokens_per_hash=unit, layer_of={n: layer_index(n) for n in specs})
     if geometry is None:
-        geometry = geometry_for_groups(str(path), kv_dtype, engine_groups, tokens_per_hash=block)
-    return Geometry(groups=geometry.groups, tokens_per_hash=block, name=hf.name,
+        geometry = geometry_for_groups(str(path), kv_dtype, engine_groups, tokens_per_hash=unit)
+    return Geometry(groups=geometry.groups, tokens_per_hash=unit, name=hf.name,
                     source=f"vLLM {_vllm_version()} KV-cache groups of {path}, dtype {kv_dtype}, "
-                           f"block_size {block}")
+                           f"block_size {block}, hash unit {unit}")
+
+
+def _hash_unit(vconf: object, groups: list) -> int:
+    """vLLM's hash block size for these groups (the gcd of their block sizes when they differ,
+    with prefix caching or a connector on), as the engine resolves it."""
+    from types import SimpleNamespace
+
+    from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+
+    return int(resolve_kv_cache_block_sizes(SimpleNamespace(kv_cache_groups=groups), vconf)[1])
+
+
+def _vllm_groups(vconf: object, specs: dict[str, object]) -> list:
+    """vLLM's KV-cache groups of the layer specs (0.33 plans them globally, 0.32 per worker)."""
+    try:
+        from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups
+    except ImportError:  # vLLM 0.32
+        from vllm.v1.core.kv_cache_utils import get_kv_cache_groups
+
+        return get_kv_cache_groups(vconf, specs)
+    return get_global_kv_cache_groups(vconf, [specs])
+
+
+def _geometry_from_vllm_dsv4(path: str, dtype: str | None, block_size: int | None) -> Geometry:
+    """DeepSeek V4: its layer specs from vLLM's own attention classes (dsv4.py), grouped by vLLM.
+    `dtype` "fp8_ds_mla"/"fp8"/"bfloat16" picks the KV format (default: what the platform's class
+    resolves "auto" to: fp8_ds_mla)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from kvtier.integrations.vllm import dsv4
+
+    kv_dtype = {None: "auto", "fp8_ds_mla": "auto", "bfloat16": "auto", "bf16": "auto"}.get(dtype, dtype)
+    # with kvtier's connector configured, as the engine will run (vLLM then hashes at the gcd of
+    # the groups' block sizes; without a connector, prefix caching is off for DeepSeek V4)
+    args = EngineArgs(model=path, skip_tokenizer_init=True, max_model_len=4096, enforce_eager=True,
+                      enable_prefix_caching=True, kv_cache_dtype=kv_dtype, block_size=block_size,
+                      kv_transfer_config=KVTIER_TRANSFER)
+    vconf = args.create_engine_config()
+    specs = dsv4.layer_specs(vconf)
+    groups = _vllm_groups(vconf, specs)
+    unit = _hash_unit(vconf, groups)
+    engine_groups = [EngineGroup(gid, int(gs.kv_cache_spec.block_size), tuple(gs.layer_names))
+                     for gid, gs in enumerate(groups)]
+    # a vLLM layer name per cache, numbered in group order as the spec numbers them at engine start
+    order = {n: i for i, n in enumerate(dict.fromkeys(n for g in engine_groups for n in g.layer_names))}
+    geometry = geometry_from_engine_specs(path, engine_groups, [gs.kv_cache_spec for gs in groups],
+                                          tokens_per_hash=unit, layer_of=order)
+    assert geometry is not None  # every DeepSeek V4 spec is an attention spec
+    fmt = ",".join(sorted({kv_format(s) for s in specs.values()}))
+    return Geometry(groups=geometry.groups, tokens_per_hash=unit, name=path,
+                    source=f"vLLM {_vllm_version()} KV-cache groups of {path} (its DeepSeek V4 layer "
+                           f"classes), KV formats {fmt}, block_size {vconf.cache_config.block_size}, "
+                           f"hash unit {unit}")
 
 
 def _vllm_state_spec(vconf: object, block: int) -> object:

@@ -172,7 +172,7 @@ def _fingerprint(geometry: object, page_bytes: tuple[int, ...] | None) -> str:
     """The geometry's fingerprint, with vLLM's exact bytes per block of each group where kvtier's
     description rounds them (two layouts that round alike never share a namespace)."""
     fp = geometry.fingerprint()  # type: ignore[attr-defined]
-    implied = tuple(g.state_bytes if g.is_state else g.bytes_per_token * g.tokens_per_block
+    implied = tuple(g.state_bytes if g.is_state else g.bytes_for_tokens(g.tokens_per_block)
                     for g in geometry.groups)  # type: ignore[attr-defined]
     if page_bytes is None or tuple(page_bytes) == implied:
         return fp
