@@ -94,6 +94,8 @@ class Harness:
             extra["kvtier.secret_file"] = path
         ktc = {"kv_connector": "KvtierConnector", "kv_connector_module_path": "kvtier.integrations.vllm.connector",
                "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
+        if sc.get("ktc"):  # another connector config wholesale (scripts/gpu-check.py: vLLM's native)
+            ktc = sc["ktc"]
         if sc.get("dsv4"):  # DeepSeek V4: the specs vLLM's own DeepSeek-V4 layer classes build
             self._init_dsv4(sc, ktc)
             return
@@ -186,7 +188,7 @@ class Harness:
         with set_current_vllm_config(vconf):
             self.wconn = KVConnectorFactory.create_connector(vconf, KVConnectorRole.WORKER, kvc)
         size = max(t.offset + t.size for t in kvc.kv_cache_tensors)
-        backing = torch.zeros(size, dtype=torch.int8)
+        backing = torch.zeros(size, dtype=torch.int8, device=sc.get("device", "cpu"))
         self.kv, self.layer_of, self.block_of = {}, {}, {}
         index = {n: i for i, n in enumerate(self.specs)}
         for t in kvc.kv_cache_tensors:
@@ -217,6 +219,7 @@ class Harness:
         self.hasher = get_request_block_hasher(self.hash_bs, sha256)
         self.failed: set[str] = set()
         self.recving: set[str] = set()
+        self.stats: list = []  # SchedulerStats of every step (the scheduler runs with log_stats)
 
     # -- the fake engine -------------------------------------------------------------------------
     def value(self, token: int, pos: int, layer: int) -> float:
@@ -298,6 +301,7 @@ class Harness:
         res = self.wconn.get_transfer_results(so.finished_req_ids)
         self.failed |= set(res.failed_recving or ())
         self.recving |= set(res.finished_recving or ())
+        wstats = self.wconn.get_kv_connector_stats()  # as vLLM's model runner asks, every step
         wmeta = self.wconn.build_connector_worker_meta()
         self.wconn.clear_connector_metadata()
         reqs = [r.request_id for r in self.sched.running]
@@ -307,8 +311,11 @@ class Harness:
                                     finished_sending=res.finished_sending or None,
                                     finished_recving=res.finished_recving or None,
                                     failed_recving=set(res.failed_recving or ()),
+                                    kv_connector_stats=wstats,
                                     kv_connector_worker_meta=wmeta))
-        self.sched.update_from_output(so, out)
+        for eco in self.sched.update_from_output(so, out).values():
+            if eco.scheduler_stats is not None:  # what EngineCore sends the front end
+                self.stats.append(eco.scheduler_stats)
         return so
 
     def add(self, req_id: str, prompt: list[int], max_tokens: int = 2):
@@ -487,10 +494,12 @@ def run_partial(sc: dict) -> dict:
 def _store_a(h: Harness, n: int) -> list[int]:
     prompt = [100 + (i * 7919) % 900 for i in range(n)]
     h.add("a", prompt)
-    for _ in range(40):
-        h.step()
+    for _ in range(500):
+        so = h.step()
         if not h.sched.requests:
             break
+        if not so.total_num_scheduled_tokens:  # A waits on a Redis lookup (answered RETRY):
+            time.sleep(0.01)  # the answer comes from a background thread, as a model step would
     h.drain()
     return prompt
 
@@ -694,6 +703,58 @@ def run_slow_redis(sc: dict) -> dict:
     return out
 
 
+def run_stats(sc: dict) -> dict:
+    """kvtier's counters through vLLM's own stats path, as `vllm serve` runs it: the worker's and
+    the scheduler's connector stats of every step, the scheduler's payload encoded and decoded as
+    EngineCore sends it to the front end, then vLLM's PrometheusStatLogger and its periodic
+    connector log line. Returns the Prometheus text, every kvtier sample, and the counter files."""
+    import logging
+
+    from prometheus_client import REGISTRY, generate_latest
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging
+    from vllm.v1.engine import EngineCoreOutputs
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    h = Harness(sc)
+    prompt = _store_a(h, int(sc.get("prompt_tokens", 200)))
+    worker = h.wconn.connector_worker.worker
+    worker.drain()  # A's disk writes landed (counted on the I/O thread)
+    assert _fresh_gpu_cache(h)
+    c = _load_and_check(h, "b", prompt + [1, 2, 3])
+    # another prompt's chunks evict A's from the small cpu tier
+    h.add("c", [3000 + (i * 7919) % 900 for i in range(len(prompt))])
+    for _ in range(40):
+        h.step()
+        if not h.sched.requests:
+            break
+    h.drain()
+    worker.drain()  # C's disk writes landed
+    h.drain()  # the steps after them report what was counted since the last one
+    enc, dec = MsgpackEncoder(), MsgpackDecoder(EngineCoreOutputs)
+    prom = PrometheusStatLogger(h.vconf, [0])
+    logging_ = KVConnectorLogging(h.vconf.kv_transfer_config)
+    payload_types = set()
+    for st in h.stats:
+        st = dec.decode(enc.encode(EngineCoreOutputs(scheduler_stats=st))).scheduler_stats
+        if st.kv_connector_stats is not None:
+            payload_types.add(type(logging_.connector_cls.build_kv_connector_stats(st.kv_connector_stats)).__name__)
+            logging_.observe(st.kv_connector_stats)
+        prom.record(scheduler_stats=st, iteration_stats=None, engine_idx=0)
+    lines: list[str] = []
+    logging_.log(log_fn=lambda fmt, *a: lines.append(fmt % a))
+    text = generate_latest(REGISTRY).decode()
+    samples = {}
+    for metric in REGISTRY.collect():
+        for smp in metric.samples:
+            if "kvtier" in smp.name or "kv_offload" in smp.name:
+                labels = {k: v for k, v in smp.labels.items() if k not in ("model_name", "engine")}
+                samples.setdefault(smp.name, []).append([labels, smp.value])
+    return {"c": c, "counters": h.counters(), "samples": samples, "log": lines,
+            "payload_types": sorted(payload_types), "steps_with_stats": len(h.stats),
+            "kvtier_lines": [x for x in text.splitlines() if x.startswith("vllm:kvtier_")]}
+
+
 def run_submit_timing(sc: dict) -> dict:
     """Median wall time of submit_store / submit_load over N one-chunk jobs, with the worker's
     disk and Redis I/O on its background thread (as shipped) and inline (the lane switched off),
@@ -779,6 +840,7 @@ def main() -> None:
             run = (run_partial if sc.get("partial") else run_lookups if sc.get("lookups")
                    else run_slow_disk if sc.get("slow_disk") else run_slow_redis if sc.get("slow_redis")
                    else run_submit_timing if sc.get("submit_timing")
+                   else run_stats if sc.get("stats")
                    else run_lifecycle if sc.get("lifecycle") else run_two_requests)
             results[sc["name"]] = run(sc)
         except Exception as exc:  # noqa: BLE001 - reported to the test, which decides
