@@ -134,11 +134,7 @@ def tiny_random_dir(
                 noise = torch.randn(p.shape, generator=gen, dtype=torch.float32) * 0.05
                 p.add_(noise.to(p.dtype))
     model.eval()
-    with _building(target) as tmp:
-        model.save_pretrained(str(tmp))
-        tok.save_pretrained(str(tmp))
-        _mark_complete(tmp)
-    return target
+    return _save(target, model, tok)
 
 
 def _tiny_config(family: str, vocab_size: int, bos: int | None, eos: int | None):  # -> PretrainedConfig
@@ -271,11 +267,7 @@ def _convert_gguf(gguf: Path, target: Path, progress: bool) -> Path:
             except AttributeError:
                 pass
     model.config.architectures = [type(model).__name__]
-    with _building(target) as tmp:
-        model.save_pretrained(str(tmp))
-        tok.save_pretrained(str(tmp))
-        _mark_complete(tmp)
-    return target
+    return _save(target, model, tok)
 
 
 class _building:
@@ -304,6 +296,15 @@ class _building:
         os.replace(self.tmp, self.target)
 
 
+def _save(target: Path, model, tok) -> Path:  # noqa: ANN001 - a transformers model and tokenizer
+    """Save a model and its tokenizer into `target`, built aside and renamed into place."""
+    with _building(target) as tmp:
+        model.save_pretrained(str(tmp))
+        tok.save_pretrained(str(tmp))
+        _mark_complete(tmp)
+    return target
+
+
 def _mark_complete(tmp: Path) -> None:
     (tmp / _DONE).write_text("kvtier model directory, complete\n")
 
@@ -330,11 +331,7 @@ def tiny_gemma4_dir(path: str | Path | None = None, *, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     model = Gemma4ForCausalLM(config).to(torch.float32).eval()
     model.config.architectures = ["Gemma4ForCausalLM"]
-    with _building(target) as tmp:
-        model.save_pretrained(str(tmp))
-        tok.save_pretrained(str(tmp))
-        _mark_complete(tmp)
-    return target
+    return _save(target, model, tok)
 
 
 def _tiny_gemma4_config(vocab_size: int, bos: int | None, eos: int | None):  # -> Gemma4TextConfig
@@ -411,8 +408,4 @@ def tiny_lfm2_dir(path: str | Path | None = None, *, seed: int = 0) -> Path:
                 p.copy_(torch.randn(p.shape, generator=gen) * scale)
     model.eval()
     model.config.architectures = ["Lfm2ForCausalLM"]
-    with _building(target) as tmp:
-        model.save_pretrained(str(tmp))
-        tok.save_pretrained(str(tmp))
-        _mark_complete(tmp)
-    return target
+    return _save(target, model, tok)
