@@ -215,3 +215,56 @@ def test_redis_answers_serve_every_lookup_for_their_ttl_then_are_asked_again(tmp
     monkeypatch.setattr(mod, "REDIS_ANSWER_TTL_S", 1.0)
     assert manager.lookup(key, rc) == LookupResult.HIT and fake.calls == 2
     manager.shutdown()
+
+
+@pytest.mark.parametrize("when", ["before", "during"])
+def test_a_cpu_slot_taken_before_its_disk_write_runs_never_lands_other_bytes(tmp_path: Path, when: str) -> None:
+    """A store copies a chunk's pages straight into its cpu slot, and its disk write copies that
+    slot later, on kvtier's I/O thread. If the slot is taken for another chunk before then, the
+    disk write is skipped and counted (`store_overwritten_disk`): the disk never holds the first
+    chunk's header over the second chunk's bytes (it would serve them, checksum and all)."""
+    import threading
+
+    from kvtier.integrations.vllm.common import ChunkItem, KvtierLoadStoreSpec
+
+    ctx = _ctx(tmp_path, "cpu,disk")
+    manager = KvtierManager(ctx, Metrics("scheduler", None))
+    kv, layers = _kv()
+    worker = KvtierWorker(ctx, kv, Metrics("worker0", None))
+    rc = ReqContext(req_id="a")
+    keys = _keys(rc)
+    out = manager.prepare_store(keys[:1], rc)  # chunk 0 of the full group: blocks 1, 2
+    (item,) = out.store_spec.items
+    cpu_slot = dict(item.places)["cpu"]
+    gate = threading.Event()
+    worker._lane.submit(gate.wait)  # hold kvtier's I/O thread: the disk write waits behind it
+    assert worker.submit_store(1, GPULoadStoreSpec([1, 2], group_sizes=[2, 0], block_indices=[0, 0]),
+                               out.store_spec)
+    # another chunk (blocks 9, 10) into the same cpu slot before the disk write ran
+    other = ChunkItem(0, b"\x77" * 32, 0, TPB * BPC, (("cpu", cpu_slot),))
+    if when == "during":
+        # the disk write runs while the new bytes are already in the slot but before the new
+        # chunk's header is set: the slot must not read as chunk 0's then (CpuTier.begin drops it)
+        copy_out = worker._copy_out
+
+        def copy_then_run_the_disk_write(*args):
+            copy_out(*args)
+            gate.set()
+            assert worker.drain()
+
+        worker._copy_out = copy_then_run_the_disk_write
+    assert worker.submit_store(2, GPULoadStoreSpec([9, 10], group_sizes=[2, 0], block_indices=[0, 0]),
+                               KvtierLoadStoreSpec([other]))
+    gate.set()
+    assert worker.drain()
+    counts = worker.metrics.counts
+    assert counts.get("store_overwritten_disk") == 1 and not counts.get("stored_chunks_disk"), counts
+    # the disk slot the scheduler reserved for chunk 0 serves nothing
+    disk_slot = dict(item.places)["disk"]
+    buf = torch.zeros(ctx.plan.groups[0].chunk_bytes, dtype=torch.uint8)
+    header = worker._header(item, [(1, 0), (2, 1)])
+    assert not worker.tiers["disk"].read(0, disk_slot, header, buf)
+    # and chunk 0's own bytes were never what the cpu slot held at the end: chunk 9/10's are
+    assert torch.equal(worker.tiers["cpu"].slabs[0][cpu_slot].view(BPC, PAGE),
+                       layers[0][9:11].view(torch.uint8))
+    worker.shutdown()

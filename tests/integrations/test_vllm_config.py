@@ -252,7 +252,7 @@ def test_metrics_files_of_exited_processes_are_removed(tmp_path: Path) -> None:
     (tmp_path / "metrics" / f"scheduler-{os.getppid()}.json").write_text('{"counts": {"y": 2}}')
     m = Metrics("scheduler", str(tmp_path))
     m.add("z")
-    m.flush()
+    m.flush(force=True)
     names = sorted(p.name for p in (tmp_path / "metrics").iterdir())
     assert names == sorted([f"scheduler-{os.getppid()}.json", f"scheduler-{os.getpid()}.json"])
     assert read_metrics(tmp_path) == {"y": 2, "z": 1}

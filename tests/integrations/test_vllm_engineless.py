@@ -86,6 +86,12 @@ SCENARIOS = [
     {"name": "slow_redis", "slow_redis": True,
      "extra": {"kvtier.tiers": "redis", "kvtier.redis_bytes": "16MiB", "kvtier.cpu_bytes": None,
                "kvtier.redis_url": "@redis"}},
+    # kvtier's counters through vLLM's own stats path (each step's worker and scheduler connector
+    # stats, the payload as EngineCore encodes it, vLLM's PrometheusStatLogger and log line); a
+    # 96 KiB cpu tier (three chunks a group) before disk, so B loads from both tiers and a third
+    # prompt's store evicts from cpu
+    {"name": "stats", "stats": True,
+     "extra": {"kvtier.tiers": "cpu,disk", "kvtier.cpu_bytes": "96KiB", "kvtier.disk_bytes": "16MiB"}},
     # an EAGLE/MTP drafter's group beside the target's full-attention groups
     {"name": "draft_group", "draft_layers": [2],
      "layers": ["full", "full", {"kind": "sliding", "window": 1024, "name": "model.layers.2.mtp.attn"}]},
@@ -357,3 +363,44 @@ def test_a_slow_redis_never_blocks_a_lookup(results: dict) -> None:
     assert b["external_tokens"] == 192 and b["checked"] > 0 and b["mismatches"] == 0, b
     c = r["counters"]
     assert c["adopted_from_redis"] > 0 and c["loaded_chunks_redis"] > 0, c
+
+
+def _samples(r: dict, metric: str, **labels: str) -> list[float]:
+    return [v for got, v in r["samples"].get(metric, []) if all(got.get(k) == x for k, x in labels.items())]
+
+
+def test_kvtier_counters_reach_vllms_prometheus_metrics(results: dict) -> None:
+    """Every kvtier counter reaches vLLM's /metrics through vLLM's own connector-stats path, per
+    tier and group, with the same totals as kvtier's counter files; vLLM's own offload metrics
+    (and 0.33's config info) are still reported beside them."""
+    r = ok(results, "stats")
+    c = r["c"]
+    assert c["external_tokens"] == 192 and c["checked"] > 0 and c["mismatches"] == 0, c
+    assert r["payload_types"] == ["KvtierConnectorStats"], r["payload_types"]
+    counters = r["counters"]
+    # the Prometheus view and the file agree on every counter kvtier maps, at all of its labels
+    for counter, (metric, tier, labels) in r["series"].items():
+        want = counters.get(counter, 0)
+        got = sum(_samples(r, metric + "_total", **({"tier": tier} if tier else {})))
+        assert got == want, (counter, metric, tier, got, want)
+    for g in range(4):  # the group label: the file's per-group count of loaded chunks
+        assert sum(_samples(r, "vllm:kvtier_loaded_chunks_total", group=str(g))) == counters[f"loaded_chunks_group{g}"]
+        assert _samples(r, "vllm:kvtier_lookup_hit_keys_total", group=str(g)) == [counters[f"loaded_chunks_group{g}"]]
+    # B loads from both tiers (the cpu tier holds three chunks a group), C's store evicts from cpu
+    for tier in ("cpu", "disk"):
+        assert sum(_samples(r, "vllm:kvtier_loaded_chunks_total", tier=tier)) > 0, tier
+        assert sum(_samples(r, "vllm:kvtier_loaded_bytes_total", tier=tier)) > 0, tier
+        assert sum(_samples(r, "vllm:kvtier_stored_bytes_total", tier=tier)) > 0, tier
+    assert _samples(r, "vllm:kvtier_loaded_chunks_total", tier="disk", group="3") == [9.0]
+    assert sum(_samples(r, "vllm:kvtier_evicted_total", tier="cpu")) > 0
+    # vLLM's own transfer metric still comes through, and counts what kvtier read
+    loaded = sum(_samples(r, "vllm:kvtier_loaded_bytes_total"))
+    assert _samples(r, "vllm:kv_offload_load_bytes_total") == [loaded], r["samples"].get("vllm:kv_offload_load_bytes_total")
+    # vLLM's hit tokens by source: kvtier's cpu tier is vLLM's "host", its disk tier "disk"
+    for source in ("host", "disk"):
+        assert sum(_samples(r, "vllm:prompt_tokens_cached_by_source_total", source=source)) > 0, source
+    # vLLM's periodic log line names kvtier's series by their labels
+    assert any("vllm:kvtier_loaded_chunks{tier=disk,group=3}=9" in line for line in r["log"]), r["log"]
+    if results["vllm_version"].startswith("0.33"):  # the manager's config_info, still published
+        info = r["samples"].get("vllm:kv_offload_config_info")
+        assert info and info[0][0]["kvtier_tiers"] == "cpu,disk" and info[0][1] == 1.0, info

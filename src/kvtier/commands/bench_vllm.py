@@ -90,7 +90,7 @@ def _bench(args: argparse.Namespace, model: str, directory: str) -> dict[str, ob
 
     from vllm import LLM, SamplingParams
 
-    from kvtier.integrations.vllm.common import read_metrics
+    from kvtier.integrations.vllm.common import FLUSH_INTERVAL_S, read_metrics
 
     extra: dict[str, object] = {
         "spec_name": "KvtierOffloadingSpec",
@@ -132,7 +132,7 @@ def _bench(args: argparse.Namespace, model: str, directory: str) -> dict[str, ob
         t0 = time.perf_counter()
         two = llm.generate(batch, params, use_tqdm=False)
         seconds.append(time.perf_counter() - t0)
-        time.sleep(0.2)  # the worker's counters reach its metrics file as its jobs finish
+        time.sleep(FLUSH_INTERVAL_S + 0.2)  # kvtier rewrites its metrics files at most once a second
         loaded.append(read_metrics(directory).get("loaded_blocks", 0) - before)
         toks = [[list(o.outputs[0].token_ids) for o in r] for r in (one, ref, two)]
         identical &= toks[2] in (toks[0], toks[1])

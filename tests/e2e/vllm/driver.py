@@ -44,7 +44,7 @@ def main() -> int:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(sc.get("kv_space_gib", 1)))
     from vllm import LLM, SamplingParams
 
-    from kvtier.integrations.vllm.common import read_info, read_metrics
+    from kvtier.integrations.vllm.common import FLUSH_INTERVAL_S, read_info, read_metrics
 
     kw = dict(model=sc["model"], max_model_len=sc.get("max_model_len", 1024), enforce_eager=True,
               dtype=sc.get("dtype", "auto"), seed=0, enable_prefix_caching=True)
@@ -69,7 +69,8 @@ def main() -> int:
         res = llm.generate(prompts, sp, use_tqdm=False)
         out["seconds"].append(time.perf_counter() - t0)
         out["outputs"].append([list(r.outputs[0].token_ids) for r in res])
-        time.sleep(0.3)  # let the last store's completion reach the scheduler's metrics file
+        # the last counts reach the metrics files: kvtier rewrites them at most once a second
+        time.sleep(FLUSH_INTERVAL_S + 0.3)
         if sc.get("directory"):
             out["metrics"].append(read_metrics(sc["directory"]))
     if sc.get("directory"):

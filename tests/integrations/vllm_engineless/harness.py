@@ -407,6 +407,7 @@ def run_two_requests(sc: dict) -> dict:
     if sc.get("fail_reads") == "load":
         for tier in h.wconn.connector_worker.worker.tiers.values():
             tier.read = lambda *a, **k: False  # every read misses, as a corrupt payload would
+            tier.holds = lambda *a, **k: False  # (the cpu tier is read in place after this check)
     prompt_b = prompt + [50 + i for i in range(int(sc.get("b_extra_tokens", 8)))]
     req = h.add("b", prompt_b, max_tokens=3)
     external = 0
@@ -484,7 +485,7 @@ def run_partial(sc: dict) -> dict:
     # what it had
     h.kv[name][6] = -1.0
     for tier in worker.tiers.values():
-        tier.read = lambda *a, **k: False
+        tier.read = tier.holds = lambda *a, **k: False
     worker.submit_load(6, KvtierLoadStoreSpec([item]), spec([6], bpc - 1), expedited=True)
     out["failed_expedited_load"] = [r.success for r in worker.get_finished() if r.job_id == 6]
     out["block6_kept"] = bool(h.torch.all(h.kv[name][6] == -1.0))
@@ -686,6 +687,7 @@ def run_slow_redis(sc: dict) -> dict:
     while steps < 20 and not req.num_computed_tokens:
         h.step()
         steps += 1
+        time.sleep(0.01)  # as a model step would take: the lookup thread gets to ask meanwhile
     out = {"steps_while_held": steps, "asked": asked.is_set(), "b_waiting": "b" in h.sched.requests
            and not req.num_computed_tokens}
     gate.set()
@@ -747,10 +749,13 @@ def run_stats(sc: dict) -> dict:
     samples = {}
     for metric in REGISTRY.collect():
         for smp in metric.samples:
-            if "kvtier" in smp.name or "kv_offload" in smp.name:
+            if smp.name.startswith(("vllm:kvtier_", "vllm:kv_offload", "vllm:prompt_tokens_cached_by_source")):
                 labels = {k: v for k, v in smp.labels.items() if k not in ("model_name", "engine")}
                 samples.setdefault(smp.name, []).append([labels, smp.value])
+    from kvtier.integrations.vllm.stats import SERIES
+
     return {"c": c, "counters": h.counters(), "samples": samples, "log": lines,
+            "series": {k: [m, t, list(labels)] for k, (m, t, labels) in SERIES.items()},
             "payload_types": sorted(payload_types), "steps_with_stats": len(h.stats),
             "kvtier_lines": [x for x in text.splitlines() if x.startswith("vllm:kvtier_")]}
 

@@ -8,11 +8,13 @@ exchanging anything but the per-job `KvtierLoadStoreSpec`.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import os
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -122,31 +124,89 @@ class SpecContext:
 
 _COUNT_LOCK = threading.Lock()
 _FLUSH_LOCK = threading.Lock()
+FLUSH_INTERVAL_S = 1.0  # the counter file is rewritten at most this often (and at most this late)
 
 
-@dataclass
+@dataclass(eq=False)  # identity, not value: kept in a WeakSet for the exit flush
 class Metrics:
     """Counters of one side (scheduler or worker), written as JSON into
     `<kvtier.directory>/metrics/<role>-<pid>.json` so a test or an operator can read what
-    happened inside an engine whose workers live in other processes."""
+    happened inside an engine whose workers live in other processes, and handed to vLLM's own
+    stats path (`take_delta`, stats.py) so `vllm serve`'s /metrics shows them.
+
+    The file is rewritten at most every `interval_s`, on a timer thread, never by the engine
+    thread that counts: the first count after a write arms one timer, which writes everything
+    counted until it fires (so the file is at most `interval_s` behind, and an idle engine's last
+    counts still land). Forced writes (`flush(force=True)`) happen at start, when the workers'
+    layout arrives, at shutdown, and at process exit for anything unwritten. Rejected: rewriting
+    it on every scheduler and worker call (a JSON dump and a rename per engine step)."""
 
     role: str
     directory: str | None
     counts: dict[str, int] = field(default_factory=dict)
     info: dict[str, int] = field(default_factory=dict)  # sizes, not summed across processes
+    interval_s: float = FLUSH_INTERVAL_S
     _dirty: bool = False
     _pruned: bool = False
+    # counts since the last take_delta(), by (counter name, group label): vLLM's stats path
+    _delta: dict[tuple[str, str], int] = field(default_factory=dict, repr=False)
+    _timer: threading.Timer | None = field(default=None, repr=False)
+    _last_write: float = float("-inf")  # time.monotonic() of the last write (or timer firing)
 
-    def add(self, name: str, n: int = 1) -> None:
+    def __post_init__(self) -> None:
+        if self.directory is not None:
+            _LIVE.add(self)
+
+    def add(self, name: str, n: int = 1, group: int | None = None) -> None:
+        """Count `n` under `name` (the file's key); `group` (kvtier's plan group index) labels it
+        on vLLM's stats path where the caller knows it."""
         with _COUNT_LOCK:  # the worker's background I/O thread counts too
             self.counts[name] = self.counts.get(name, 0) + n
+            if n:
+                key = (name, "" if group is None else str(group))
+                self._delta[key] = self._delta.get(key, 0) + n
             self._dirty = True
+            timer = self._arm()
+        if timer is not None:
+            _start(self, timer)
+
+    def take_delta(self) -> dict[tuple[str, str], int]:
+        """What was counted since the last call, by (counter name, group label or "")."""
+        with _COUNT_LOCK:
+            delta, self._delta = self._delta, {}
+        return delta
 
     def flush(self, force: bool = False) -> None:
-        with _FLUSH_LOCK:  # the engine thread and the worker's I/O thread both flush
-            self._flush(force)
+        """force: write the file now. Otherwise only make sure a write is due within
+        `interval_s` (counting already does that)."""
+        if self.directory is None:
+            return
+        if not force:
+            with _COUNT_LOCK:
+                timer = self._arm() if self._dirty else None
+            if timer is not None:
+                _start(self, timer)
+            return
+        with _FLUSH_LOCK:  # the engine thread, the timer and the exit flush may all write
+            self._write(force=True)
 
-    def _flush(self, force: bool) -> None:
+    def _arm(self) -> threading.Timer | None:
+        """Under _COUNT_LOCK: a timer to start (outside the lock) unless one is pending."""
+        if self.directory is None or self._timer is not None:
+            return None
+        delay = max(0.0, self._last_write + self.interval_s - time.monotonic())
+        self._timer = threading.Timer(delay, self._on_timer)
+        self._timer.daemon = True  # never holds a process open; the exit flush writes instead
+        return self._timer
+
+    def _on_timer(self) -> None:
+        with _COUNT_LOCK:
+            self._timer = None  # a count from now on arms the next write, interval_s from now
+            self._last_write = time.monotonic()
+        with _FLUSH_LOCK:
+            self._write(force=False)
+
+    def _write(self, force: bool) -> None:
         if self.directory is None or not (self._dirty or force):
             return
         out = Path(self.directory) / "metrics"
@@ -160,12 +220,48 @@ class Metrics:
             with _COUNT_LOCK:
                 counts = dict(self.counts)
                 self._dirty = False  # an add() after this copy marks it dirty again
+                if force:
+                    self._last_write = time.monotonic()
             tmp.write_text(json.dumps({"role": self.role, "pid": os.getpid(), "time": time.time(),
                                        "counts": counts, "info": self.info}))
             os.replace(tmp, path)  # readers never see half a file
         except OSError:
             self._dirty = True  # written next time
             return
+
+
+def _start(metrics: Metrics, timer: threading.Timer) -> None:
+    try:
+        timer.start()
+    except RuntimeError:  # no new threads at interpreter shutdown: the exit flush writes it
+        with _COUNT_LOCK:
+            if metrics._timer is timer:
+                metrics._timer = None
+
+
+# Every Metrics with a directory, for the exit flush and for a forked child (whose copy of a
+# pending timer never fires). Weak: a Metrics a test dropped is not kept alive.
+_LIVE: weakref.WeakSet[Metrics] = weakref.WeakSet()
+
+
+def _flush_all_at_exit() -> None:
+    """Registered when this module is imported, so it runs after the worker's I/O lane has
+    landed its queued writes (atexit runs handlers last registered first)."""
+    for m in list(_LIVE):
+        with _FLUSH_LOCK:
+            m._write(force=False)
+
+
+def _forget_in_child() -> None:
+    """A forked child's copies are the parent's counters: their pending timers never fire there,
+    and the child must not write them again at its exit under its own pid."""
+    for m in list(_LIVE):
+        m._timer = None
+    _LIVE.clear()
+
+
+atexit.register(_flush_all_at_exit)
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _prune_dead(out: Path) -> None:

@@ -8,6 +8,9 @@ never restore wrong bytes, so this subclass changes exactly two things:
   request; the engine keeps serving) instead of tripping the assert;
 - scheduler side: the manager forgets the chunks of that load, so the next request is not
   offered the same bad hit.
+Besides, it hands kvtier's counters to vLLM's stats path (stats.py): each side's
+`get_kv_connector_stats()` is what the stock connector reports plus kvtier's counts since the
+last step, and `build_prom_metrics()` registers kvtier's Prometheus counters beside vLLM's.
 Everything else (scheduling, chunking, hybrid groups) is the stock OffloadingConnector.
 Rejected alternative: reporting `invalid_block_ids`; vLLM refuses block-level failures for
 models with several KV-cache groups, which are the models kvtier is for.
@@ -18,12 +21,14 @@ from __future__ import annotations
 import contextlib
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 from vllm.v1.outputs import KVConnectorOutput
 
 from kvtier.errors import ConfigError
 
-from .common import ENGINE_KV_CACHE_CONFIGS, KvtierHandshake
+from .common import ENGINE_KV_CACHE_CONFIGS, KvtierHandshake, Metrics
+from .stats import KvtierConnectorStats, KvtierPromMetrics, merge
 
 
 class KvtierConnector(OffloadingConnector):
@@ -67,6 +72,31 @@ class KvtierConnector(OffloadingConnector):
         if layouts and adopt is not None:
             with getattr(s.manager, "lock", contextlib.nullcontext()):
                 adopt(*layouts.pop())
+
+    # -- kvtier's counters on vLLM's stats path (stats.py) -----------------------------------
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """Every step, on each side: what vLLM's OffloadingConnector reports there (the
+        scheduler's transfer stats and config info; None on a worker) plus kvtier's counts of
+        that side since the last call."""
+        metrics = self._kvtier_metrics()
+        return merge(super().get_kv_connector_stats(), metrics.take_delta() if metrics is not None else {})
+
+    def _kvtier_metrics(self) -> Metrics | None:
+        s = self.connector_scheduler
+        if s is not None:
+            metrics = getattr(s.manager, "metrics", None)
+        else:  # a worker's spec builds its KvtierWorker when vLLM registers the KV caches
+            metrics = getattr(getattr(self.connector_worker, "worker", None), "metrics", None)
+        return metrics if isinstance(metrics, Metrics) else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict | None = None) -> KVConnectorStats | None:
+        return KvtierConnectorStats(data=data) if data is not None else KvtierConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):  # noqa: ANN001, ANN206
+        return KvtierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         w = self.connector_worker

@@ -29,6 +29,8 @@ from vllm.v1.kv_offload.base import (
     RequestOffloadingContext,
 )
 
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
 from kvtier.index.index import Index
 
 from .common import ChunkItem, KvtierLoadStoreSpec, Metrics, SpecContext
@@ -39,6 +41,7 @@ log = logging.getLogger("kvtier.vllm")
 REDIS_LOOKUP_TIMEOUT_S = 2.0  # a Redis answer later than this is a counted miss
 REDIS_ANSWER_TTL_S = 1.0  # an answer not used within this is asked again
 SPLIT_MEMO_KEYS = 1 << 16  # key -> (chunk hash, group) memo entries kept before it is cleared
+_HIT_SOURCE = {"cpu": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
 CONFIG_INFO_KEYS = ("kvtier_namespace", "kvtier_chunk_tokens", "kvtier_tiers", "kvtier_group_slots",
                     "kvtier_chunk_bytes")
 
@@ -143,7 +146,8 @@ class KvtierManager(OffloadingManager):
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         split = self._key(key)
-        self.metrics.add("lookup_keys")
+        group = split[1] if split is not None else None
+        self.metrics.add("lookup_keys", group=group)
         if self.ctx.off_reason:
             self.metrics.add("lookup_keys_offload_off")
             return LookupResult.MISS
@@ -158,7 +162,7 @@ class KvtierManager(OffloadingManager):
             if not (answer and self._adopt_from_redis(*split)):
                 return LookupResult.MISS
         self._okey[split] = key  # held: its eviction is reported under this key
-        self.metrics.add("lookup_hit_keys")
+        self.metrics.add("lookup_hit_keys", group=group)
         return LookupResult.HIT
 
     # -- the shared Redis tier, asked off the engine thread ----------------------------------
@@ -221,7 +225,7 @@ class KvtierManager(OffloadingManager):
                 self._evicted_later.append(gone)
         if r.slot is None and r.status != "present":
             return False  # every tracked Redis entry of this group is pinned: try next time
-        self.metrics.add("adopted_from_redis")
+        self.metrics.add("adopted_from_redis", group=g)
         return True
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
@@ -237,7 +241,7 @@ class KvtierManager(OffloadingManager):
                 # Evicted between lookup() and now (another request's store or a Redis adoption
                 # took its slot): an item with no place fails the load job in the worker, so vLLM
                 # recomputes the request. Never an assertion in the scheduler process.
-                self.metrics.add("load_keys_vanished")
+                self.metrics.add("load_keys_vanished", group=g)
                 items.append(ChunkItem(g, h, start, end, ()))
                 chunks.append(split)
                 continue
@@ -248,11 +252,23 @@ class KvtierManager(OffloadingManager):
             self._pins.setdefault(key, []).append(tier)
             items.append(ChunkItem(g, h, start, end, ((tier, slot),)))
             chunks.append(split)
-            self.metrics.add(f"load_chunks_{tier}")
+            self.metrics.add(f"load_chunks_{tier}", group=g)
         self._loads[req_context.req_id] = chunks
         self.metrics.add("load_jobs_scheduled")
-        self.metrics.flush()
         return KvtierLoadStoreSpec(items)
+
+    def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
+        """The tier a hit's key is loaded from (asked after prepare_load), for vLLM's
+        `vllm:prompt_tokens_cached_by_source`: cpu is vLLM's `host`, disk its `disk`; Redis (shared,
+        remote) has no source of its own in vLLM and stays `external_unspecified`."""
+        tiers = self._pins.get(key)
+        if tiers:
+            tier = tiers[-1]
+        else:
+            split = self._key(key)
+            places = self.index.where(*split) if split is not None else ()
+            tier = places[0][0] if places else ""
+        return _HIT_SOURCE.get(tier, CacheHitSource.EXTERNAL_UNSPECIFIED)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         for key in keys:
@@ -270,13 +286,13 @@ class KvtierManager(OffloadingManager):
             self.index.unpin(split[0], split[1], tiers.pop(0))
             if not tiers:
                 del self._pins[key]
-        self.metrics.flush()
 
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
         items: list[ChunkItem] = []
         to_store: list[OffloadKey] = []
+        stored: dict[int, int] = {}  # chunks reserved, by group
         evicted, self._evicted_later = self._evicted_later, []
         if self.ctx.off_reason:  # never a store no hit can read
             self.metrics.add("store_keys_offload_off", len(keys))
@@ -293,9 +309,9 @@ class KvtierManager(OffloadingManager):
                 if r.slot is not None:
                     places.append((tier, r.slot))
                 elif r.status in ("full", "busy"):
-                    self.metrics.add(f"store_skipped_full_{tier}")
+                    self.metrics.add(f"store_skipped_full_{tier}", group=g)
                 for e in r.evicted:
-                    self.metrics.add(f"evicted_{tier}" + ("_dead" if e.dead else ""))
+                    self.metrics.add(f"evicted_{tier}" + ("_dead" if e.dead else ""), group=e.group)
                     gone = self._gone(e.chunk_hash, e.group)
                     if gone is not None:
                         evicted.append(gone)
@@ -305,11 +321,14 @@ class KvtierManager(OffloadingManager):
                 items.append(ChunkItem(g, h, start, end, tuple(places)))
                 to_store.append(key)
                 self._pending[key] = [t for t, _ in places]
+                stored[g] = stored.get(g, 0) + 1
         if evicted and to_store:  # evicted earlier and stored again now: not an eviction
             storing = set(to_store)
             evicted = [k for k in evicted if k not in storing]
-        self.metrics.add("store_chunks", len(to_store))
-        self.metrics.flush()
+        for g, n in stored.items():
+            self.metrics.add("store_chunks", n, group=g)
+        if not stored:
+            self.metrics.add("store_chunks", 0)
         return PrepareStoreOutput(keys_to_store=to_store, store_spec=KvtierLoadStoreSpec(items),
                                   evicted_keys=evicted)
 
@@ -328,7 +347,6 @@ class KvtierManager(OffloadingManager):
                     self.index.abort(split[0], split[1], tier)
             if not success:
                 self._gone(*split)
-        self.metrics.flush()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         self._loads.pop(req_context.req_id, None)
@@ -345,7 +363,6 @@ class KvtierManager(OffloadingManager):
                 self._evicted_later.append(gone)
         self.metrics.add("load_failures")
         self.metrics.add("removed_after_failure", removed)
-        self.metrics.flush()
 
     def reset_cache(self) -> None:
         """Forget every chunk. Jobs vLLM had in flight at the reset are flushed by the workers at
@@ -364,12 +381,10 @@ class KvtierManager(OffloadingManager):
             self._answers.clear()
             self._asked.clear()
         self.metrics.add("resets")
-        self.metrics.flush()
 
     def on_reset_flushed(self) -> None:
         """vLLM 0.33: the workers reported every job in flight at the last reset."""
         self.metrics.add("resets_flushed")
-        self.metrics.flush()
 
     def config_info(self) -> list[dict[str, str | int]]:
         """vLLM 0.33's kv_offload config info series: the plan and each tier's slots per group."""
@@ -382,9 +397,6 @@ class KvtierManager(OffloadingManager):
                  "kvtier_tiers": ",".join(self.ctx.config.tiers),
                  "kvtier_group_slots": slots,
                  "kvtier_chunk_bytes": ",".join(str(gp.chunk_bytes) for gp in self.ctx.plan.groups)}]
-
-    def on_schedule_end(self, context: object) -> None:
-        self.metrics.flush()
 
     def shutdown(self) -> None:
         self.metrics.flush(force=True)

@@ -6,17 +6,23 @@ layers. A chunk payload of group g is, for each layer ref of g in vLLM's order, 
 chunk's `blocks_per_chunk` blocks back to back: `sum(page_bytes) * blocks_per_chunk` bytes, the
 group's own size (not a row sized for all groups).
 
-`submit_*` never wait for a disk or a network (lane.py): a store copies the chunk's pages into
-a host buffer and writes the cpu tier inline (memory copies), then queues its disk and Redis
-writes on one background thread, whose queue drops a write past `kvtier.io_queue_bytes`
-(counted `store_dropped_<tier>`). A load whose chunks are all in the cpu tier finishes inline;
-one that reads disk or Redis reads and verifies on that thread, and its pages are scattered into
-the KV tensors on the engine thread, in `get_finished` (a memory copy). vLLM keeps the request
-waiting meanwhile, as it does for any asynchronous load. When the
-tensors live on a GPU, the copies run on a side CUDA stream through pinned host buffers (after
-waiting for the compute stream): a load finishes when its event fires (`get_finished` polls),
-a store waits for its device->host copy before the tier write; tier I/O stays on the host.
-(That GPU path has not run on a GPU yet: the machines this was built on had none.)
+`submit_*` never wait for a disk or a network (lane.py). A store copies each chunk's pages once,
+straight into the chunk's slot in the cpu tier (one preallocated slab per group, pinned where
+CUDA is present: `CpuTier.begin`/`commit`), and queues the chunk's disk and Redis writes on one
+background thread, whose queue drops a write past `kvtier.io_queue_bytes` (counted
+`store_dropped_<tier>`). That thread copies the slot and writes the copy only if the slot still
+holds the chunk afterwards (the slot's header object unchanged; `begin` drops it before new
+bytes arrive), so a slot taken for another chunk meanwhile never lands under the old chunk's
+header on disk (counted `store_overwritten_<tier>`). A chunk without a cpu slot is gathered into
+a zeroed host buffer instead. A load checks each cpu-tier chunk's header and copies the slot's
+pages into the blocks in place, on the engine thread (no store can take the slot in between);
+chunks on disk or in Redis are read and verified on the background thread first, and copied in
+`get_finished`. vLLM keeps the request waiting meanwhile, as it does for any asynchronous load.
+When the tensors live on a GPU, the copies run on a side CUDA stream (after it waits for the
+compute stream once per job) without synchronizing: a job finishes when its event fires
+(`get_finished` polls), and a background write waits for its store's event before copying the
+slot. (That GPU path has not run on a GPU yet: the machines this was built on had none;
+scripts/gpu-check.py is ready for one.)
 
 A job that cannot be completed (a tier miss, a corrupt payload, a layout mismatch) finishes
 with `success=False` and is never reported as loaded. vLLM 0.32's own OffloadingConnector
@@ -109,8 +115,8 @@ class KvtierWorker(OffloadingWorker):
         # before the tier write. On CPU every job finishes inside submit_*.
         self._pin = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if self._pin else None
-        # (job id, event, host buffers the async copies read, bytes, start time)
-        self._in_flight: list[tuple[int, torch.cuda.Event, list[torch.Tensor], int, float]] = []
+        # (job id, event, host buffers the async copies use, bytes, start time, "store"/"load")
+        self._in_flight: list[tuple[int, torch.cuda.Event, list[torch.Tensor], int, float, str]] = []
         self._finished: list[TransferResult] = []
         slow = [t for t in self.tiers if t != "cpu"]
         self._lane = Lane("tier-io", ctx.config.io_queue_bytes) if slow else None
@@ -124,8 +130,11 @@ class KvtierWorker(OffloadingWorker):
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
         t0 = time.perf_counter()
         assert isinstance(dst_spec, KvtierLoadStoreSpec)
-        ok, nbytes = self._store(src_spec, dst_spec.items)
-        self._done(job_id, ok, nbytes, t0, "store")
+        ok, nbytes, event = self._store(src_spec, dst_spec.items)
+        if event is not None:  # device->host copies in flight on the side stream
+            self._in_flight.append((job_id, event, [], nbytes, t0, "store"))
+        else:
+            self._done(job_id, ok, nbytes, t0, "store")
         return True
 
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec,
@@ -161,12 +170,45 @@ class KvtierWorker(OffloadingWorker):
         return True
 
     def _finish_load(self, job_id: int, t0: float, placement: list, read: tuple[bool, list, int]) -> None:
+        """On the engine thread: check the chunks the cpu tier holds (their slots are read in
+        place, right now, so no store can take a slot in between) and copy them and the chunks
+        read from disk or Redis into their blocks. Nothing is copied unless every chunk is there."""
         ok, staged, nbytes = read
-        pending = self._scatter_all(staged) if ok else None
-        if pending is not None:  # device copies in flight on the side stream
-            self._in_flight.append((job_id, pending[0], pending[1], nbytes, t0))
-        else:
-            self._done(job_id, ok, nbytes, t0, "load")
+        sources: list[tuple[int, list[tuple[int, int]], torch.Tensor]] = []
+        cpu = self._cpu
+        for g, placed in placement if ok else ():
+            for item, blocks in placed:
+                tier, slot = item.places[0]
+                if tier != "cpu":
+                    continue
+                if cpu is None or not cpu.holds(g, slot, self._header(item, blocks)):
+                    self.metrics.add("load_miss_cpu", group=g)  # evicted, or not the span needed
+                    ok = False
+                    break
+                sources.append((g, blocks, cpu.slabs[g][slot]))
+                nb = self.ctx.plan.groups[g].chunk_bytes
+                self.metrics.add("loaded_chunks_cpu", group=g)
+                self.metrics.add(f"loaded_chunks_group{g}")
+                self.metrics.add("loaded_bytes_cpu", nb, group=g)
+                nbytes += nb
+            if not ok:
+                break
+        if not ok:
+            self._done(job_id, False, 0, t0, "load")
+            return
+        sources += [(g, blocks, buf) for g, blocks, buf in staged]
+        if self._stream is not None:  # blocks just allocated may still be zeroed on the compute stream
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        for g, blocks, row in sources:
+            self._copy_in(g, blocks, row)
+            self.metrics.add("loaded_blocks", len(blocks), group=g)
+        if self._stream is None:
+            self._done(job_id, True, nbytes, t0, "load")
+            return
+        event = torch.cuda.Event()
+        event.record(self._stream)
+        # the slot rows stay valid: a later store into one of them runs after this on the stream
+        self._in_flight.append((job_id, event, [buf for _, _, buf in staged], nbytes, t0, "load"))
 
     def _finish_reads(self) -> None:
         while self._read_done:  # loads whose tier reads finished on the lane
@@ -177,18 +219,16 @@ class KvtierWorker(OffloadingWorker):
     def get_finished(self) -> list[TransferResult]:
         self._finish_reads()
         while self._in_flight and self._in_flight[0][1].query():  # in submission order
-            job_id, _, _, nbytes, t0 = self._in_flight.pop(0)  # host buffers may go now
-            self._done(job_id, True, nbytes, t0, "load")
+            job_id, _, _, nbytes, t0, kind = self._in_flight.pop(0)  # host buffers may go now
+            self._done(job_id, True, nbytes, t0, kind)
         out, self._finished = self._finished, []
-        if out:
-            self.metrics.flush()
         return out
 
     def wait(self, job_ids: set[int]) -> None:
         if self._lane is not None and self._reading & set(job_ids):
             self._lane.drain()  # only when vLLM asks to wait for a load on disk or Redis
             self._finish_reads()
-        for job_id, event, _, _, _ in self._in_flight:
+        for job_id, event, *_ in self._in_flight:
             if job_id in job_ids:
                 event.synchronize()
 
@@ -271,132 +311,169 @@ class KvtierWorker(OffloadingWorker):
                            item.token_start + lo * tpb, item.token_start + hi * tpb,
                            gp.chunk_bytes, "uint8")
 
-    def _staging(self, num_chunks: int, nbytes: int) -> torch.Tensor:
+    def _staging(self, nbytes: int) -> torch.Tensor:
         # zeros, not empty: positions a partial chunk does not hold are stored as zeros, never as
         # whatever the allocator left there (it would go to disk and Redis under a valid checksum)
-        return torch.zeros((num_chunks, nbytes), dtype=torch.uint8, pin_memory=self._pin)
+        return torch.zeros(nbytes, dtype=torch.uint8, pin_memory=self._pin)
 
-    def _store(self, spec: GPULoadStoreSpec, items: Sequence[ChunkItem]) -> tuple[bool, int]:
+    @property
+    def _cpu(self):  # noqa: ANN202 - the CpuTier, or None without a cpu tier
+        return self.tiers.get("cpu")
+
+    def _store(self, spec: GPULoadStoreSpec, items: Sequence[ChunkItem]) -> tuple[bool, int, torch.cuda.Event | None]:
+        """Copy each chunk's pages out of its blocks, once: straight into its cpu tier slot (the
+        slot's header is dropped first and set after, `CpuTier.begin`/`commit`), or, for a chunk
+        without a cpu slot, into a zeroed host buffer. Disk and Redis writes are queued on the
+        lane; one of a chunk in a cpu slot copies the slot there and writes only if the slot still
+        holds that chunk (`_write_from_cpu`). Returns (ok, bytes, the copies' event on a GPU)."""
         placement = self._placement(spec, items)
         if placement is None:
-            return False, 0
-        ok, total = True, 0
+            return False, 0, None
+        if self._stream is not None:  # the side stream must see what the model wrote
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        cpu, total = self._cpu, 0
+        later: list[tuple] = []  # slow-tier writes, queued once the copies are recorded
         for g, placed in placement:
             nbytes = self.ctx.plan.groups[g].chunk_bytes
-            buf = self._staging(len(placed), nbytes)
-            ci, pos, bids = _index(placed)
-            for ref in self.refs[g]:
-                view = buf[:, ref.offset:ref.offset + ref.page_bytes * self.bpc]
-                view = view.view(len(placed), self.bpc, ref.page_bytes)
-                view[ci, pos] = self._gather(ref, bids)
-            writes: dict[str, list[tuple[int, int, ChunkHeader, torch.Tensor]]] = {}
-            for k, (item, blocks) in enumerate(placed):
+            for item, blocks in placed:
                 header = self._header(item, blocks)
-                for tier, slot in item.places:
-                    writes.setdefault(tier, []).append((g, slot, header, buf[k]))
-            for tier, batch in writes.items():  # one batch a tier: the disk tier's two write lanes
-                if tier != "cpu" and self._lane is not None:
-                    if not self._lane.submit(lambda t=tier, b=batch, n=nbytes: self._write(t, b, n),
-                                             write_bytes=nbytes * len(batch)):
-                        # the queue is full: this tier skips these chunks (a later load there is
-                        # a counted miss), the engine never waits for a disk or a network
-                        self.metrics.add(f"store_dropped_{tier}", len(batch))
-                    continue
-                good = self._write(tier, batch, nbytes)
-                total += good * nbytes
-                ok = ok and good == len(batch)  # the index will find a miss at load time
-        return ok, total
+                slow = [(t, slot) for t, slot in item.places if t != "cpu"]
+                cpu_slot = next((slot for t, slot in item.places if t == "cpu"), None)
+                if cpu is not None and cpu_slot is not None:
+                    self._copy_out(g, blocks, cpu.begin(g, cpu_slot))
+                    cpu.commit(g, cpu_slot, header)
+                    self.metrics.add("stored_chunks_cpu", group=g)
+                    self.metrics.add("stored_bytes_cpu", nbytes, group=g)
+                    total += nbytes
+                    if slow:
+                        later.append((g, slow, nbytes, ("cpu", cpu_slot, header, blocks)))
+                elif slow:
+                    buf = self._staging(nbytes)
+                    self._copy_out(g, blocks, buf)
+                    later.append((g, slow, nbytes, ("buf", buf, header)))
+        event = None
+        if self._stream is not None:
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        for g, slow, nbytes, src in later:
+            if self._lane is None:  # no lane (only when driven by hand): the writes run inline
+                self._write_slow(event, g, slow, nbytes, src)
+            elif not self._lane.submit(
+                    lambda g=g, slow=slow, n=nbytes, src=src: self._write_slow(event, g, slow, n, src),
+                    write_bytes=nbytes * len(slow)):
+                # the queue is full: these tiers skip the chunk (a later load there is a counted
+                # miss); the engine never waits for a disk or a network
+                for tier, _ in slow:
+                    self.metrics.add(f"store_dropped_{tier}", group=g)
+        return True, total, event
+
+    def _write_slow(self, event, g: int, slow: list, nbytes: int, src: tuple) -> None:  # noqa: ANN001
+        """On the lane: write one chunk into its disk/Redis places, once its device->host copy
+        finished. From a cpu slot: the slot is copied first and the write goes ahead only if the
+        slot still holds this chunk afterwards (its header object unchanged: `begin` drops it
+        before any new bytes arrive); otherwise the slot was taken for another chunk meanwhile and
+        the write is skipped, counted `store_overwritten_<tier>`. Positions the chunk does not
+        hold are zeros in what is written."""
+        if event is not None:
+            event.synchronize()
+        if src[0] == "buf":
+            data, header = src[1], src[2]
+        else:
+            _, slot, header, blocks = src
+            cpu = self._cpu
+            data = cpu.slabs[g][slot].clone()
+            if cpu.header(g, slot) is not header:
+                for tier, _ in slow:
+                    self.metrics.add(f"store_overwritten_{tier}", group=g)
+                return
+            self._zero_unheld(g, blocks, data)
+        for tier, slot in slow:
+            self._write(tier, [(g, slot, header, data)], nbytes)
+
+    def _zero_unheld(self, g: int, blocks: list[tuple[int, int]], row: torch.Tensor) -> None:
+        lo, hi = blocks[0][1], blocks[-1][1] + 1
+        for ref in self.refs[g]:
+            page, base = ref.page_bytes, ref.offset
+            row[base:base + lo * page].zero_()
+            row[base + hi * page:base + self.bpc * page].zero_()
 
     def _write(self, tier: str, batch: list, nbytes: int) -> int:
-        """Write a batch into one tier (inline for cpu, on the lane for disk and Redis)."""
+        """Write a batch into a disk or Redis tier (on the lane)."""
         good = 0
-        for written in self.tiers[tier].write_many(batch):
+        for (g, _, _, _), written in zip(batch, self.tiers[tier].write_many(batch)):
             if written:
                 good += 1
-                self.metrics.add(f"stored_chunks_{tier}")
+                self.metrics.add(f"stored_chunks_{tier}", group=g)
+                self.metrics.add(f"stored_bytes_{tier}", nbytes, group=g)
             else:
-                self.metrics.add(f"store_failed_{tier}")
-        if tier != "cpu":
-            self.metrics.flush()  # on the lane: the engine thread may not poll again soon
+                self.metrics.add(f"store_failed_{tier}", group=g)
         return good
 
     def _read(self, placement: list) -> tuple[bool, list, int]:
-        """Read and verify every chunk of a load into host buffers: (all found, staged, bytes).
-        Runs on the lane when a chunk is on disk or in Redis, inline otherwise."""
+        """Read and verify the chunks of a load that are on disk or in Redis into host buffers:
+        (all found, [(group, blocks, buffer)], bytes). Runs on the lane. Chunks in the cpu tier
+        are checked and copied from their slots later, on the engine thread (`_finish_load`)."""
         total = 0
         staged = []
         for g, placed in placement:
             nbytes = self.ctx.plan.groups[g].chunk_bytes
-            buf = self._staging(len(placed), nbytes)
-            for k, (item, blocks) in enumerate(placed):
+            for item, blocks in placed:
                 if not item.places:  # the scheduler lost it between lookup and load: a miss
-                    self.metrics.add("load_miss_vanished")
+                    self.metrics.add("load_miss_vanished", group=g)
                     return False, [], 0
                 tier, slot = item.places[0]
-                if not self.tiers[tier].read(g, slot, self._header(item, blocks), buf[k]):
+                if tier == "cpu":
+                    continue
+                buf = self._staging(nbytes)
+                if not self.tiers[tier].read(g, slot, self._header(item, blocks), buf):
                     # a miss or a corrupt payload (the tier counted and dropped it): nothing of
                     # this job is reported as loaded; vLLM recomputes the request
-                    self.metrics.add(f"load_miss_{tier}")
+                    self.metrics.add(f"load_miss_{tier}", group=g)
                     return False, [], 0
-                self.metrics.add(f"loaded_chunks_{tier}")
+                self.metrics.add(f"loaded_chunks_{tier}", group=g)
                 self.metrics.add(f"loaded_chunks_group{g}")
-            staged.append((g, placed, buf))
-            total += nbytes * len(placed)
+                self.metrics.add(f"loaded_bytes_{tier}", nbytes, group=g)
+                staged.append((g, blocks, buf))
+                total += nbytes
         return True, staged, total
 
-    def _scatter_all(self, staged: list) -> tuple[torch.cuda.Event, list[torch.Tensor]] | None:
-        """Write verified chunks into their blocks (the engine thread: a memory copy)."""
-        blocks = 0
-        keep: list[torch.Tensor] = []
-        for g, placed, buf in staged:
-            ci, pos, bids = _index(placed)
-            for ref in self.refs[g]:
-                view = buf[:, ref.offset:ref.offset + ref.page_bytes * self.bpc]
-                view = view.view(len(placed), self.bpc, ref.page_bytes)
-                keep.append(self._scatter(ref, bids, view[ci, pos]))
-            blocks += len(bids)
-        self.metrics.add("loaded_blocks", blocks)
-        if self._stream is None:
-            return None
-        event = torch.cuda.Event()
-        event.record(self._stream)
-        return event, keep  # host buffers must outlive their async copies
+    def _copy_out(self, g: int, blocks: list[tuple[int, int]], row: torch.Tensor) -> None:
+        """Copy blocks (block id, position in chunk; positions consecutive) of group g into a
+        chunk row: for each layer ref, its pages at the positions they hold. One copy a layer on
+        CPU (index_select into the row); on a GPU an async gather + device->host copy on the side
+        stream, into pinned memory (the cpu tier's slabs are pinned where CUDA is present)."""
+        lo, n = blocks[0][1], len(blocks)
+        bids = torch.tensor([b for b, _ in blocks])
+        if self._stream is not None:
+            with torch.cuda.stream(self._stream):  # ordered with the copies that use it
+                bids = bids.to(self.device, non_blocking=True)
+        for ref in self.refs[g]:
+            page = ref.page_bytes
+            dst = row[ref.offset + lo * page:ref.offset + (lo + n) * page].view(n, page)
+            if self._stream is None:
+                if ref.tensor.shape[1] == page:
+                    torch.index_select(ref.tensor, 0, bids, out=dst)
+                else:
+                    dst.copy_(ref.tensor.index_select(0, bids)[:, :page])
+                continue
+            with torch.cuda.stream(self._stream):
+                dst.copy_(ref.tensor.index_select(0, bids)[:, :page], non_blocking=True)
 
-    def _gather(self, ref: _Ref, bids: torch.Tensor) -> torch.Tensor:
-        """The pages of blocks `bids` of one layer, as a host tensor (num_blocks, page_bytes)."""
-        if self._stream is None:
-            return ref.tensor.index_select(0, bids)[:, :ref.page_bytes]
-        # the side stream must see what the model wrote on the compute stream
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._stream):
-            rows = ref.tensor.index_select(0, bids.to(self.device, non_blocking=True))
-            host = torch.empty((len(bids), ref.page_bytes), dtype=torch.uint8, pin_memory=True)
-            host.copy_(rows[:, :ref.page_bytes], non_blocking=True)
-        self._stream.synchronize()  # the tier write reads `host` next
-        return host
-
-    def _scatter(self, ref: _Ref, bids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """Write host `rows` (num_blocks, page_bytes) into blocks `bids` of one layer."""
-        if self._stream is None:
-            ref.tensor[bids, :ref.page_bytes] = rows
-            return rows
-        host = torch.empty(rows.shape, dtype=torch.uint8, pin_memory=True)
-        host.copy_(rows)
-        # blocks the scheduler just allocated may still be zeroed on the compute stream
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._stream):
-            dev = host.to(self.device, non_blocking=True)
-            ref.tensor[bids.to(self.device, non_blocking=True), :ref.page_bytes] = dev
-        return host
-
-def _index(placed: list[tuple[ChunkItem, list[tuple[int, int]]]]):
-    ci, pos, bids = [], [], []
-    for k, (_, blocks) in enumerate(placed):
-        for b, p in blocks:
-            ci.append(k)
-            pos.append(p)
-            bids.append(b)
-    return torch.tensor(ci), torch.tensor(pos), torch.tensor(bids)
+    def _copy_in(self, g: int, blocks: list[tuple[int, int]], row: torch.Tensor) -> None:
+        """Copy a chunk row's pages at the blocks' positions into the blocks (the reverse)."""
+        lo, n = blocks[0][1], len(blocks)
+        bids = torch.tensor([b for b, _ in blocks])
+        if self._stream is not None:
+            with torch.cuda.stream(self._stream):
+                bids = bids.to(self.device, non_blocking=True)
+        for ref in self.refs[g]:
+            page = ref.page_bytes
+            src = row[ref.offset + lo * page:ref.offset + (lo + n) * page].view(n, page)
+            if self._stream is None:
+                ref.tensor[bids, :page] = src
+                continue
+            with torch.cuda.stream(self._stream):
+                ref.tensor[bids, :page] = src.to(self.device, non_blocking=True)
 
 
 def _make_tier(name: str, layout: TierLayout, ctx: SpecContext, keyed: Keyed | None) -> Tier:

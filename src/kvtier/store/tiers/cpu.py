@@ -73,6 +73,41 @@ class CpuTier(SlotTier):
         self.bytes_written += n
         return True
 
+    def begin(self, group: int, slot: int) -> torch.Tensor:
+        """Start writing a slot in place: its header is dropped first (so no reader, and no
+        background copy that checks `header(...) is h` afterwards, takes the slot for the old
+        chunk while new bytes arrive), then the whole row is returned for the caller to fill.
+        `commit` makes it readable. Bytes outside the span the header will name are whatever the
+        slot held before; `read`/`holds` never serve them."""
+        self._check(group, slot)
+        self._headers[group][slot] = None
+        return self.slabs[group][slot]
+
+    def commit(self, group: int, slot: int, header: ChunkHeader) -> None:
+        """The slot, filled in place since `begin`, now holds the chunk `header` names."""
+        self._check(group, slot, header.payload_bytes)
+        self._headers[group][slot] = header
+        self.writes += 1
+        self.bytes_written += header.payload_bytes
+
+    def holds(self, group: int, slot: int, header: ChunkHeader) -> bool:
+        """`read`'s checks without the copy: whether the slot serves `header` (a caller then reads
+        the slot's row in place). Counts a read, a miss or a dropped corrupt slot as `read` does."""
+        self._check(group, slot)
+        self.reads += 1
+        stored = self._headers[group][slot]
+        if stored is None:
+            self.misses += 1
+            return False
+        why = mismatch(stored, header)
+        if span_not_held(why):  # valid for the blocks it holds: a miss, the slot stays
+            self.misses += 1
+            return False
+        if why is not None:
+            return self._drop_corrupt(group, slot, why)
+        self.bytes_read += header.payload_bytes
+        return True
+
     def read(self, group: int, slot: int, header: ChunkHeader, out: object) -> bool:
         self._check(group, slot)
         self.reads += 1
