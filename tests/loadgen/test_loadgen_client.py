@@ -1,0 +1,103 @@
+"""Both HTTP clients against a fake OpenAI-compatible server that streams on a known schedule."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from kvtier.loadgen.client import RequestFailed, http_stream, make_client, openai_stream
+
+FIRST_S, GAP_S, TOKENS = 0.15, 0.06, 4
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    bodies: list[dict] = []
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def do_POST(self) -> None:  # noqa: N802
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        _Handler.bodies.append(body)
+        if body["max_tokens"] > 100:
+            msg = b'{"error": {"message": "max_tokens too large"}}'
+            self.send_response(400)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(msg)))
+            self.end_headers()
+            self.wfile.write(msg)
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+
+        def send(obj: object) -> None:
+            data = f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n".encode()
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+            self.wfile.flush()
+
+        base = {"id": "x", "object": "text_completion", "created": 0, "model": body["model"]}
+        # max_tokens 2 * TOKENS: two token ids a chunk and no usage (the client counts the ids)
+        per_chunk = 2 if body["max_tokens"] == 2 * TOKENS else 1
+        time.sleep(FIRST_S)
+        for i in range(TOKENS):
+            if i:
+                time.sleep(GAP_S)
+            send({**base, "choices": [{"index": 0, "text": "a", "token_ids": [7] * per_chunk,
+                                       "logprobs": None, "finish_reason": None}]})
+        if per_chunk == 1:
+            send({**base, "choices": [], "usage": {"prompt_tokens": len(body["prompt"]),
+                                                   "completion_tokens": TOKENS, "total_tokens": 0}})
+        send("[DONE]")
+        self.wfile.write(b"0\r\n\r\n")
+        self.wfile.flush()
+
+
+@pytest.fixture
+def server() -> Iterator[str]:
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    _Handler.bodies.clear()
+    yield f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+    srv.server_close()
+
+
+@pytest.mark.parametrize("make", [http_stream, openai_stream], ids=["http", "openai"])
+def test_ttft_gaps_and_tokens_come_from_the_stream(server: str, make) -> None:  # type: ignore[no-untyped-def]
+    stream = make(timeout_s=10)
+    for _ in range(2):  # the second request reuses the client
+        s = stream(server, "m", [5, 6, 7], TOKENS)
+        assert FIRST_S <= s.ttft_s < FIRST_S + 1.0
+        assert len(s.gaps_s) == TOKENS - 1 and all(g >= GAP_S * 0.8 for g in s.gaps_s)
+        assert s.output_tokens == TOKENS and s.prompt_tokens == 3
+        assert s.latency_s >= s.ttft_s + sum(s.gaps_s) * 0.99
+    body = _Handler.bodies[-1]
+    assert body["prompt"] == [5, 6, 7] and body["stream"] is True
+    assert body["ignore_eos"] is True and body["return_token_ids"] is True
+    assert body["stream_options"] == {"include_usage": True} and body["max_tokens"] == TOKENS
+
+
+@pytest.mark.parametrize("make", [http_stream, openai_stream], ids=["http", "openai"])
+def test_without_usage_the_token_ids_are_counted(server: str, make) -> None:  # type: ignore[no-untyped-def]
+    s = make(timeout_s=10)(server, "m", [1], 2 * TOKENS)
+    assert s.output_tokens == 2 * TOKENS and len(s.gaps_s) == TOKENS - 1
+
+
+@pytest.mark.parametrize("make", [http_stream, openai_stream], ids=["http", "openai"])
+def test_an_error_answer_is_a_failed_request(server: str, make) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(RequestFailed, match="400"):
+        make(timeout_s=10)(server, "m", [1], 1000)
+
+
+def test_auto_prefers_openai_when_installed() -> None:
+    pytest.importorskip("openai")
+    assert make_client("auto")[0] == "openai"
+    assert make_client("http")[0] == "http"
