@@ -236,6 +236,11 @@ def test_a_cpu_slot_taken_before_its_disk_write_runs_never_lands_other_bytes(tmp
     out = manager.prepare_store(keys[:1], rc)  # chunk 0 of the full group: blocks 1, 2
     (item,) = out.store_spec.items
     cpu_slot = dict(item.places)["cpu"]
+    # the disk slot held another chunk before (one the index evicted): after the skipped write,
+    # it must read as empty, a plain miss, not as a foreign chunk dropped as corrupt
+    prev = worker._header(ChunkItem(0, b"\x55" * 32, 0, TPB * BPC, ()), [(1, 0), (2, 1)])
+    assert worker.tiers["disk"].write(0, dict(item.places)["disk"], prev,
+                                      torch.ones(ctx.plan.groups[0].chunk_bytes, dtype=torch.uint8))
     gate = threading.Event()
     worker._lane.submit(gate.wait)  # hold kvtier's I/O thread: the disk write waits behind it
     assert worker.submit_store(1, GPULoadStoreSpec([1, 2], group_sizes=[2, 0], block_indices=[0, 0]),
@@ -264,7 +269,38 @@ def test_a_cpu_slot_taken_before_its_disk_write_runs_never_lands_other_bytes(tmp
     buf = torch.zeros(ctx.plan.groups[0].chunk_bytes, dtype=torch.uint8)
     header = worker._header(item, [(1, 0), (2, 1)])
     assert not worker.tiers["disk"].read(0, disk_slot, header, buf)
+    assert worker.tiers["disk"].corrupt_dropped == 0  # freed when the write was skipped
     # and chunk 0's own bytes were never what the cpu slot held at the end: chunk 9/10's are
     assert torch.equal(worker.tiers["cpu"].slabs[0][cpu_slot].view(BPC, PAGE),
                        layers[0][9:11].view(torch.uint8))
+    worker.shutdown()
+
+
+def test_a_failed_load_counts_nothing_as_loaded(tmp_path: Path) -> None:
+    """`loaded_chunks_<tier>`/`loaded_bytes_<tier>` count what a load restored. A job whose first
+    chunk was read from disk but whose second misses in the cpu tier restores nothing (vLLM
+    recomputes the request), so it counts nothing as loaded, and its blocks keep their bytes."""
+    from kvtier.integrations.vllm.common import ChunkItem, KvtierLoadStoreSpec
+
+    ctx = _ctx(tmp_path, "cpu,disk")
+    kv, layers = _kv()
+    worker = KvtierWorker(ctx, kv, Metrics("worker0", None))
+    span = TPB * BPC
+    first = ChunkItem(0, b"\x01" * 32, 0, span, (("cpu", 0), ("disk", 0)))
+    second = ChunkItem(0, b"\x02" * 32, span, 2 * span, (("cpu", 1),))
+    store = GPULoadStoreSpec([1, 2, 3, 4], group_sizes=[4, 0], block_indices=[0, 0])
+    assert worker.submit_store(1, store, KvtierLoadStoreSpec([first, second]))
+    assert worker.drain()
+    worker.get_finished()
+    worker.tiers["cpu"].free(0, 1)  # the second chunk left the cpu tier
+    before = {k: v for k, v in worker.metrics.counts.items()}
+    kept = layers[0][20:24].clone()
+    load = [ChunkItem(0, first.chunk_hash, 0, span, (("disk", 0),)), second]
+    assert worker.submit_load(2, KvtierLoadStoreSpec(load),
+                              GPULoadStoreSpec([20, 21, 22, 23], group_sizes=[4, 0], block_indices=[0, 0]))
+    assert [(r.job_id, r.success) for r in _finished(worker)] == [(2, False)]
+    counts = {k: v - before.get(k, 0) for k, v in worker.metrics.counts.items() if v != before.get(k, 0)}
+    assert counts.get("load_miss_cpu") == 1, counts
+    assert not any(k.startswith(("loaded_", "loaded_blocks")) for k in counts), counts
+    assert torch.equal(layers[0][20:24], kept)
     worker.shutdown()

@@ -174,7 +174,7 @@ class KvtierWorker(OffloadingWorker):
         place, right now, so no store can take a slot in between) and copy them and the chunks
         read from disk or Redis into their blocks. Nothing is copied unless every chunk is there."""
         ok, staged, nbytes = read
-        sources: list[tuple[int, list[tuple[int, int]], torch.Tensor]] = []
+        sources: list[tuple[int, list[tuple[int, int]], torch.Tensor, str]] = []  # (g, blocks, row, tier)
         cpu = self._cpu
         for g, placed in placement if ok else ():
             for item, blocks in placed:
@@ -185,30 +185,29 @@ class KvtierWorker(OffloadingWorker):
                     self.metrics.add("load_miss_cpu", group=g)  # evicted, or not the span needed
                     ok = False
                     break
-                sources.append((g, blocks, cpu.slabs[g][slot]))
-                nb = self.ctx.plan.groups[g].chunk_bytes
-                self.metrics.add("loaded_chunks_cpu", group=g)
-                self.metrics.add(f"loaded_chunks_group{g}")
-                self.metrics.add("loaded_bytes_cpu", nb, group=g)
-                nbytes += nb
+                sources.append((g, blocks, cpu.slabs[g][slot], "cpu"))
+                nbytes += self.ctx.plan.groups[g].chunk_bytes
             if not ok:
                 break
         if not ok:
             self._done(job_id, False, 0, t0, "load")
             return
-        sources += [(g, blocks, buf) for g, blocks, buf in staged]
+        sources += staged
         if self._stream is not None:  # blocks just allocated may still be zeroed on the compute stream
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        for g, blocks, row in sources:
+        for g, blocks, row, tier in sources:  # counted here, once the whole job restores
             self._copy_in(g, blocks, row)
             self.metrics.add("loaded_blocks", len(blocks), group=g)
+            self.metrics.add(f"loaded_chunks_{tier}", group=g)
+            self.metrics.add(f"loaded_chunks_group{g}")
+            self.metrics.add(f"loaded_bytes_{tier}", self.ctx.plan.groups[g].chunk_bytes, group=g)
         if self._stream is None:
             self._done(job_id, True, nbytes, t0, "load")
             return
         event = torch.cuda.Event()
         event.record(self._stream)
         # the slot rows stay valid: a later store into one of them runs after this on the stream
-        self._in_flight.append((job_id, event, [buf for _, _, buf in staged], nbytes, t0, "load"))
+        self._in_flight.append((job_id, event, [src[2] for src in staged], nbytes, t0, "load"))
 
     def _finish_reads(self) -> None:
         while self._read_done:  # loads whose tier reads finished on the lane
@@ -353,7 +352,7 @@ class KvtierWorker(OffloadingWorker):
                     later.append((g, slow, nbytes, ("buf", buf, header)))
         event = None
         if self._stream is not None:
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(blocking=True)  # the lane waits on it without spinning a core
             event.record(self._stream)
         for g, slow, nbytes, src in later:
             if self._lane is None:  # no lane (only when driven by hand): the writes run inline
@@ -375,7 +374,8 @@ class KvtierWorker(OffloadingWorker):
         the write is skipped, counted `store_overwritten_<tier>`. Positions the chunk does not
         hold are zeros in what is written."""
         if event is not None:
-            event.synchronize()
+            with torch.cuda.device(self.device):  # never a context on another GPU from this thread
+                event.synchronize()
         if src[0] == "buf":
             data, header = src[1], src[2]
         else:
@@ -383,8 +383,11 @@ class KvtierWorker(OffloadingWorker):
             cpu = self._cpu
             data = cpu.slabs[g][slot].clone()
             if cpu.header(g, slot) is not header:
-                for tier, _ in slow:
+                for tier, tslot in slow:
                     self.metrics.add(f"store_overwritten_{tier}", group=g)
+                    if tier == "disk":  # the slot's previous occupant must read as empty, not
+                        # as a foreign chunk (a corrupt drop); later writes to it queue after this
+                        self.tiers[tier].free(g, tslot)
                 return
             self._zero_unheld(g, blocks, data)
         for tier, slot in slow:
@@ -430,10 +433,7 @@ class KvtierWorker(OffloadingWorker):
                     # this job is reported as loaded; vLLM recomputes the request
                     self.metrics.add(f"load_miss_{tier}", group=g)
                     return False, [], 0
-                self.metrics.add(f"loaded_chunks_{tier}", group=g)
-                self.metrics.add(f"loaded_chunks_group{g}")
-                self.metrics.add(f"loaded_bytes_{tier}", nbytes, group=g)
-                staged.append((g, blocks, buf))
+                staged.append((g, blocks, buf, tier))
                 total += nbytes
         return True, staged, total
 
@@ -443,7 +443,8 @@ class KvtierWorker(OffloadingWorker):
         CPU (index_select into the row); on a GPU an async gather + device->host copy on the side
         stream, into pinned memory (the cpu tier's slabs are pinned where CUDA is present)."""
         lo, n = blocks[0][1], len(blocks)
-        bids = torch.tensor([b for b, _ in blocks])
+        # pinned on a GPU: a non_blocking copy from pageable memory may wait for the side stream
+        bids = torch.tensor([b for b, _ in blocks], pin_memory=self._pin)
         if self._stream is not None:
             with torch.cuda.stream(self._stream):  # ordered with the copies that use it
                 bids = bids.to(self.device, non_blocking=True)
@@ -462,7 +463,8 @@ class KvtierWorker(OffloadingWorker):
     def _copy_in(self, g: int, blocks: list[tuple[int, int]], row: torch.Tensor) -> None:
         """Copy a chunk row's pages at the blocks' positions into the blocks (the reverse)."""
         lo, n = blocks[0][1], len(blocks)
-        bids = torch.tensor([b for b, _ in blocks])
+        # pinned on a GPU: a non_blocking copy from pageable memory may wait for the side stream
+        bids = torch.tensor([b for b, _ in blocks], pin_memory=self._pin)
         if self._stream is not None:
             with torch.cuda.stream(self._stream):
                 bids = bids.to(self.device, non_blocking=True)

@@ -78,7 +78,10 @@ class CpuTier(SlotTier):
         background copy that checks `header(...) is h` afterwards, takes the slot for the old
         chunk while new bytes arrive), then the whole row is returned for the caller to fill.
         `commit` makes it readable. Bytes outside the span the header will name are whatever the
-        slot held before; `read`/`holds` never serve them."""
+        slot held before: a caller of `holds` copies only the span (the vLLM worker does), and
+        `read` copies the whole row, so a slot filled this way is read with `holds`. This is the
+        only way bytes enter a slot that a background copy checks by header identity: `write`
+        sets the header after the bytes."""
         self._check(group, slot)
         self._headers[group][slot] = None
         return self.slabs[group][slot]
