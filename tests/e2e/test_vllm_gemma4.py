@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "vllm"))
-from test_vllm_engine import _same_threads, _scenario, _text_prompt  # noqa: E402
-from vllm_e2e import run_engine  # noqa: E402
+from test_vllm_engine import _pair_threads, _scenario, _text_prompt  # noqa: E402
+from vllm_e2e import run_engines  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -51,15 +51,16 @@ def test_tiny_gemma4_past_the_window_equals_the_engine_without_kvtier(tmp_path: 
 
     model = tiny_gemma4_dir()
     ps = [_text_prompt(model, 1400)]
-    env = _same_threads()
-    base = run_engine({**_scenario(model, None, ps, tmp_path / "none", max_tokens=12, passes=1,
-                                   max_model_len=2048), "directory": None, "env": env})
+    env_base, env_kv = _pair_threads()
     # the engine starts from exactly what `kvtier plan MODEL --engine vllm` prints (with a
     # directory for kvtier's counters and a host budget that fits this machine)
     kv = printed_transfer_config(model)
     assert kv["kv_connector_extra_config"]["blocks_per_chunk"] == 1
     kv["kv_connector_extra_config"].update({"kvtier.directory": str(tmp_path), "kvtier.cpu_bytes": "256MiB"})
-    res = run_engine({**_scenario(model, kv, ps, tmp_path, max_tokens=12, max_model_len=2048), "env": env})
+    base, res = run_engines(
+        {**_scenario(model, None, ps, tmp_path / "none", max_tokens=12, passes=1, max_model_len=2048),
+         "directory": None, "env": env_base},
+        {**_scenario(model, kv, ps, tmp_path, max_tokens=12, max_model_len=2048), "env": env_kv})
     plain = base["outputs"][0][0]
     first, second = (o[0] for o in res["outputs"])
     assert len(set(plain)) >= 4, plain  # random weights, yet a varied continuation

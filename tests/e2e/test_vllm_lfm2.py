@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "vllm"))
-from test_vllm_engine import _same_threads, _scenario, _text_prompt  # noqa: E402
-from vllm_e2e import kv_transfer_config, run_engine  # noqa: E402
+from test_vllm_engine import _pair_threads, _scenario, _text_prompt  # noqa: E402
+from vllm_e2e import kv_transfer_config, run_engines  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -32,13 +32,13 @@ def test_tiny_lfm2_state_groups_reload_equals_the_engine_without_kvtier(tmp_path
 
     model = tiny_lfm2_dir()
     ps = [_text_prompt(model, 1281)]
-    env = _same_threads()
-    base = run_engine({**_scenario(model, None, ps, tmp_path / "none", max_tokens=12, passes=1,
-                                   max_model_len=2048), "directory": None, "env": env,
-                       "engine_args": ALIGN})
+    env_base, env_kv = _pair_threads()
     kv = kv_transfer_config(tmp_path, tiers="cpu", cpu_bytes="64MiB")
-    res = run_engine({**_scenario(model, kv, ps, tmp_path, max_tokens=12, max_model_len=2048),
-                      "env": env, "engine_args": ALIGN})
+    base, res = run_engines(
+        {**_scenario(model, None, ps, tmp_path / "none", max_tokens=12, passes=1, max_model_len=2048),
+         "directory": None, "env": env_base, "engine_args": ALIGN},
+        {**_scenario(model, kv, ps, tmp_path, max_tokens=12, max_model_len=2048),
+         "env": env_kv, "engine_args": ALIGN})
     plain = base["outputs"][0][0]
     first, second = (o[0] for o in res["outputs"])
     assert len(set(plain)) >= 4, plain  # random weights, yet a varied continuation

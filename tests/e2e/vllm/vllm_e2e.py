@@ -80,15 +80,45 @@ def prompts(n: int, length: int, seed: int) -> list[list[int]]:
 
 def run_engine(scenario: dict[str, object], expect_failure: bool = False) -> dict:
     """Run driver.py with `scenario`; its RESULT (or, when a failure is expected, the stderr)."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1",
-               TOKENIZERS_PARALLELISM="false", **scenario.get("env", {}))  # type: ignore[arg-type]
-    proc = subprocess.run([sys.executable, str(DRIVER), json.dumps(scenario)], env=env,
-                          capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S)
-    if expect_failure:
-        assert proc.returncode != 0, "the engine started although its config is wrong"
-        return {"stderr": proc.stderr + proc.stdout}
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    tail = "\n".join((proc.stderr or "").splitlines()[-40:])
-    raise AssertionError(f"engine run failed (rc {proc.returncode}):\n{tail}")
+    return run_engines(scenario, expect_failure=expect_failure)[0]
+
+
+def run_engines(*scenarios: dict[str, object], expect_failure: bool = False) -> list[dict]:
+    """Run driver.py for each scenario, all at once (separate engine processes; for tests that
+    compare outputs, never timings). Output goes to files, so no engine stalls on a full pipe
+    while another is awaited. Each one's RESULT, in order."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="kvtier-e2e-") as tmp:
+        procs = []
+        for i, scenario in enumerate(scenarios):
+            env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1",
+                       TOKENIZERS_PARALLELISM="false", **scenario.get("env", {}))  # type: ignore[arg-type]
+            out, err = open(Path(tmp, f"{i}.out"), "w+"), open(Path(tmp, f"{i}.err"), "w+")
+            procs.append((subprocess.Popen([sys.executable, str(DRIVER), json.dumps(scenario)], env=env,
+                                           stdout=out, stderr=err, text=True), out, err))
+        results = []
+        try:
+            for proc, out, err in procs:
+                proc.wait(timeout=ENGINE_TIMEOUT_S)
+        finally:
+            for proc, _, _ in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        for proc, out, err in procs:
+            out.seek(0)
+            err.seek(0)
+            stdout, stderr = out.read(), err.read()
+            out.close()
+            err.close()
+            if expect_failure:
+                assert proc.returncode != 0, "the engine started although its config is wrong"
+                results.append({"stderr": stderr + stdout})
+                continue
+            line = next((x for x in stdout.splitlines() if x.startswith("RESULT ")), None)
+            if line is None:
+                tail = "\n".join(stderr.splitlines()[-40:])
+                raise AssertionError(f"engine run failed (rc {proc.returncode}):\n{tail}")
+            results.append(json.loads(line[len("RESULT "):]))
+        return results

@@ -647,8 +647,10 @@ def run_slow_disk(sc: dict) -> dict:
     while h.sched.requests and steps < 40:
         h.step()
         steps += 1
+    finished = not h.sched.requests  # A ran to the end with every disk write held
+    started = entered.wait(10)  # the I/O thread reached the disk (it copies the cpu slot first)
     c = h.counters()
-    out = {"steps": steps, "a_finished": not h.sched.requests, "disk_write_started": entered.is_set(),
+    out = {"steps": steps, "a_finished": finished, "disk_write_started": started,
            "held": {k: c.get(k, 0) for k in ("store_jobs", "stored_chunks_cpu", "stored_chunks_disk",
                                              "store_dropped_disk")}}
     gate.set()
