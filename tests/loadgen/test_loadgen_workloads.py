@@ -12,7 +12,8 @@ import pytest
 from kvtier.errors import ConfigError
 from kvtier.loadgen import workloads as wl
 
-TRACE = Path(__file__).parents[3] / "shared" / "traces" / "conversation_trace.jsonl"
+TRACE = Path(__file__).parents[3] / "shared" / "traces" / "conversation_trace.jsonl"  # the whole trace
+from kvtier.commands.bench_serve import DEFAULT_TRACE as SHIPPED  # noqa: E402 - its first 2,700 requests
 
 
 def _trace(tmp_path: Path, records: list[dict]) -> list[dict]:
@@ -89,8 +90,17 @@ def test_read_trace_names_the_bad_line(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(not TRACE.is_file(), reason="the shared Mooncake trace is not here")
+def test_the_shipped_head_gives_the_whole_traces_conversations() -> None:
+    """`kvtier bench serve`'s default trace is the first 2,700 requests: at the default sizes and
+    at the e2e test's, its conversations are exactly the whole trace's."""
+    head, whole = wl.read_trace(SHIPPED), wl.read_trace(TRACE)
+    assert whole[:len(head)] == head and len(head) == 2700
+    for sizes in ((6, 4, 128, 2048), (3, 2, 128, 512)):
+        assert wl.conversations(head, *sizes, "s") == wl.conversations(whole, *sizes, "s"), sizes
+
+
 def test_the_real_trace_gives_conversations_that_reuse_their_prefix() -> None:
-    convs = wl.conversations(wl.read_trace(TRACE), 6, 4, 128, 2048, "s")
+    convs = wl.conversations(wl.read_trace(SHIPPED), 6, 4, 128, 2048, "s")
     assert len(convs) == 6 and all(len(c) == 4 for c in convs)
     for c in convs:
         for earlier, later in zip(c, c[1:]):

