@@ -112,25 +112,14 @@ class CpuTier(SlotTier):
         return True
 
     def read(self, group: int, slot: int, header: ChunkHeader, out: object) -> bool:
-        self._check(group, slot)
-        self.reads += 1
-        stored = self._headers[group][slot]
-        if stored is None:
-            self.misses += 1
+        if not self.holds(group, slot, header):  # the checks and counters are holds'
             return False
-        why = mismatch(stored, header)
-        if span_not_held(why):  # valid for the blocks it holds: a miss, the slot stays
-            self.misses += 1
-            return False
-        if why is not None:
-            return self._drop_corrupt(group, slot, why)
         n = header.payload_bytes
         src = self.slabs[group][slot, :n]
         if isinstance(out, torch.Tensor):
             as_u8(out)[:n].copy_(src)
         else:
             as_bytes_view(out)[:n] = as_bytes_view(src)
-        self.bytes_read += n
         return True
 
     def free(self, group: int, slot: int) -> None:
