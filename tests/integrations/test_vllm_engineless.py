@@ -92,6 +92,15 @@ SCENARIOS = [
     # prompt's store evicts from cpu
     {"name": "stats", "stats": True,
      "extra": {"kvtier.tiers": "cpu,disk", "kvtier.cpu_bytes": "96KiB", "kvtier.disk_bytes": "16MiB"}},
+    # promotion: a cpu tier that holds one 200-token prompt (12 chunks a group) before disk;
+    # A stored, C evicts it from cpu, B loads A from disk, B2 from cpu
+    {"name": "promote", "promote": True,
+     "extra": {"kvtier.tiers": "cpu,disk", "kvtier.cpu_bytes": "384KiB", "kvtier.disk_bytes": "16MiB"}},
+    {"name": "promote_chunk4", "promote": True,
+     "extra": {"blocks_per_chunk": 4, "kvtier.tiers": "cpu,disk", "kvtier.cpu_bytes": "384KiB",
+               "kvtier.disk_bytes": "16MiB"}},
+    {"name": "promote_failed", "promote": True, "fail_reads": True,
+     "extra": {"kvtier.tiers": "cpu,disk", "kvtier.cpu_bytes": "384KiB", "kvtier.disk_bytes": "16MiB"}},
     # an EAGLE/MTP drafter's group beside the target's full-attention groups
     {"name": "draft_group", "draft_layers": [2],
      "layers": ["full", "full", {"kind": "sliding", "window": 1024, "name": "model.layers.2.mtp.attn"}]},
@@ -404,3 +413,45 @@ def test_kvtier_counters_reach_vllms_prometheus_metrics(results: dict) -> None:
     if results["vllm_version"].startswith("0.33"):  # the manager's config_info, still published
         info = r["samples"].get("vllm:kv_offload_config_info")
         assert info and info[0][0]["kvtier_tiers"] == "cpu,disk" and info[0][1] == 1.0, info
+
+
+def _delta(r: dict, a: str, b: str, counter: str) -> int:
+    return r[b].get(counter, 0) - r[a].get(counter, 0)
+
+
+@pytest.mark.parametrize("name", ["promote", "promote_chunk4"])
+def test_a_chunk_loaded_from_disk_is_promoted_to_host_memory(results: dict, name: str) -> None:
+    """B loads A's full-attention chunks from disk (C's evicted them from the cpu tier; the
+    sliding groups' pools still hold A's); each one B needs whole is copied into a cpu slot, so
+    B2 (same prefix) reads it from host memory, byte-exact. With several blocks per chunk, a
+    group's first chunk in a load may start mid-chunk: it is not promoted and B2 reads it from
+    disk again."""
+    r = ok(results, name)
+    b, b2 = r["b"], r["b2"]
+    for req in (b, b2):
+        assert req["external_tokens"] == 192 and req["checked"] > 0 and req["mismatches"] == 0, r
+    assert r["failed"] == [] and r["pins"] == 0 and r["promoting"] == 0, r
+    from_disk = _delta(r, "after_c", "after_b", "loaded_chunks_disk")
+    from_cpu = _delta(r, "after_c", "after_b", "loaded_chunks_cpu")
+    promoted = _delta(r, "after_c", "after_b", "promoted_chunks_disk")
+    first_chunks = 1 if name == "promote_chunk4" else 0  # the one group on disk: its first chunk
+    assert from_disk > 0 and promoted == from_disk - first_chunks > 0, (promoted, from_disk, r)
+    assert _delta(r, "after_c", "after_b", "promote_chunks") == promoted
+    # B2: every chunk B read, from host memory, except the first chunks not promoted
+    assert _delta(r, "after_b", "after_b2", "loaded_chunks_disk") == first_chunks, r
+    assert _delta(r, "after_b", "after_b2", "loaded_chunks_cpu") == from_cpu + promoted, r
+
+
+def test_a_failed_promotion_is_never_offered(results: dict) -> None:
+    """B's disk reads fail (as corrupt payloads read): B is recomputed, nothing enters the cpu
+    tier, and B2 is offered none of those chunks (a reserved slot committed anyway would be a
+    hit on a slot holding another chunk: a second failure). B2 may hit what B's recompute
+    stored (0.33 stores it sooner than 0.32), and restores that byte-exact."""
+    r = ok(results, "promote_failed")
+    assert r["failed"] == ["b"], r  # not B2
+    assert _delta(r, "after_c", "after_b", "promote_chunks") > 0, r
+    assert _delta(r, "after_c", "after_b", "promoted_chunks_disk") == 0, r
+    assert _delta(r, "after_b", "after_b2", "loaded_chunks_disk") == 0, r
+    b2 = r["b2"]
+    assert b2["external_tokens"] in (0, 192) and b2["mismatches"] == 0, r
+    assert r["pins"] == 0 and r["promoting"] == 0, r

@@ -762,6 +762,48 @@ def run_stats(sc: dict) -> dict:
             "kvtier_lines": [x for x in text.splitlines() if x.startswith("vllm:kvtier_")]}
 
 
+def run_promote(sc: dict) -> dict:
+    """A chunk loaded from disk is promoted into the cpu tier: A's chunks are stored in both
+    tiers, C's evict them from the cpu tier (a pool sized for one prompt), B loads A's chunks from
+    disk, and B2 (the same prefix, the GPU cache emptied again) loads them from host memory. With
+    fail_reads, B's disk reads fail: nothing is promoted and no later request is offered them."""
+    h = Harness(sc)
+    worker = h.wconn.connector_worker.worker
+    prompt = _store_a(h, int(sc.get("prompt_tokens", 200)))
+    worker.drain()
+    h.add("c", [3000 + (i * 7919) % 900 for i in range(len(prompt))])
+    for _ in range(40):
+        h.step()
+        if not h.sched.requests:
+            break
+    h.drain()
+    worker.drain()
+    out: dict = {"after_c": h.counters()}
+    reads = {}
+    if sc.get("fail_reads"):
+        for name, tier in worker.tiers.items():
+            if name != "cpu":
+                reads[name] = tier.read
+                tier.read = lambda *a, **k: False  # as a corrupt payload reads
+    assert _fresh_gpu_cache(h)
+    out["b"] = _load_and_check(h, "b", prompt + [1, 2, 3])
+    for name, read in reads.items():
+        worker.tiers[name].read = read
+    worker.drain()
+    h.drain()
+    out["after_b"] = h.counters()
+    assert _fresh_gpu_cache(h)
+    out["b2"] = _load_and_check(h, "b2", prompt + [4, 5, 6])
+    worker.drain()
+    h.drain()
+    out["after_b2"] = h.counters()
+    out["failed"] = sorted(h.failed)
+    out["pins"] = _pins(h)
+    out["promoting"] = len(h.sched.connector.connector_scheduler.manager._promoting)
+    out["groups"] = len(h.kvc.kv_cache_groups)
+    return out
+
+
 def run_submit_timing(sc: dict) -> dict:
     """Median wall time of submit_store / submit_load over N one-chunk jobs, with the worker's
     disk and Redis I/O on its background thread (as shipped) and inline (the lane switched off),
@@ -847,7 +889,7 @@ def main() -> None:
             run = (run_partial if sc.get("partial") else run_lookups if sc.get("lookups")
                    else run_slow_disk if sc.get("slow_disk") else run_slow_redis if sc.get("slow_redis")
                    else run_submit_timing if sc.get("submit_timing")
-                   else run_stats if sc.get("stats")
+                   else run_stats if sc.get("stats") else run_promote if sc.get("promote")
                    else run_lifecycle if sc.get("lifecycle") else run_two_requests)
             results[sc["name"]] = run(sc)
         except Exception as exc:  # noqa: BLE001 - reported to the test, which decides

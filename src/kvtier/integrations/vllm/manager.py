@@ -7,6 +7,16 @@ kvtier's policies. Stores are write-through: a chunk is reserved in every config
 has room, so the disk tier holds what the host tier holds and survives the process. A pool
 whose entries are all pinned answers "full": that store is skipped and counted, never waited on.
 
+Promotion: a load whose chunk is only on disk or in Redis also reserves a cpu slot for it
+(`_promotion_slot`); the worker reads and verifies the chunk off the engine thread, copies it
+into its blocks and into that slot, and the slot is committed when vLLM reports the load done
+(`complete_load`), so the next hit on it reads host memory. A load vLLM reports failed is
+completed first and then forgotten in every tier (`load_failed`), so a slot the worker could
+not fill is never offered. Only chunks the load needs whole are promoted (bytes a load does not
+need are not restored, so a slot filled from a partial load would claim too few blocks): with
+more than one block per chunk, the first chunk of each group in a load may start mid-chunk and
+is not promoted.
+
 Rejected alternative: demoting host evictions to disk. The worker owns the bytes, so a demotion
 would be a copy job vLLM does not know how to schedule; write-through costs disk bandwidth on
 store but never blocks the engine and keeps the two processes' views trivially consistent.
@@ -61,6 +71,9 @@ class KvtierManager(OffloadingManager):
         self._pins: dict[OffloadKey, list[str]] = {}  # tier of each pin, oldest first
         self._pending: dict[OffloadKey, list[str]] = {}  # tiers reserved by a store in flight
         self._loads: dict[str, list[tuple[bytes, int]]] = {}  # req_id -> chunks of its load
+        # key -> req_id of the load promoting it into a cpu slot reserved in prepare_load (at
+        # most one at a time: a second reservation of the same chunk answers "present")
+        self._promoting: dict[OffloadKey, str] = {}
         self._redis = None
         if "redis" in ctx.config.tiers:
             from kvtier.store.tiers.redis import RedisTier  # no torch; the client connects lazily
@@ -88,7 +101,7 @@ class KvtierManager(OffloadingManager):
     def adopt_context(self, ctx: SpecContext) -> None:
         """The workers' exact layout arrived (the spec's `adopt_worker_pages`, before any
         request): slots, chunk sizes and namespace are rebuilt from it."""
-        if self._pins or self._pending or self._loads:
+        if self._pins or self._pending or self._loads or self._promoting:
             raise RuntimeError("kvtier: the workers' layout arrived after transfers began")
         self.ctx = ctx
         self.index = ctx.new_index()
@@ -128,8 +141,8 @@ class KvtierManager(OffloadingManager):
         if self.index.where(chunk_hash, group):
             return None
         key = self._okey.get((chunk_hash, group))
-        if key is not None and key in self._pending:  # a store into another tier is in flight
-            return None
+        if key is not None and (key in self._pending or key in self._promoting):
+            return None  # a store or a promotion into another tier is in flight
         return self._okey.pop((chunk_hash, group), None)
 
     def _span(self, key: OffloadKey, group: int, rc: ReqContext) -> tuple[int, int]:
@@ -231,10 +244,13 @@ class KvtierManager(OffloadingManager):
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         items: list[ChunkItem] = []
         chunks: list[tuple[bytes, int]] = []
+        seen: set[int] = set()  # groups with an item already: their later chunks are whole
         for key in keys:
             split = self._key(key)
             assert split is not None, "vLLM loads only keys that lookup() reported as hits"
             h, g = split
+            whole = g in seen or self.ctx.blocks_per_chunk == 1
+            seen.add(g)
             places = self.index.where(h, g)
             start, end = self._span(key, g, req_context)
             if not places:
@@ -250,12 +266,33 @@ class KvtierManager(OffloadingManager):
             assert pinned
             self.index.touch(h, g, tier)
             self._pins.setdefault(key, []).append(tier)
-            items.append(ChunkItem(g, h, start, end, ((tier, slot),)))
+            promote = self._promotion_slot(key, h, g, req_context) if tier != "cpu" and whole else ()
+            items.append(ChunkItem(g, h, start, end, ((tier, slot),) + promote))
             chunks.append(split)
             self.metrics.add(f"load_chunks_{tier}", group=g)
         self._loads[req_context.req_id] = chunks
         self.metrics.add("load_jobs_scheduled")
         return KvtierLoadStoreSpec(items)
+
+    def _promotion_slot(self, key: OffloadKey, h: bytes, g: int, rc: ReqContext) -> tuple[tuple[str, int], ...]:
+        """A cpu slot for a chunk this load reads from disk or Redis, reserved until vLLM reports
+        the load (`complete_load` commits it); () when there is no cpu tier or no free slot (every
+        entry pinned or reserved: the load still reads the slow tier, nothing waits)."""
+        if "cpu" not in self.ctx.config.tiers or key in self._promoting:
+            return ()
+        r = self.index.reserve(h, g, "cpu")
+        for e in r.evicted:
+            self.metrics.add("evicted_cpu" + ("_dead" if e.dead else ""), group=e.group)
+            gone = self._gone(e.chunk_hash, e.group)
+            if gone is not None:
+                self._evicted_later.append(gone)
+        if r.slot is None:
+            if r.status in ("full", "busy"):
+                self.metrics.add("promote_skipped_full", group=g)
+            return ()
+        self._promoting[key] = rc.req_id
+        self.metrics.add("promote_chunks", group=g)
+        return (("cpu", r.slot),)
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
         """The tier a hit's key is loaded from (asked after prepare_load), for vLLM's
@@ -279,6 +316,13 @@ class KvtierManager(OffloadingManager):
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         for key in keys:
+            if self._promoting.get(key) == req_context.req_id:
+                # the worker filled the reserved cpu slot (a failed job is forgotten everywhere
+                # right after this, by load_failed, which vLLM's connector calls next)
+                del self._promoting[key]
+                split = self._key(key)
+                if split is not None:
+                    self.index.commit(split[0], split[1], "cpu")
             tiers = self._pins.get(key)
             split = self._key(key)
             if not tiers or split is None:
@@ -375,6 +419,7 @@ class KvtierManager(OffloadingManager):
         self._pins.clear()
         self._pending.clear()
         self._loads.clear()
+        self._promoting.clear()
         self._okey.clear()
         self._evicted_later.clear()
         with self._rlock:  # Redis answers from before the reset are not asked again

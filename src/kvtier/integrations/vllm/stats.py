@@ -76,6 +76,10 @@ FAMILIES: tuple[Family, ...] = (
     Family("load_keys_vanished", ("group",), "Chunks evicted between lookup and load (that load "
            "fails and vLLM recomputes)."),
     Family("store_chunks", ("group",), "Chunks the scheduler reserved slots for."),
+    Family("promote_chunks", ("group",), "Chunks loaded from disk or Redis that the scheduler "
+           "gave a cpu slot to be promoted into."),
+    Family("promote_skipped_full", ("group",), "Promotions skipped because every cpu slot of the "
+           "group was pinned or reserved (the load still reads the slower tier)."),
     Family("store_skipped_full_{tier}", TIER_AND_GROUP, "Stores skipped because every slot of the "
            "tier was pinned by transfers in flight."),
     Family("store_keys_offload_off", (), "Stores skipped because offloading is off for this engine."),
@@ -97,6 +101,10 @@ FAMILIES: tuple[Family, ...] = (
     Family("loaded_chunks_{tier}", TIER_AND_GROUP, "Chunks read from a tier and restored."),
     Family("loaded_bytes_{tier}", TIER_AND_GROUP, "Bytes read from a tier and restored."),
     Family("loaded_blocks", ("group",), "vLLM KV blocks written by loads."),
+    Family("promoted_chunks_{tier}", TIER_AND_GROUP, "Chunks read and verified from a slower tier "
+           "(the label) and copied into the cpu tier by their load."),
+    Family("promote_skipped_partial", ("group",), "Promotions skipped because the load needed "
+           "only part of the chunk."),
     Family("load_miss_{tier}", TIER_AND_GROUP, "Chunk reads a tier could not serve (missing, "
            "overwritten or corrupt: the load fails and vLLM recomputes)."),
     Family("load_miss_vanished", ("group",), "Chunk reads with no place (evicted before the load)."),

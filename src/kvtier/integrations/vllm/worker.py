@@ -18,6 +18,11 @@ a zeroed host buffer instead. A load checks each cpu-tier chunk's header and cop
 pages into the blocks in place, on the engine thread (no store can take the slot in between);
 chunks on disk or in Redis are read and verified on the background thread first, and copied in
 `get_finished`. vLLM keeps the request waiting meanwhile, as it does for any asynchronous load.
+Such a chunk is also promoted when the scheduler reserved a cpu slot for it (a second place
+`("cpu", slot)` in its item, manager.py): the verified bytes are copied into that slot on the
+engine thread (the only thread that writes slots) and the blocks are filled from the slot, so
+the next hit reads host memory. Host buffers for reads and for stores without a cpu slot come
+from a small pool (`POOL_BUFFERS` per size), not one allocation per call.
 When the tensors live on a GPU, the copies run on a side CUDA stream (after it waits for the
 compute stream once per job) without synchronizing: a job finishes when its event fires
 (`get_finished` polls), and a background write waits for its store's event before copying the
@@ -56,6 +61,8 @@ from .common import ChunkItem, KvtierLoadStoreSpec, Metrics, SpecContext
 from .lane import Lane
 
 log = logging.getLogger("kvtier.vllm")
+
+POOL_BUFFERS = 8  # host staging buffers kept per size for reuse (pinned on a GPU)
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +130,7 @@ class KvtierWorker(OffloadingWorker):
         # loads whose disk/Redis reads finished on the lane: (job id, start, placement, read result)
         self._read_done: deque[tuple[int, float, list, tuple[bool, list, int]]] = deque()
         self._reading: set[int] = set()
+        self._pool: dict[int, deque[torch.Tensor]] = {}  # staging buffers by size (_take/_give)
         self.metrics.flush(force=True)
 
     # -- OffloadingWorker ----------------------------------------------------------------------
@@ -175,6 +183,7 @@ class KvtierWorker(OffloadingWorker):
         read from disk or Redis into their blocks. Nothing is copied unless every chunk is there."""
         ok, staged, nbytes = read
         sources: list[tuple[int, list[tuple[int, int]], torch.Tensor, str]] = []  # (g, blocks, row, tier)
+        held: list[torch.Tensor] = []  # staging buffers the copies read (given back after them)
         cpu = self._cpu
         for g, placed in placement if ok else ():
             for item, blocks in placed:
@@ -190,9 +199,18 @@ class KvtierWorker(OffloadingWorker):
             if not ok:
                 break
         if not ok:
+            for _, _, buf, _, _ in staged:
+                self._give(buf)
             self._done(job_id, False, 0, t0, "load")
             return
-        sources += staged
+        for g, blocks, buf, tier, item in staged:
+            row = self._promote(g, blocks, buf, tier, item)
+            if row is None:
+                sources.append((g, blocks, buf, tier))
+                held.append(buf)
+            else:  # the blocks are filled from the slot (pinned on a GPU); the buffer is free now
+                sources.append((g, blocks, row, tier))
+                self._give(buf)
         if self._stream is not None:  # blocks just allocated may still be zeroed on the compute stream
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
         for g, blocks, row, tier in sources:  # counted here, once the whole job restores
@@ -202,12 +220,34 @@ class KvtierWorker(OffloadingWorker):
             self.metrics.add(f"loaded_chunks_group{g}")
             self.metrics.add(f"loaded_bytes_{tier}", self.ctx.plan.groups[g].chunk_bytes, group=g)
         if self._stream is None:
+            for buf in held:
+                self._give(buf)
             self._done(job_id, True, nbytes, t0, "load")
             return
         event = torch.cuda.Event()
         event.record(self._stream)
         # the slot rows stay valid: a later store into one of them runs after this on the stream
-        self._in_flight.append((job_id, event, [src[2] for src in staged], nbytes, t0, "load"))
+        self._in_flight.append((job_id, event, held, nbytes, t0, "load"))
+
+    def _promote(self, g: int, blocks: list[tuple[int, int]], buf: torch.Tensor, tier: str,
+                 item: ChunkItem) -> torch.Tensor | None:
+        """On the engine thread: copy a verified chunk read from disk or Redis into the cpu slot
+        the scheduler reserved for it, if any; the slot's row, or None (no slot). A chunk the
+        load needs only part of is not promoted (its header would claim blocks whose bytes were
+        not checked for this load): the slot is left empty, a later read of it a counted miss."""
+        cpu = self._cpu
+        slot = next((s for t, s in item.places[1:] if t == "cpu"), None)
+        if cpu is None or slot is None:
+            return None
+        if len(blocks) != self.bpc:
+            cpu.free(g, slot)
+            self.metrics.add("promote_skipped_partial", group=g)
+            return None
+        row = cpu.begin(g, slot)
+        row.copy_(buf)
+        cpu.commit(g, slot, self._header(item, blocks))
+        self.metrics.add(f"promoted_chunks_{tier}", group=g)
+        return row
 
     def _finish_reads(self) -> None:
         while self._read_done:  # loads whose tier reads finished on the lane
@@ -218,7 +258,9 @@ class KvtierWorker(OffloadingWorker):
     def get_finished(self) -> list[TransferResult]:
         self._finish_reads()
         while self._in_flight and self._in_flight[0][1].query():  # in submission order
-            job_id, _, _, nbytes, t0, kind = self._in_flight.pop(0)  # host buffers may go now
+            job_id, _, bufs, nbytes, t0, kind = self._in_flight.pop(0)  # host buffers may go now
+            for buf in bufs:
+                self._give(buf)
             self._done(job_id, True, nbytes, t0, kind)
         out, self._finished = self._finished, []
         return out
@@ -310,10 +352,27 @@ class KvtierWorker(OffloadingWorker):
                            item.token_start + lo * tpb, item.token_start + hi * tpb,
                            gp.chunk_bytes, "uint8")
 
-    def _staging(self, nbytes: int) -> torch.Tensor:
-        # zeros, not empty: positions a partial chunk does not hold are stored as zeros, never as
-        # whatever the allocator left there (it would go to disk and Redis under a valid checksum)
-        return torch.zeros(nbytes, dtype=torch.uint8, pin_memory=self._pin)
+    def _take(self, nbytes: int, zero: bool) -> torch.Tensor:
+        """A host staging buffer from the pool (or a new one). zero=True for a store: positions a
+        partial chunk does not hold are stored as zeros, never as whatever the buffer held (it
+        would go to disk and Redis under a valid checksum). Called on both threads: the deque's
+        pop and append are atomic."""
+        q = self._pool.get(nbytes)
+        try:
+            buf = q.pop() if q else None
+        except IndexError:  # emptied by the other thread in between
+            buf = None
+        if buf is None:
+            buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pin)
+        if zero:
+            buf.zero_()
+        return buf
+
+    def _give(self, buf: torch.Tensor) -> None:
+        """Return a buffer no copy reads any more; kept for reuse up to POOL_BUFFERS per size."""
+        q = self._pool.setdefault(buf.numel(), deque())
+        if len(q) < POOL_BUFFERS:
+            q.append(buf)
 
     @property
     def _cpu(self):  # noqa: ANN202 - the CpuTier, or None without a cpu tier
@@ -347,7 +406,7 @@ class KvtierWorker(OffloadingWorker):
                     if slow:
                         later.append((g, slow, nbytes, ("cpu", cpu_slot, header, blocks)))
                 elif slow:
-                    buf = self._staging(nbytes)
+                    buf = self._take(nbytes, zero=True)
                     self._copy_out(g, blocks, buf)
                     later.append((g, slow, nbytes, ("buf", buf, header)))
         event = None
@@ -378,20 +437,26 @@ class KvtierWorker(OffloadingWorker):
                 event.synchronize()
         if src[0] == "buf":
             data, header = src[1], src[2]
-        else:
-            _, slot, header, blocks = src
-            cpu = self._cpu
-            data = cpu.slabs[g][slot].clone()
-            if cpu.header(g, slot) is not header:
-                for tier, tslot in slow:
-                    self.metrics.add(f"store_overwritten_{tier}", group=g)
-                    if tier == "disk":  # the slot's previous occupant must read as empty, not
-                        # as a foreign chunk (a corrupt drop); later writes to it queue after this
-                        self.tiers[tier].free(g, tslot)
-                return
-            self._zero_unheld(g, blocks, data)
+            for tier, slot in slow:
+                self._write(tier, [(g, slot, header, data)], nbytes)
+            self._give(data)
+            return
+        _, slot, header, blocks = src
+        cpu = self._cpu
+        data = self._take(nbytes, zero=False)
+        data.copy_(cpu.slabs[g][slot])
+        if cpu.header(g, slot) is not header:
+            for tier, tslot in slow:
+                self.metrics.add(f"store_overwritten_{tier}", group=g)
+                if tier == "disk":  # the slot's previous occupant must read as empty, not
+                    # as a foreign chunk (a corrupt drop); later writes to it queue after this
+                    self.tiers[tier].free(g, tslot)
+            self._give(data)
+            return
+        self._zero_unheld(g, blocks, data)
         for tier, slot in slow:
             self._write(tier, [(g, slot, header, data)], nbytes)
+        self._give(data)
 
     def _zero_unheld(self, g: int, blocks: list[tuple[int, int]], row: torch.Tensor) -> None:
         lo, hi = blocks[0][1], blocks[-1][1] + 1
@@ -414,8 +479,9 @@ class KvtierWorker(OffloadingWorker):
 
     def _read(self, placement: list) -> tuple[bool, list, int]:
         """Read and verify the chunks of a load that are on disk or in Redis into host buffers:
-        (all found, [(group, blocks, buffer)], bytes). Runs on the lane. Chunks in the cpu tier
-        are checked and copied from their slots later, on the engine thread (`_finish_load`)."""
+        (all found, [(group, blocks, buffer, tier, item)], bytes). Runs on the lane. Chunks in the
+        cpu tier are checked and copied from their slots later, on the engine thread
+        (`_finish_load`), which also promotes what was read here into the cpu tier."""
         total = 0
         staged = []
         for g, placed in placement:
@@ -427,13 +493,16 @@ class KvtierWorker(OffloadingWorker):
                 tier, slot = item.places[0]
                 if tier == "cpu":
                     continue
-                buf = self._staging(nbytes)
+                buf = self._take(nbytes, zero=False)
                 if not self.tiers[tier].read(g, slot, self._header(item, blocks), buf):
                     # a miss or a corrupt payload (the tier counted and dropped it): nothing of
                     # this job is reported as loaded; vLLM recomputes the request
                     self.metrics.add(f"load_miss_{tier}", group=g)
+                    for st in staged:
+                        self._give(st[2])
+                    self._give(buf)
                     return False, [], 0
-                staged.append((g, blocks, buf, tier))
+                staged.append((g, blocks, buf, tier, item))
                 total += nbytes
         return True, staged, total
 

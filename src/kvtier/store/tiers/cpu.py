@@ -1,7 +1,10 @@
 """The cpu tier: one preallocated host slab per group, fixed-size slots, zero-copy views.
 
 Each group g owns a `torch.uint8` tensor of shape `(num_slots[g], slot_bytes[g])`, allocated
-once at construction (pinned when CUDA is present, so device<->host copies run async). A slot
+once at construction (pinned when CUDA is present, so device<->host copies run async: plain
+memory registered with `cudaHostRegister`, as vLLM's own CPU tier does, because PyTorch's
+pinned allocator rounds a request up to a power of two and a 20 GiB slab would lock 32 GiB;
+if registration fails, PyTorch's pinned allocator is used with a warning). A slot
 is a row; `view(g, s, n)` is a zero-copy view of its first n bytes that a transfer engine can
 copy into or out of directly. The header of each occupied slot is kept beside the slab in a
 Python list: memory of this process is trusted, so no payload checksum is computed here (the
@@ -12,6 +15,7 @@ groups it wastes every byte between a group's chunk size and the largest one.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 
 import torch
@@ -28,8 +32,25 @@ def as_u8(t: torch.Tensor) -> torch.Tensor:
     return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
 
 
+log = logging.getLogger("kvtier.cpu")
+
+
 def _pin_default() -> bool:
     return torch.cuda.is_available()
+
+
+def _slab(shape: tuple[int, int], pin: bool) -> tuple[torch.Tensor, bool]:
+    """A host slab, page-locked when `pin`; (slab, registered with cudaHostRegister)."""
+    t = torch.empty(shape, dtype=torch.uint8)
+    if not pin or t.numel() == 0:
+        return t, False
+    cudart = torch.cuda.cudart()
+    err = cudart.cudaHostRegister(t.data_ptr(), t.numel(), 0)
+    if err == cudart.cudaError.success:
+        return t, True
+    log.warning("cpu tier: cudaHostRegister of %d bytes failed (%s); using PyTorch's pinned "
+                "allocator, which may lock up to twice that", t.numel(), err)
+    return torch.empty(shape, dtype=torch.uint8, pin_memory=True), False
 
 
 class CpuTier(SlotTier):
@@ -39,10 +60,9 @@ class CpuTier(SlotTier):
         super().__init__(layout)
         pin = _pin_default() if pin_memory is None else pin_memory
         self.pinned = pin
-        self.slabs: list[torch.Tensor] = [
-            torch.empty((n, b) if n else (0, 0), dtype=torch.uint8, pin_memory=pin)
-            for b, n in zip(layout.slot_bytes, layout.num_slots)
-        ]
+        made = [_slab((n, b) if n else (0, 0), pin) for b, n in zip(layout.slot_bytes, layout.num_slots)]
+        self.slabs: list[torch.Tensor] = [t for t, _ in made]
+        self._registered = [t for t, reg in made if reg]  # unregistered by close()
         self._headers: list[list[ChunkHeader | None]] = [[None] * n for n in layout.num_slots]
 
     def view(self, group: int, slot: int, nbytes: int) -> torch.Tensor:
@@ -125,6 +145,12 @@ class CpuTier(SlotTier):
     def free(self, group: int, slot: int) -> None:
         self._check(group, slot)
         self._headers[group][slot] = None
+
+    def close(self) -> None:
+        """Unregister the slabs this tier page-locked (their owner synchronized its copies)."""
+        registered, self._registered = self._registered, []
+        for t in registered:
+            torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
 
     def list(self) -> Iterator[tuple[int, int, ChunkHeader]]:
         for g, headers in enumerate(self._headers):
