@@ -48,6 +48,11 @@ def main() -> int:
               f"submit_load (from Redis) median {r[mode]['load_median_ms']:.3f} ms")
     print(f"  inline / background: store {r['store_ratio_inline_over_background']:.2f}x, "
           f"load {r['load_ratio_inline_over_background']:.1f}x")
+    p = r.get("promote")
+    if p:
+        print(f"  a load job until it finishes: from disk (promoted) median {p['disk_then_promoted_ms']:.3f} ms, "
+              f"the same chunk again from the cpu slot {p['again_from_cpu_ms']:.3f} ms "
+              f"({p['disk_over_cpu']:.1f}x)")
     return 0
 
 

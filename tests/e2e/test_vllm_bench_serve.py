@@ -69,6 +69,12 @@ def test_bench_serve_json_all_three_workloads() -> None:
     # never more than the trace lets any cache reuse (the engine's own hits take the rest)
     assert w["a"]["restored_tokens"]["cpu"] <= w["a"]["reusable_tokens"]
     assert w["a"]["later_turns"]["requests"] == 3 and _positive(w["a"]["later_turns"]["ttft_p50_speedup"])
+    # vLLM's own counters of the same workload: what kvtier restored is what vLLM counted as
+    # external hits, and the engine's own cache plus kvtier never exceed what could be reused
+    ec = w["a"]["engine_cache"]
+    assert ec["with"]["external_hit_tokens"] == w["a"]["restored_tokens"]["cpu"], ec
+    assert ec["without"]["external_hit_tokens"] == 0, ec
+    assert ec["with"]["engine_cache_hit_tokens"] + ec["with"]["external_hit_tokens"] <= w["a"]["reusable_tokens"], ec
     # (b) fresh prompts: nothing to restore
     assert not any(w["b"]["restored_chunks"].values())
     # (c) from Redis, every byte through the delaying proxy

@@ -107,12 +107,16 @@ def test_disk_tier_across_two_engine_processes(tmp_path: Path) -> None:
     one = run_engine(_scenario(tiny_llama_dir(), kv, ps, tmp_path, passes=1))
     assert one["metrics"][0]["stored_chunks_disk"] == 5
     # a new process: vLLM's KV and kvtier's cpu tier start empty, the disk tier is warm
-    two = run_engine(_scenario(tiny_llama_dir(), kv, ps, tmp_path, passes=1))
-    assert two["outputs"][0] == one["outputs"][0]
+    two = run_engine(_scenario(tiny_llama_dir(), kv, ps, tmp_path, passes=2, between=[["reset"]]))
+    assert two["outputs"][0] == two["outputs"][1] == one["outputs"][0]
     m = two["metrics"][0]
     assert m["rebuilt_chunks"] == 5
     assert m["loaded_chunks_disk"] == 5
     assert m["loaded_blocks"] == 5
+    # the load from disk promoted the chunks into the cpu tier: the next pass reads host memory
+    assert m["promoted_chunks_disk"] == 5
+    m2 = two["metrics"][1]
+    assert m2["loaded_chunks_disk"] == 5 and m2["loaded_chunks_cpu"] == 5, m2
 
 
 def test_corrupt_payload_is_a_failed_load_and_the_request_is_recomputed(tmp_path: Path) -> None:

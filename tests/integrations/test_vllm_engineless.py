@@ -101,6 +101,8 @@ SCENARIOS = [
                "kvtier.disk_bytes": "16MiB"}},
     {"name": "promote_failed", "promote": True, "fail_reads": True,
      "extra": {"kvtier.tiers": "cpu,disk", "kvtier.cpu_bytes": "384KiB", "kvtier.disk_bytes": "16MiB"}},
+    {"name": "promote_failed_aborted", "promote": True, "fail_reads": True, "abort": True,
+     "extra": {"kvtier.tiers": "cpu,disk", "kvtier.cpu_bytes": "384KiB", "kvtier.disk_bytes": "16MiB"}},
     # an EAGLE/MTP drafter's group beside the target's full-attention groups
     {"name": "draft_group", "draft_layers": [2],
      "layers": ["full", "full", {"kind": "sliding", "window": 1024, "name": "model.layers.2.mtp.attn"}]},
@@ -442,16 +444,23 @@ def test_a_chunk_loaded_from_disk_is_promoted_to_host_memory(results: dict, name
     assert _delta(r, "after_b", "after_b2", "loaded_chunks_cpu") == from_cpu + promoted, r
 
 
-def test_a_failed_promotion_is_never_offered(results: dict) -> None:
+@pytest.mark.parametrize("name", ["promote_failed", "promote_failed_aborted"])
+def test_a_failed_promotion_is_never_offered(results: dict, name: str) -> None:
     """B's disk reads fail (as corrupt payloads read): B is recomputed, nothing enters the cpu
     tier, and B2 is offered none of those chunks (a reserved slot committed anyway would be a
     hit on a slot holding another chunk: a second failure). B2 may hit what B's recompute
-    stored (0.33 stores it sooner than 0.32), and restores that byte-exact."""
-    r = ok(results, "promote_failed")
+    stored (0.33 stores it sooner than 0.32), and restores that byte-exact. Also when B was
+    aborted while the failing load was in flight (kvtier no longer knows B's chunks then)."""
+    r = ok(results, name)
+    if name == "promote_failed_aborted":
+        assert r["b_waiting"], r
     assert r["failed"] == ["b"], r  # not B2
     assert _delta(r, "after_c", "after_b", "promote_chunks") > 0, r
     assert _delta(r, "after_c", "after_b", "promoted_chunks_disk") == 0, r
-    assert _delta(r, "after_b", "after_b2", "loaded_chunks_disk") == 0, r
+    # every slot reserved for B was released, not committed unfilled
+    assert _delta(r, "after_c", "after_b", "promote_aborted") == _delta(r, "after_c", "after_b", "promote_chunks")
+    if name == "promote_failed":  # forgotten on disk too (after an abort kvtier cannot tell which)
+        assert _delta(r, "after_b", "after_b2", "loaded_chunks_disk") == 0, r
     b2 = r["b2"]
     assert b2["external_tokens"] in (0, 192) and b2["mismatches"] == 0, r
     assert r["pins"] == 0 and r["promoting"] == 0, r

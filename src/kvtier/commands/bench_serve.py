@@ -206,7 +206,7 @@ def bench(a: argparse.Namespace) -> dict[str, object]:
     from kvtier.errors import ConfigError
     from kvtier.loadgen import servers as sv
     from kvtier.loadgen import workloads as wl
-    from kvtier.loadgen.client import make_client
+    from kvtier.loadgen.client import make_client, prefix_cache_tokens
     from kvtier.loadgen.drive import Endpoint, drive
     from kvtier.loadgen.proxy import DelayProxy
     from tqdm import tqdm
@@ -295,6 +295,7 @@ def bench(a: argparse.Namespace) -> dict[str, object]:
         for w in a.workloads:
             kname = "with_redis" if w == "c" else "with_cpu"
             before = read_metrics(dirs[kname])
+            engine_before = {n: prefix_cache_tokens(eps[n].base_url) for n in ("without", kname)}
             sent_before = proxy.stats() if proxy is not None and w == "c" else None
             log(f"workload {w}: {len(prompts[w])} prompts x 2 servers")
             t1 = time.monotonic()
@@ -304,6 +305,9 @@ def bench(a: argparse.Namespace) -> dict[str, object]:
             after = settled(read_metrics, dirs[kname])
             groups = sum(k.startswith("chunk_bytes_group") for k in read_info(dirs[kname]))
             res = workload_result(samples["without"], samples[kname], before, after, groups, bt)
+            res["engine_cache"] = {  # vLLM's own counters of prompt tokens, this workload's share
+                side: {k: int(v - engine_before[n][k]) for k, v in prefix_cache_tokens(eps[n].base_url).items()}
+                for side, n in (("without", "without"), ("with", kname))}
             if w in turns:
                 res["reusable_tokens"] = wl.reusable_tokens(turns[w], a.block_tokens, bt)
                 res["later_turns"] = later_turns(turns[w], samples["without"], samples[kname])
@@ -446,6 +450,11 @@ def human(r: dict) -> str:  # type: ignore[type-arg]
                              for t, n in res["restored_tokens"].items()) or "nothing"
         lines.append(f"  restored by kvtier: {restored}" + (
             f"; reusable in this order: {res['reusable_tokens']} tokens" if "reusable_tokens" in res else ""))
+        if "engine_cache" in res:
+            ec = res["engine_cache"]
+            lines.append(f"  vLLM's own prefix cache served {ec['without']['engine_cache_hit_tokens']} tokens "
+                         f"without kvtier, {ec['with']['engine_cache_hit_tokens']} with; vLLM counted "
+                         f"{ec['with']['external_hit_tokens']} tokens from kvtier")
         if "later_turns" in res:
             lt = res["later_turns"]
             lines.append(f"  turns after the first ({lt['requests']}): TTFT p50 {num(lt['ttft_p50_s_without'])} s "

@@ -144,3 +144,23 @@ def make_client(kind: str, timeout_s: float = 600.0) -> tuple[str, Stream]:
         else:
             return "openai", openai_stream(timeout_s)
     return "http", http_stream(timeout_s)
+
+
+PREFIX_CACHE_SERIES = {"vllm:prefix_cache_hits_total": "engine_cache_hit_tokens",
+                       "vllm:external_prefix_cache_hits_total": "external_hit_tokens",
+                       "vllm:prefix_cache_queries_total": "prefix_cache_query_tokens"}
+
+
+def prefix_cache_tokens(base_url: str, timeout_s: float = 10.0) -> dict[str, float]:
+    """A vLLM server's prompt-token counters from its /metrics (summed over label sets): tokens
+    its own prefix cache served, tokens a KV connector served, tokens looked up."""
+    import urllib.request
+
+    with urllib.request.urlopen(base_url.rstrip("/") + "/metrics", timeout=timeout_s) as resp:
+        text = resp.read().decode()
+    out = dict.fromkeys(PREFIX_CACHE_SERIES.values(), 0.0)
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in PREFIX_CACHE_SERIES:
+            out[PREFIX_CACHE_SERIES[name]] += float(line.rsplit(" ", 1)[1])
+    return out

@@ -766,9 +766,14 @@ def run_promote(sc: dict) -> dict:
     """A chunk loaded from disk is promoted into the cpu tier: A's chunks are stored in both
     tiers, C's evict them from the cpu tier (a pool sized for one prompt), B loads A's chunks from
     disk, and B2 (the same prefix, the GPU cache emptied again) loads them from host memory. With
-    fail_reads, B's disk reads fail: nothing is promoted and no later request is offered them."""
+    fail_reads, B's disk reads fail: nothing is promoted and no later request is offered them;
+    with abort too, B is aborted while that failing load is in flight."""
+    from vllm.v1.request import RequestStatus
+
     h = Harness(sc)
     worker = h.wconn.connector_worker.worker
+    if sc.get("abort"):
+        _hold_results(h)
     prompt = _store_a(h, int(sc.get("prompt_tokens", 200)))
     worker.drain()
     h.add("c", [3000 + (i * 7919) % 900 for i in range(len(prompt))])
@@ -786,10 +791,19 @@ def run_promote(sc: dict) -> dict:
                 reads[name] = tier.read
                 tier.read = lambda *a, **k: False  # as a corrupt payload reads
     assert _fresh_gpu_cache(h)
-    out["b"] = _load_and_check(h, "b", prompt + [1, 2, 3])
+    if sc.get("abort"):  # B's load is in flight when B is aborted; then the load fails
+        h.add("b", prompt + [1, 2, 3])
+        h.hold = 3
+        h.step()
+        out["b_waiting"] = "b" in h.sched.requests
+        h.sched.finish_requests("b", RequestStatus.FINISHED_ABORTED)
+        h.drain(8)
+        out["b"] = {"external_tokens": 0, "checked": 0, "mismatches": 0}
+    else:
+        out["b"] = _load_and_check(h, "b", prompt + [1, 2, 3])
+    worker.drain()  # B's reads ran (with the failing read in place) before it is restored
     for name, read in reads.items():
         worker.tiers[name].read = read
-    worker.drain()
     h.drain()
     out["after_b"] = h.counters()
     assert _fresh_gpu_cache(h)
@@ -850,7 +864,33 @@ def run_submit_timing(sc: dict) -> dict:
         return {"store_median_ms": statistics.median(store_t) * 1e3,
                 "load_median_ms": statistics.median(load_t) * 1e3}
 
-    out = {"jobs": n, "tiers": tiers, "background": run("background"), "inline": run("inline")}
+    def promote() -> dict:
+        """Load jobs' time to finish (submit_load until get_finished reports them): each chunk
+        read from disk and promoted into a cpu slot, then the same chunk again from that slot."""
+        if "cpu" not in tiers or "disk" not in tiers:
+            return {}
+        first, again = [], []
+        for j in range(n):
+            h_ = (10 ** 6 + j).to_bytes(4, "big") * 4
+            item = ChunkItem(g, h_, 0, bpc * h.bs, (("disk", j % slots),))
+            worker.submit_store(2 * 10 ** 6 + j, spec(1 + j % 8), KvtierLoadStoreSpec([item]))
+            worker.drain()
+            worker.get_finished()
+            for times, places in ((first, (("disk", j % slots), ("cpu", j % slots))),
+                                  (again, (("cpu", j % slots),))):
+                job = 3 * 10 ** 6 + 2 * j + (times is again)
+                t0 = time.perf_counter()
+                worker.submit_load(job, KvtierLoadStoreSpec([ChunkItem(g, h_, 0, bpc * h.bs, places)]),
+                                   spec(9 + j % 8))
+                while not any(r.job_id == job and r.success for r in worker.get_finished()):
+                    time.sleep(0)
+                times.append(time.perf_counter() - t0)
+        return {"disk_then_promoted_ms": statistics.median(first) * 1e3,
+                "again_from_cpu_ms": statistics.median(again) * 1e3,
+                "disk_over_cpu": statistics.median(first) / statistics.median(again)}
+
+    out = {"jobs": n, "tiers": tiers, "background": run("background"), "inline": run("inline"),
+           "promote": promote()}
     out["store_ratio_inline_over_background"] = out["inline"]["store_median_ms"] / out["background"]["store_median_ms"]
     out["load_ratio_inline_over_background"] = out["inline"]["load_median_ms"] / out["background"]["load_median_ms"]
     return out

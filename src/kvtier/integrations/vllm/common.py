@@ -32,7 +32,8 @@ from .config import VllmTierConfig
 @dataclass(frozen=True, slots=True)
 class ChunkItem:
     """One chunk of one group to move: where its payload lives (one place for a load, every
-    tier that reserved a slot for a store) and what its header must say."""
+    tier that reserved a slot for a store) and what its header must say. A load from disk or
+    Redis may carry a second place, ("cpu", slot): the slot it is promoted into (manager.py)."""
 
     group: int  # kvtier plan group index (position in vLLM's offloaded groups)
     chunk_hash: bytes

@@ -122,16 +122,24 @@ class KvtierConnector(OffloadingConnector):
         return results.finished_sending, results.finished_recving
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        super().update_connector_output(connector_output)
         manager = self.scheduler.manager
         failed = connector_output.failed_recving or ()
         forget = getattr(manager, "load_failed", None)
         if not failed or forget is None:
+            super().update_connector_output(connector_output)
             return
-        # vLLM 0.33: every manager call is made under manager.lock (0.32 has no lock)
+        # vLLM completes a failed load like any other (complete_load) before kvtier hears that it
+        # failed: the manager learns it first, so it never commits a slot the load did not fill
+        # (vLLM 0.33: every manager call is made under manager.lock; 0.32 has no lock)
         with getattr(manager, "lock", contextlib.nullcontext()):
-            for req_id in failed:
-                forget(req_id)
+            manager.failing_loads = set(failed)
+        try:
+            super().update_connector_output(connector_output)
+        finally:
+            with getattr(manager, "lock", contextlib.nullcontext()):
+                manager.failing_loads = set()
+                for req_id in failed:
+                    forget(req_id)
 
 
 def _translate_chunk_tokens(vllm_config, kv_cache_config) -> None:  # noqa: ANN001 - vLLM's types

@@ -10,9 +10,10 @@ whose entries are all pinned answers "full": that store is skipped and counted, 
 Promotion: a load whose chunk is only on disk or in Redis also reserves a cpu slot for it
 (`_promotion_slot`); the worker reads and verifies the chunk off the engine thread, copies it
 into its blocks and into that slot, and the slot is committed when vLLM reports the load done
-(`complete_load`), so the next hit on it reads host memory. A load vLLM reports failed is
-completed first and then forgotten in every tier (`load_failed`), so a slot the worker could
-not fill is never offered. Only chunks the load needs whole are promoted (bytes a load does not
+(`complete_load`), so the next hit on it reads host memory. vLLM completes a failed load too;
+KvtierConnector tells the manager which loads failed first (`failing_loads`), so their slots
+are aborted, never committed unfilled (also when the request was aborted meanwhile and
+`load_failed` no longer knows its chunks). Only chunks the load needs whole are promoted (bytes a load does not
 need are not restored, so a slot filled from a partial load would claim too few blocks): with
 more than one block per chunk, the first chunk of each group in a load may start mid-chunk and
 is not promoted.
@@ -74,6 +75,9 @@ class KvtierManager(OffloadingManager):
         # key -> req_id of the load promoting it into a cpu slot reserved in prepare_load (at
         # most one at a time: a second reservation of the same chunk answers "present")
         self._promoting: dict[OffloadKey, str] = {}
+        # req_ids of loads the workers reported failed in the output vLLM is handling now (set by
+        # KvtierConnector around vLLM's own handling, which calls complete_load for them too)
+        self.failing_loads: set[str] = set()
         self._redis = None
         if "redis" in ctx.config.tiers:
             from kvtier.store.tiers.redis import RedisTier  # no torch; the client connects lazily
@@ -245,6 +249,8 @@ class KvtierManager(OffloadingManager):
         items: list[ChunkItem] = []
         chunks: list[tuple[bytes, int]] = []
         seen: set[int] = set()  # groups with an item already: their later chunks are whole
+        promote: list[tuple[int, OffloadKey]] = []  # (item index, key): read from disk or Redis
+        vanished = False
         for key in keys:
             split = self._key(key)
             assert split is not None, "vLLM loads only keys that lookup() reported as hits"
@@ -260,16 +266,25 @@ class KvtierManager(OffloadingManager):
                 self.metrics.add("load_keys_vanished", group=g)
                 items.append(ChunkItem(g, h, start, end, ()))
                 chunks.append(split)
+                vanished = True
                 continue
             tier, slot = places[0]
             pinned = self.index.pin(h, g, tier)
             assert pinned
             self.index.touch(h, g, tier)
             self._pins.setdefault(key, []).append(tier)
-            promote = self._promotion_slot(key, h, g, req_context) if tier != "cpu" and whole else ()
-            items.append(ChunkItem(g, h, start, end, ((tier, slot),) + promote))
+            if tier != "cpu" and whole:
+                promote.append((len(items), key))
+            items.append(ChunkItem(g, h, start, end, ((tier, slot),)))
             chunks.append(split)
             self.metrics.add(f"load_chunks_{tier}", group=g)
+        # after every source is pinned, so a promotion's eviction never takes a chunk this very
+        # load reads; none for a job that fails anyway
+        for i, key in promote if not vanished else ():
+            it = items[i]
+            slot = self._promotion_slot(key, it.chunk_hash, it.group, req_context)
+            if slot:
+                items[i] = ChunkItem(it.group, it.chunk_hash, it.token_start, it.token_end, it.places + slot)
         self._loads[req_context.req_id] = chunks
         self.metrics.add("load_jobs_scheduled")
         return KvtierLoadStoreSpec(items)
@@ -317,12 +332,14 @@ class KvtierManager(OffloadingManager):
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         for key in keys:
             if self._promoting.get(key) == req_context.req_id:
-                # the worker filled the reserved cpu slot (a failed job is forgotten everywhere
-                # right after this, by load_failed, which vLLM's connector calls next)
                 del self._promoting[key]
                 split = self._key(key)
-                if split is not None:
-                    self.index.commit(split[0], split[1], "cpu")
+                if split is not None:  # filled by the worker unless its job failed
+                    if req_context.req_id in self.failing_loads:
+                        self.index.abort(split[0], split[1], "cpu")
+                        self.metrics.add("promote_aborted", group=split[1])
+                    else:
+                        self.index.commit(split[0], split[1], "cpu")
             tiers = self._pins.get(key)
             split = self._key(key)
             if not tiers or split is None:

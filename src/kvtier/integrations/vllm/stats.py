@@ -78,6 +78,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("store_chunks", ("group",), "Chunks the scheduler reserved slots for."),
     Family("promote_chunks", ("group",), "Chunks loaded from disk or Redis that the scheduler "
            "gave a cpu slot to be promoted into."),
+    Family("promote_aborted", ("group",), "Promotion slots released because their load failed."),
     Family("promote_skipped_full", ("group",), "Promotions skipped because every cpu slot of the "
            "group was pinned or reserved (the load still reads the slower tier)."),
     Family("store_skipped_full_{tier}", TIER_AND_GROUP, "Stores skipped because every slot of the "

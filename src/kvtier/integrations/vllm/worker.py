@@ -116,7 +116,7 @@ class KvtierWorker(OffloadingWorker):
                 num_slots=tuple(index.slots(gp.index, tier) if gp.cacheable else 0
                                 for gp in plan.groups),
             )
-            self.tiers[tier] = _make_tier(tier, layout, ctx, keyed)
+            self.tiers[tier] = _make_tier(tier, layout, ctx, keyed, self.device.type == "cuda")
         # On a GPU: copies run on a side stream through pinned host buffers; a load finishes
         # when its event fires (get_finished polls), a store waits for its device->host copy
         # before the tier write. On CPU every job finishes inside submit_*.
@@ -547,11 +547,17 @@ class KvtierWorker(OffloadingWorker):
                 ref.tensor[bids, :page] = src.to(self.device, non_blocking=True)
 
 
-def _make_tier(name: str, layout: TierLayout, ctx: SpecContext, keyed: Keyed | None) -> Tier:
+def _make_tier(name: str, layout: TierLayout, ctx: SpecContext, keyed: Keyed | None, pin: bool) -> Tier:
     if name == "cpu":
         from kvtier.store.tiers.cpu import CpuTier
 
-        return CpuTier(layout)
+        if not pin:
+            return CpuTier(layout, pin_memory=False)
+        # page-locked as vLLM's own CPU tier locks its region (its host_register, which clears
+        # CUDA's error state when registration fails), not through PyTorch's power-of-two allocator
+        from vllm.v1.kv_offload.cpu.host_register import host_register, host_unregister
+
+        return CpuTier(layout, pin_memory=True, host_register=(host_register, host_unregister))
     if name == "disk":
         from kvtier.store.tiers.disk import DiskTier
 

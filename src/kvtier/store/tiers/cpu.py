@@ -1,10 +1,11 @@
 """The cpu tier: one preallocated host slab per group, fixed-size slots, zero-copy views.
 
 Each group g owns a `torch.uint8` tensor of shape `(num_slots[g], slot_bytes[g])`, allocated
-once at construction (pinned when CUDA is present, so device<->host copies run async: plain
-memory registered with `cudaHostRegister`, as vLLM's own CPU tier does, because PyTorch's
-pinned allocator rounds a request up to a power of two and a 20 GiB slab would lock 32 GiB;
-if registration fails, PyTorch's pinned allocator is used with a warning). A slot
+once at construction (pinned when CUDA is present, so device<->host copies run async). Given
+`host_register` (vLLM's own `host_register`/`host_unregister`, as the vLLM worker passes them),
+a slab is plain memory registered after the fact, as vLLM's CPU tier does: PyTorch's pinned
+allocator rounds a request up to a power of two, so a 20 GiB slab would lock 32 GiB; if
+registration fails, PyTorch's pinned allocator is used, with a warning. A slot
 is a row; `view(g, s, n)` is a zero-copy view of its first n bytes that a transfer engine can
 copy into or out of directly. The header of each occupied slot is kept beside the slab in a
 Python list: memory of this process is trusted, so no payload checksum is computed here (the
@@ -16,7 +17,8 @@ groups it wastes every byte between a group's chunk size and the largest one.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -39,30 +41,35 @@ def _pin_default() -> bool:
     return torch.cuda.is_available()
 
 
-def _slab(shape: tuple[int, int], pin: bool) -> tuple[torch.Tensor, bool]:
-    """A host slab, page-locked when `pin`; (slab, registered with cudaHostRegister)."""
+HostRegister = tuple[Callable[[int, int], bool], Callable[[int], None]]  # (register, unregister)
+
+
+def _slab(shape: tuple[int, int], pin: bool, register: HostRegister | None) -> tuple[torch.Tensor, bool]:
+    """A host slab, page-locked when `pin`; (slab, registered through `register`)."""
+    if not pin or register is None or shape[0] * shape[1] == 0:
+        return torch.empty(shape, dtype=torch.uint8, pin_memory=pin and shape[0] * shape[1] > 0), False
     t = torch.empty(shape, dtype=torch.uint8)
-    if not pin or t.numel() == 0:
-        return t, False
-    cudart = torch.cuda.cudart()
-    err = cudart.cudaHostRegister(t.data_ptr(), t.numel(), 0)
-    if err == cudart.cudaError.success:
+    if register[0](t.data_ptr(), t.numel()):
         return t, True
-    log.warning("cpu tier: cudaHostRegister of %d bytes failed (%s); using PyTorch's pinned "
-                "allocator, which may lock up to twice that", t.numel(), err)
+    log.warning("cpu tier: host registration of %d bytes failed; using PyTorch's pinned allocator, "
+                "which may lock up to twice that", t.numel())
     return torch.empty(shape, dtype=torch.uint8, pin_memory=True), False
 
 
 class CpuTier(SlotTier):
     name = "cpu"
 
-    def __init__(self, layout: TierLayout, *, pin_memory: bool | None = None) -> None:
+    def __init__(self, layout: TierLayout, *, pin_memory: bool | None = None,
+                 host_register: HostRegister | None = None) -> None:
         super().__init__(layout)
         pin = _pin_default() if pin_memory is None else pin_memory
         self.pinned = pin
-        made = [_slab((n, b) if n else (0, 0), pin) for b, n in zip(layout.slot_bytes, layout.num_slots)]
+        made = [_slab((n, b) if n else (0, 0), pin, host_register)
+                for b, n in zip(layout.slot_bytes, layout.num_slots)]
         self.slabs: list[torch.Tensor] = [t for t, _ in made]
-        self._registered = [t for t, reg in made if reg]  # unregistered by close()
+        # registered slabs are unregistered by close(), or when the tier is collected unclosed
+        self._unregister = [weakref.finalize(self, host_register[1], t.data_ptr())  # type: ignore[index]
+                            for t, reg in made if reg]
         self._headers: list[list[ChunkHeader | None]] = [[None] * n for n in layout.num_slots]
 
     def view(self, group: int, slot: int, nbytes: int) -> torch.Tensor:
@@ -147,10 +154,9 @@ class CpuTier(SlotTier):
         self._headers[group][slot] = None
 
     def close(self) -> None:
-        """Unregister the slabs this tier page-locked (their owner synchronized its copies)."""
-        registered, self._registered = self._registered, []
-        for t in registered:
-            torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+        """Unregister the slabs this tier registered (their owner synchronized its copies)."""
+        for fin in self._unregister:
+            fin()
 
     def list(self) -> Iterator[tuple[int, int, ChunkHeader]]:
         for g, headers in enumerate(self._headers):
