@@ -493,13 +493,22 @@ def run_partial(sc: dict) -> dict:
 
 
 def _store_a(h: Harness, n: int) -> list[int]:
-    prompt = [100 + (i * 7919) % 900 for i in range(n)]
-    h.add("a", prompt)
+    return _run_to_end(h, "a", [100 + (i * 7919) % 900 for i in range(n)])
+
+
+def _store_c(h: Harness, n: int) -> list[int]:
+    """Another prompt of n tokens, sharing nothing with A's, run to its end: its stores evict
+    A's chunks from a cpu tier sized for one prompt."""
+    return _run_to_end(h, "c", [3000 + (i * 7919) % 900 for i in range(n)])
+
+
+def _run_to_end(h: Harness, req_id: str, prompt: list[int]) -> list[int]:
+    h.add(req_id, prompt)
     for _ in range(500):
         so = h.step()
         if not h.sched.requests:
             break
-        if not so.total_num_scheduled_tokens:  # A waits on a Redis lookup (answered RETRY):
+        if not so.total_num_scheduled_tokens:  # it waits on a Redis lookup (answered RETRY):
             time.sleep(0.01)  # the answer comes from a background thread, as a model step would
     h.drain()
     return prompt
@@ -726,13 +735,7 @@ def run_stats(sc: dict) -> dict:
     worker.drain()  # A's disk writes landed (counted on the I/O thread)
     assert _fresh_gpu_cache(h)
     c = _load_and_check(h, "b", prompt + [1, 2, 3])
-    # another prompt's chunks evict A's from the small cpu tier
-    h.add("c", [3000 + (i * 7919) % 900 for i in range(len(prompt))])
-    for _ in range(40):
-        h.step()
-        if not h.sched.requests:
-            break
-    h.drain()
+    _store_c(h, len(prompt))  # another prompt's chunks evict A's from the small cpu tier
     worker.drain()  # C's disk writes landed
     h.drain()  # the steps after them report what was counted since the last one
     enc, dec = MsgpackEncoder(), MsgpackDecoder(EngineCoreOutputs)
@@ -776,12 +779,7 @@ def run_promote(sc: dict) -> dict:
         _hold_results(h)
     prompt = _store_a(h, int(sc.get("prompt_tokens", 200)))
     worker.drain()
-    h.add("c", [3000 + (i * 7919) % 900 for i in range(len(prompt))])
-    for _ in range(40):
-        h.step()
-        if not h.sched.requests:
-            break
-    h.drain()
+    _store_c(h, len(prompt))
     worker.drain()
     out: dict = {"after_c": h.counters()}
     reads = {}

@@ -149,6 +149,15 @@ class KvtierManager(OffloadingManager):
             return None  # a store or a promotion into another tier is in flight
         return self._okey.pop((chunk_hash, group), None)
 
+    def _evictions(self, entries, tier: str, into: list[OffloadKey]) -> None:  # noqa: ANN001
+        """Count entries a reservation in `tier` evicted, and add to `into` vLLM's key of each
+        that left its last tier (reported as evicted to vLLM)."""
+        for e in entries:
+            self.metrics.add(f"evicted_{tier}" + ("_dead" if e.dead else ""), group=e.group)
+            gone = self._gone(e.chunk_hash, e.group)
+            if gone is not None:
+                into.append(gone)
+
     def _span(self, key: OffloadKey, group: int, rc: ReqContext) -> tuple[int, int]:
         """The token span of `key`'s chunk, a chunk of plan group `group`."""
         end = rc.get_offload_key_position(key)
@@ -296,11 +305,7 @@ class KvtierManager(OffloadingManager):
         if "cpu" not in self.ctx.config.tiers or key in self._promoting:
             return ()
         r = self.index.reserve(h, g, "cpu")
-        for e in r.evicted:
-            self.metrics.add("evicted_cpu" + ("_dead" if e.dead else ""), group=e.group)
-            gone = self._gone(e.chunk_hash, e.group)
-            if gone is not None:
-                self._evicted_later.append(gone)
+        self._evictions(r.evicted, "cpu", self._evicted_later)
         if r.slot is None:
             if r.status in ("full", "busy"):
                 self.metrics.add("promote_skipped_full", group=g)
@@ -331,9 +336,9 @@ class KvtierManager(OffloadingManager):
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         for key in keys:
+            split = self._key(key)
             if self._promoting.get(key) == req_context.req_id:
                 del self._promoting[key]
-                split = self._key(key)
                 if split is not None:  # filled by the worker unless its job failed
                     if req_context.req_id in self.failing_loads:
                         self.index.abort(split[0], split[1], "cpu")
@@ -341,7 +346,6 @@ class KvtierManager(OffloadingManager):
                     else:
                         self.index.commit(split[0], split[1], "cpu")
             tiers = self._pins.get(key)
-            split = self._key(key)
             if not tiers or split is None:
                 continue
             self.index.unpin(split[0], split[1], tiers.pop(0))
@@ -371,11 +375,7 @@ class KvtierManager(OffloadingManager):
                     places.append((tier, r.slot))
                 elif r.status in ("full", "busy"):
                     self.metrics.add(f"store_skipped_full_{tier}", group=g)
-                for e in r.evicted:
-                    self.metrics.add(f"evicted_{tier}" + ("_dead" if e.dead else ""), group=e.group)
-                    gone = self._gone(e.chunk_hash, e.group)
-                    if gone is not None:
-                        evicted.append(gone)
+                self._evictions(r.evicted, tier, evicted)
             if places:
                 self._okey[split] = key
                 start, end = self._span(key, g, req_context)

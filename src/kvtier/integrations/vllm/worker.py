@@ -437,23 +437,20 @@ class KvtierWorker(OffloadingWorker):
                 event.synchronize()
         if src[0] == "buf":
             data, header = src[1], src[2]
-            for tier, slot in slow:
-                self._write(tier, [(g, slot, header, data)], nbytes)
-            self._give(data)
-            return
-        _, slot, header, blocks = src
-        cpu = self._cpu
-        data = self._take(nbytes, zero=False)
-        data.copy_(cpu.slabs[g][slot])
-        if cpu.header(g, slot) is not header:
-            for tier, tslot in slow:
-                self.metrics.add(f"store_overwritten_{tier}", group=g)
-                if tier == "disk":  # the slot's previous occupant must read as empty, not
-                    # as a foreign chunk (a corrupt drop); later writes to it queue after this
-                    self.tiers[tier].free(g, tslot)
-            self._give(data)
-            return
-        self._zero_unheld(g, blocks, data)
+        else:
+            _, slot, header, blocks = src
+            cpu = self._cpu
+            data = self._take(nbytes, zero=False)
+            data.copy_(cpu.slabs[g][slot])
+            if cpu.header(g, slot) is not header:
+                for tier, tslot in slow:
+                    self.metrics.add(f"store_overwritten_{tier}", group=g)
+                    if tier == "disk":  # the slot's previous occupant must read as empty, not
+                        # as a foreign chunk (a corrupt drop); later writes to it queue after this
+                        self.tiers[tier].free(g, tslot)
+                self._give(data)
+                return
+            self._zero_unheld(g, blocks, data)
         for tier, slot in slow:
             self._write(tier, [(g, slot, header, data)], nbytes)
         self._give(data)
