@@ -12,8 +12,9 @@ Promotion: a load whose chunk is only on disk or in Redis also reserves a cpu sl
 into its blocks and into that slot, and the slot is committed when vLLM reports the load done
 (`complete_load`), so the next hit on it reads host memory. vLLM completes a failed load too;
 KvtierConnector tells the manager which loads failed first (`failing_loads`), so their slots
-are aborted, never committed unfilled (also when the request was aborted meanwhile and
-`load_failed` no longer knows its chunks). Only chunks the load needs whole are promoted (bytes a load does not
+are aborted, never committed unfilled, and `load_failed` then forgets the load's chunks in every
+tier (also when vLLM finished the request, an abort, while its load was in flight: vLLM signals
+the finish before the load completes, so the chunks are kept until then). Only chunks the load needs whole are promoted (bytes a load does not
 need are not restored, so a slot filled from a partial load would claim too few blocks): with
 more than one block per chunk, the first chunk of each group in a load may start mid-chunk and
 is not promoted.
@@ -72,6 +73,11 @@ class KvtierManager(OffloadingManager):
         self._pins: dict[OffloadKey, list[str]] = {}  # tier of each pin, oldest first
         self._pending: dict[OffloadKey, list[str]] = {}  # tiers reserved by a store in flight
         self._loads: dict[str, list[tuple[bytes, int]]] = {}  # req_id -> chunks of its load
+        # req_id -> load jobs in flight (prepare_load .. complete_load); a request vLLM finishes
+        # meanwhile (aborted) keeps its chunks in _loads until its load completes, so a failed
+        # load is still forgotten (load_failed runs after complete_load)
+        self._loading: dict[str, int] = {}
+        self._finished_loading: set[str] = set()
         # key -> req_id of the load promoting it into a cpu slot reserved in prepare_load (at
         # most one at a time: a second reservation of the same chunk answers "present")
         self._promoting: dict[OffloadKey, str] = {}
@@ -105,7 +111,7 @@ class KvtierManager(OffloadingManager):
     def adopt_context(self, ctx: SpecContext) -> None:
         """The workers' exact layout arrived (the spec's `adopt_worker_pages`, before any
         request): slots, chunk sizes and namespace are rebuilt from it."""
-        if self._pins or self._pending or self._loads or self._promoting:
+        if self._pins or self._pending or self._loads or self._promoting or self._loading:
             raise RuntimeError("kvtier: the workers' layout arrived after transfers began")
         self.ctx = ctx
         self.index = ctx.new_index()
@@ -295,6 +301,7 @@ class KvtierManager(OffloadingManager):
             if slot:
                 items[i] = ChunkItem(it.group, it.chunk_hash, it.token_start, it.token_end, it.places + slot)
         self._loads[req_context.req_id] = chunks
+        self._loading[req_context.req_id] = self._loading.get(req_context.req_id, 0) + 1
         self.metrics.add("load_jobs_scheduled")
         return KvtierLoadStoreSpec(items)
 
@@ -335,6 +342,14 @@ class KvtierManager(OffloadingManager):
                     self.index.touch(split[0], split[1], tier)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        req_id = req_context.req_id
+        left = self._loading.pop(req_id, 0) - 1
+        if left > 0:
+            self._loading[req_id] = left
+        elif req_id in self._finished_loading and req_id not in self.failing_loads:
+            # finished while loading and the load worked: nothing will ask for its chunks again
+            self._finished_loading.discard(req_id)
+            self._loads.pop(req_id, None)
         for key in keys:
             split = self._key(key)
             if self._promoting.get(key) == req_context.req_id:
@@ -410,12 +425,18 @@ class KvtierManager(OffloadingManager):
                 self._gone(*split)
 
     def on_request_finished(self, req_context: ReqContext) -> None:
-        self._loads.pop(req_context.req_id, None)
+        """vLLM signals this also while the request's load is in flight (an abort): its chunks
+        are then kept until the load completes, so a failed load still forgets them."""
+        if req_context.req_id in self._loading:
+            self._finished_loading.add(req_context.req_id)
+        else:
+            self._loads.pop(req_context.req_id, None)
 
     def load_failed(self, req_id: str) -> None:
         """The worker could not restore this request's load (a tier error, a corrupt payload):
         forget every chunk of it, so no later request is offered the same bad hit."""
         removed = 0
+        self._finished_loading.discard(req_id)
         for h, g in self._loads.pop(req_id, []):
             for tier, _ in self.index.where(h, g):
                 removed += self.index.remove(h, g, tier)
@@ -436,6 +457,8 @@ class KvtierManager(OffloadingManager):
         self._pins.clear()
         self._pending.clear()
         self._loads.clear()
+        self._loading.clear()
+        self._finished_loading.clear()
         self._promoting.clear()
         self._okey.clear()
         self._evicted_later.clear()
