@@ -91,15 +91,43 @@ def test_documented_vllm_serve_line(tmp_path: Path) -> None:
         log.close()
 
 
-def test_documented_python_form(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def python_form(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+    """The Python snippet, started when the module starts, so its engine comes up while the
+    `vllm serve` test runs (two engine processes at once: about a minute less than in turn)."""
+    tmp = tmp_path_factory.mktemp("python_form")
     code = _block("python", "from vllm import").replace("MODEL_DIR", str(tiny_llama_dir()))
-    code = code.replace("KVTIER_DIR", str(tmp_path))
-    script = tmp_path / "doc_snippet.py"
+    code = code.replace("KVTIER_DIR", str(tmp))
+    script = tmp / "doc_snippet.py"
     script.write_text('if __name__ == "__main__":\n' + textwrap.indent(code, "    ")
                       + '    print("SNIPPET-OK")\n')
-    proc = subprocess.run([sys.executable, str(script)], env=_env(), capture_output=True,
-                          text=True, timeout=ENGINE_TIMEOUT_S)
-    assert "SNIPPET-OK" in proc.stdout, proc.stderr[-3000:]
-    m = read_metrics(tmp_path)
+    out, err = open(tmp / "stdout", "w+"), open(tmp / "stderr", "w+")
+    proc = subprocess.Popen([sys.executable, str(script)], env=_env(), stdout=out, stderr=err, text=True)
+    try:
+        yield tmp, proc, out, err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        out.close()
+        err.close()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _start_python_form_first(python_form) -> None:  # noqa: ANN001
+    """Every test of this module starts the snippet's engine, whichever runs first."""
+
+
+def test_documented_python_form(python_form) -> None:  # noqa: ANN001
+    tmp, proc, out, err = python_form
+    try:
+        proc.wait(timeout=ENGINE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    out.seek(0)
+    err.seek(0)
+    assert "SNIPPET-OK" in out.read(), err.read()[-3000:]
+    m = read_metrics(tmp)
     assert m["loaded_blocks"] == 4  # 600 prompt tokens: 4 chunks of 128, all loaded
     assert m["loaded_chunks_cpu"] == 4
