@@ -91,18 +91,30 @@ SCENARIOS = [
     # stats, the payload as EngineCore encodes it, vLLM's PrometheusStatLogger and log line); a
     # 96 KiB cpu tier (three chunks a group) before disk, so B loads from both tiers and a third
     # prompt's store evicts from cpu
-    {"name": "stats", "stats": True,
+    {"name": "stats", "stats": True, "local_worker": False,
      "extra": {"kvtier.tiers": "cpu,disk", "kvtier.cpu_bytes": "96KiB", "kvtier.disk_bytes": "16MiB"}},
     # promotion: a cpu tier that holds one 200-token prompt (12 chunks a group) before disk;
     # A stored, C evicts it from cpu, B loads A from disk, B2 from cpu
-    {"name": "promote", "promote": True,
+    {"name": "promote", "promote": True, "local_worker": False,
      "extra": {"kvtier.tiers": "cpu,disk", "kvtier.cpu_bytes": "384KiB", "kvtier.disk_bytes": "16MiB"}},
-    {"name": "promote_chunk4", "promote": True,
+    {"name": "promote_chunk4", "promote": True, "local_worker": False,
      "extra": {"blocks_per_chunk": 4, "kvtier.tiers": "cpu,disk", "kvtier.cpu_bytes": "384KiB",
                "kvtier.disk_bytes": "16MiB"}},
-    {"name": "promote_failed", "promote": True, "fail_reads": True,
+    {"name": "promote_failed", "promote": True, "local_worker": False, "fail_reads": True,
      "extra": {"kvtier.tiers": "cpu,disk", "kvtier.cpu_bytes": "384KiB", "kvtier.disk_bytes": "16MiB"}},
-    {"name": "promote_failed_aborted", "promote": True, "fail_reads": True, "abort": True,
+    {"name": "promote_failed_aborted", "promote": True, "local_worker": False, "fail_reads": True, "abort": True,
+     "extra": {"kvtier.tiers": "cpu,disk", "kvtier.cpu_bytes": "384KiB", "kvtier.disk_bytes": "16MiB"}},
+    # promotion at lookup (the worker in the scheduler's process, as vLLM's uni executor runs it)
+    {"name": "promote_lookup", "promote": True,
+     "extra": {"kvtier.tiers": "cpu,disk", "kvtier.cpu_bytes": "384KiB", "kvtier.disk_bytes": "16MiB"}},
+    {"name": "promote_lookup_chunk4", "promote": True,
+     "extra": {"blocks_per_chunk": 4, "kvtier.tiers": "cpu,disk", "kvtier.cpu_bytes": "384KiB",
+               "kvtier.disk_bytes": "16MiB"}},
+    {"name": "promote_lookup_failed", "promote": True, "fail_reads": True,
+     "extra": {"kvtier.tiers": "cpu,disk", "kvtier.cpu_bytes": "384KiB", "kvtier.disk_bytes": "16MiB"}},
+    {"name": "promote_lookup_small", "promote": True,  # a cpu tier of 3 chunks a group
+     "extra": {"kvtier.tiers": "cpu,disk", "kvtier.cpu_bytes": "96KiB", "kvtier.disk_bytes": "16MiB"}},
+    {"name": "promote_lookup_reset", "promote": True, "reset_during_fetch": True,
      "extra": {"kvtier.tiers": "cpu,disk", "kvtier.cpu_bytes": "384KiB", "kvtier.disk_bytes": "16MiB"}},
     # an EAGLE/MTP drafter's group beside the target's full-attention groups
     {"name": "draft_group", "draft_layers": [2],
@@ -515,3 +527,64 @@ def test_a_failed_promotion_is_never_offered(results: dict, name: str) -> None:
     b2 = r["b2"]
     assert b2["external_tokens"] in (0, 192) and b2["mismatches"] == 0, r
     assert r["pins"] == 0 and r["promoting"] == 0, r
+
+
+@pytest.mark.parametrize("name", ["promote_lookup", "promote_lookup_chunk4"])
+def test_a_lookup_promotes_a_disk_hit_before_the_load(results: dict, name: str) -> None:
+    """The worker runs in the scheduler's process (vLLM's uni executor): B's lookup finds A's
+    full-attention chunks only on disk, answers pending while the worker's I/O thread reads and
+    verifies them, and B loads every chunk from host memory, byte-exact; B2 too. vLLM's
+    scheduler waits on the pending answer as on any deferred lookup (both versions)."""
+    r = ok(results, name)
+    for req in (r["b"], r["b2"]):
+        assert req["external_tokens"] == 192 and req["checked"] > 0 and req["mismatches"] == 0, r
+    assert r["failed"] == [] and r["pins"] == 0 and r["promoting"] == 0, r
+    at_lookup = _delta(r, "after_c", "after_b", "promote_at_lookup")
+    assert at_lookup > 0 and _delta(r, "after_c", "after_b", "lookup_pending_keys") >= at_lookup, r
+    assert _delta(r, "after_c", "after_b", "promoted_chunks_disk") == at_lookup, r
+    assert _delta(r, "after_c", "after_b", "promote_read_failed") == 0, r
+    # B and B2 read host memory only
+    assert _delta(r, "after_c", "after_b2", "loaded_chunks_disk") == 0, r
+    assert _delta(r, "after_c", "after_b", "loaded_chunks_cpu") > at_lookup, r
+
+
+def test_a_failed_lookup_promotion_is_a_recomputed_load(results: dict) -> None:
+    """B's lookup reads fail (as corrupt payloads read): the slots are released, the chunks are
+    served as before (B's load reads disk, fails, and B is recomputed), nothing wrong enters the
+    cpu tier, and B2 is offered none of them."""
+    r = ok(results, "promote_lookup_failed")
+    assert r["failed"] == ["b"], r
+    failed = _delta(r, "after_c", "after_b", "promote_read_failed")
+    assert failed > 0 and failed == _delta(r, "after_c", "after_b", "promote_at_lookup"), r
+    assert _delta(r, "after_c", "after_b2", "promoted_chunks_disk") == 0, r
+    assert _delta(r, "after_b", "after_b2", "loaded_chunks_disk") == 0, r
+    b2 = r["b2"]
+    assert b2["external_tokens"] in (0, 192) and b2["mismatches"] == 0, r
+    assert r["pins"] == 0 and r["promoting"] == 0, r
+
+
+def test_a_lookup_promotion_held_across_a_reset_writes_nothing(results: dict) -> None:
+    """B's lookup promotions are held on the I/O thread while B is aborted and the cache reset;
+    D's stores then take the new index's cpu slots (those B's reads were reserved in). When the
+    held reads land they are dropped: D2 restores D's bytes exactly from host memory."""
+    r = ok(results, "promote_lookup_reset")
+    assert r["b_pending"] and r["reset_ok"] and r["resets"] == 1, r
+    assert _delta(r, "after_b", "after_d2", "promoted_chunks_disk") == 0, r
+    assert r["after_b"].get("promoted_chunks_disk", 0) == 0, r
+    d2 = r["d2"]
+    assert d2["external_tokens"] == 192 and d2["checked"] > 0 and d2["mismatches"] == 0, r
+    assert r["failed"] == [] and r["pins"] == 0 and r["promoting"] == 0, r
+
+
+def test_a_hit_larger_than_the_cpu_tier_is_promoted_once_and_served(results: dict) -> None:
+    """B's hit (12 full-attention chunks) is larger than the cpu tier (3 chunks a group): its
+    lookup promotions evict chunks the same hit needs, so a request promotes at lookup only
+    until its first promotion lands, and then its remaining disk chunks are read by its load.
+    (Promoting again and again, each promotion evicting the last, left B waiting for ever.)"""
+    r = ok(results, "promote_lookup_small")
+    for req in (r["b"], r["b2"]):
+        assert req["external_tokens"] == 192 and req["checked"] > 0 and req["mismatches"] == 0, r
+    assert r["failed"] == [] and r["pins"] == 0 and r["promoting"] == 0, r
+    at_lookup = _delta(r, "after_c", "after_b", "promote_at_lookup")
+    assert 0 < at_lookup <= 12, r  # at most the cpu tier's slots (3 in each of 4 groups)
+    assert _delta(r, "after_c", "after_b", "loaded_chunks_disk") > 0, r

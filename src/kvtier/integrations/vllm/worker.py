@@ -39,8 +39,9 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -57,7 +58,7 @@ from kvtier.store.integrity import Keyed
 from kvtier.store.payload import ChunkHeader, make_header
 from kvtier.store.tiers.base import Tier, TierLayout
 
-from .common import ChunkItem, KvtierLoadStoreSpec, Metrics, SpecContext
+from .common import LOCAL_WORKERS, ChunkItem, KvtierLoadStoreSpec, Metrics, SpecContext
 from .lane import Lane
 
 log = logging.getLogger("kvtier.vllm")
@@ -131,6 +132,8 @@ class KvtierWorker(OffloadingWorker):
         self._read_done: deque[tuple[int, float, list, tuple[bool, list, int]]] = deque()
         self._reading: set[int] = set()
         self._pool: dict[int, deque[torch.Tensor]] = {}  # staging buffers by size (_take/_give)
+        if ctx.engine_id and ctx.namespace.world_size == 1:  # the manager may share this process
+            LOCAL_WORKERS[ctx.engine_id] = weakref.ref(self)
         self.metrics.flush(force=True)
 
     # -- OffloadingWorker ----------------------------------------------------------------------
@@ -277,7 +280,48 @@ class KvtierWorker(OffloadingWorker):
         """Wait until every disk and Redis write and read queued so far has run."""
         return self._lane.drain(timeout) if self._lane is not None else True
 
+    # -- promotion at lookup (manager.py), when the manager runs in this process ---------------
+
+    def fetch(self, g: int, tier: str, slot: int, header: ChunkHeader,
+              done: Callable[[torch.Tensor | None], None]) -> bool:
+        """Queue a read of a whole chunk from disk or Redis into a pooled host buffer, verified
+        by the tier; `done(buffer)` (or `done(None)`: a miss, a corrupt payload, a chunk held only
+        in part) runs on the lane, in order with this worker's writes. False: nothing queued (no
+        lane, or it is closed)."""
+        if self._lane is None or self._cpu is None:
+            return False
+
+        def read() -> None:
+            buf = self._take(header.payload_bytes, zero=False)
+            try:
+                ok = self.tiers[tier].read(g, slot, header, buf)
+            except Exception:  # noqa: BLE001 - a failed read is a miss, never a stuck promotion
+                log.exception("kvtier: a promotion read failed")
+                ok = False
+            if not ok:
+                self._give(buf)
+            done(buf if ok else None)
+
+        return self._lane.submit(read)
+
+    def fill(self, g: int, slot: int, buf: torch.Tensor, header: ChunkHeader) -> None:
+        """On the engine thread: copy a chunk `fetch` read and verified into the cpu slot the
+        manager reserved for it (header dropped first, set after: `CpuTier.begin`/`commit`), and
+        give the buffer back."""
+        cpu = self._cpu
+        assert cpu is not None
+        cpu.begin(g, slot).copy_(buf)
+        cpu.commit(g, slot, header)
+        self._give(buf)
+
+    def give(self, buf: torch.Tensor) -> None:
+        """A buffer `fetch` handed over that will not be filled in (its promotion was dropped)."""
+        self._give(buf)
+
     def shutdown(self) -> None:
+        ref = LOCAL_WORKERS.get(self.ctx.engine_id)
+        if ref is not None and ref() is self:
+            del LOCAL_WORKERS[self.ctx.engine_id]
         if self._lane is not None and not self._lane.close():
             # queued disk/Redis I/O did not finish in time: leave the tiers open to it
             log.warning("kvtier: background tier I/O still running at shutdown; tiers left open")
