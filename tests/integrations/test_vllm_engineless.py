@@ -112,6 +112,9 @@ SCENARIOS = [
                "kvtier.disk_bytes": "16MiB"}},
     {"name": "promote_lookup_failed", "promote": True, "fail_reads": True,
      "extra": {"kvtier.tiers": "cpu,disk", "kvtier.cpu_bytes": "384KiB", "kvtier.disk_bytes": "16MiB"}},
+    {"name": "promote_lookup_redis", "promote": True,
+     "extra": {"kvtier.tiers": "cpu,redis", "kvtier.cpu_bytes": "384KiB", "kvtier.redis_bytes": "16MiB",
+               "kvtier.redis_url": "@redis"}},
     {"name": "promote_lookup_small", "promote": True,  # a cpu tier of 3 chunks a group
      "extra": {"kvtier.tiers": "cpu,disk", "kvtier.cpu_bytes": "96KiB", "kvtier.disk_bytes": "16MiB"}},
     {"name": "promote_lookup_reset", "promote": True, "reset_during_fetch": True,
@@ -588,3 +591,16 @@ def test_a_hit_larger_than_the_cpu_tier_is_promoted_once_and_served(results: dic
     at_lookup = _delta(r, "after_c", "after_b", "promote_at_lookup")
     assert 0 < at_lookup <= 12, r  # at most the cpu tier's slots (3 in each of 4 groups)
     assert _delta(r, "after_c", "after_b", "loaded_chunks_disk") > 0, r
+
+
+def test_a_lookup_promotes_a_redis_hit_before_the_load(results: dict) -> None:
+    """The same with Redis behind the cpu tier: B's lookup reads A's full-attention chunks from
+    Redis into host memory (verified on the worker's I/O thread), and B and B2 read host memory
+    only, byte-exact."""
+    r = ok(results, "promote_lookup_redis")
+    for req in (r["b"], r["b2"]):
+        assert req["external_tokens"] == 192 and req["checked"] > 0 and req["mismatches"] == 0, r
+    assert r["failed"] == [] and r["pins"] == 0 and r["promoting"] == 0, r
+    at_lookup = _delta(r, "after_c", "after_b", "promote_at_lookup")
+    assert at_lookup > 0 and _delta(r, "after_c", "after_b", "promoted_chunks_redis") == at_lookup, r
+    assert _delta(r, "after_c", "after_b2", "loaded_chunks_redis") == 0, r
