@@ -78,7 +78,7 @@ CONFIG_INFO_KEYS = ("kvtier_namespace", "kvtier_chunk_tokens", "kvtier_tiers", "
 class _Fetch:
     """A promotion started at lookup: chunk (h, g) read from `tier` into cpu slot `slot`."""
     key: OffloadKey
-    req_id: str
+    req_id: str | None  # None once the request finished
     h: bytes
     g: int
     tier: str
@@ -300,11 +300,15 @@ class KvtierManager(OffloadingManager):
                     f.worker.give(buf)
                 continue
             del self._fetches[split]
-            if len(self._fetched_for) >= SPLIT_MEMO_KEYS:
-                self._fetched_for.clear()
-            self._fetched_for.add(f.req_id)
+            if f.req_id is not None:  # None: the request finished meanwhile
+                if len(self._fetched_for) >= SPLIT_MEMO_KEYS:
+                    self._fetched_for.clear()
+                self._fetched_for.add(f.req_id)
             if buf is None:
                 self.index.abort(f.h, f.g, "cpu")
+                gone = self._gone(f.h, f.g)  # its source was evicted while the read ran
+                if gone is not None:
+                    self._evicted_later.append(gone)
                 if len(self._no_fetch) >= SPLIT_MEMO_KEYS:
                     self._no_fetch.clear()
                 self._no_fetch.add(split)
@@ -316,12 +320,13 @@ class KvtierManager(OffloadingManager):
             self.metrics.add(f"promoted_chunks_{tier}", group=f.g)
 
     def has_pending_work(self) -> bool:
-        """vLLM 0.33: keep stepping while a promotion started at lookup is in flight."""
+        """Keep the engine stepping while a promotion started at lookup is in flight (0.33's
+        engine asks; 0.32's does not, and steps while a request waits on it anyway)."""
         return bool(self._fetches)
 
-    def on_schedule_end(self, context) -> None:  # noqa: ANN001 - vLLM 0.33's ScheduleEndContext
-        """vLLM 0.33, the last manager call of a step: land promotions whose reads finished, also
-        those no request asks for again (an abort)."""
+    def on_schedule_end(self, context) -> None:  # noqa: ANN001 - vLLM's ScheduleEndContext
+        """Once a step (both versions, from build_connector_meta): land promotions whose reads
+        finished, also those no request asks for again (an abort)."""
         if self._fetched:
             self._land_fetches()
 
@@ -486,6 +491,9 @@ class KvtierManager(OffloadingManager):
                     if req_context.req_id in self.failing_loads:
                         self.index.abort(split[0], split[1], "cpu")
                         self.metrics.add("promote_aborted", group=split[1])
+                        gone = self._gone(*split)
+                        if gone is not None:
+                            self._evicted_later.append(gone)
                     else:
                         self.index.commit(split[0], split[1], "cpu")
             tiers = self._pins.get(key)
@@ -501,8 +509,6 @@ class KvtierManager(OffloadingManager):
         items: list[ChunkItem] = []
         to_store: list[OffloadKey] = []
         stored: dict[int, int] = {}  # chunks reserved, by group
-        if self._fetched:  # vLLM 0.32 has no on_schedule_end
-            self._land_fetches()
         evicted, self._evicted_later = self._evicted_later, []
         if self.ctx.off_reason:  # never a store no hit can read
             self.metrics.add("store_keys_offload_off", len(keys))
@@ -558,6 +564,9 @@ class KvtierManager(OffloadingManager):
         """vLLM signals this also while the request's load is in flight (an abort): its chunks
         are then kept until the load completes, so a failed load still forgets them."""
         self._fetched_for.discard(req_context.req_id)
+        for f in self._fetches.values():  # landing later must not record it again
+            if f.req_id == req_context.req_id:
+                f.req_id = None
         if req_context.req_id in self._loading:
             self._finished_loading.add(req_context.req_id)
         else:

@@ -292,15 +292,17 @@ class KvtierWorker(OffloadingWorker):
             return False
 
         def read() -> None:
-            buf = self._take(header.payload_bytes, zero=False)
-            try:
+            buf, ok = None, False
+            try:  # done() is always called: a fetch never answered would stay pending for ever
+                buf = self._take(header.payload_bytes, zero=False)
                 ok = self.tiers[tier].read(g, slot, header, buf)
             except Exception:  # noqa: BLE001 - a failed read is a miss, never a stuck promotion
                 log.exception("kvtier: a promotion read failed")
                 ok = False
-            if not ok:
-                self._give(buf)
-            done(buf if ok else None)
+            finally:
+                if not ok and buf is not None:
+                    self._give(buf)
+                done(buf if ok else None)
 
         return self._lane.submit(read)
 
