@@ -817,16 +817,7 @@ def run_promote(sc: dict) -> dict:
         worker.drain()
         h.step()  # the held reads land: dropped, nothing written into D's slots
         out["after_b"] = h.counters()
-        assert _fresh_gpu_cache(h)
-        out["d2"] = _load_and_check(h, "d2", d + [7, 8, 9])
-        worker.drain()
-        h.drain()
-        out["after_d2"] = h.counters()
-        out["failed"] = sorted(h.failed)
-        out["pins"] = _pins(h)
-        manager = h.sched.connector.connector_scheduler.manager
-        out["promoting"] = len(manager._promoting) + len(manager._fetches)
-        return out
+        return _reload_and_settle(h, out, "d2", d + [7, 8, 9])
     if sc.get("abort"):  # B's load is in flight when B is aborted; then the load fails
         h.add("b", prompt + [1, 2, 3])
         h.hold = 3
@@ -842,16 +833,23 @@ def run_promote(sc: dict) -> dict:
         worker.tiers[name].read = read
     h.drain()
     out["after_b"] = h.counters()
+    _reload_and_settle(h, out, "b2", prompt + [4, 5, 6])
+    out["groups"] = len(h.kvc.kv_cache_groups)
+    return out
+
+
+def _reload_and_settle(h: Harness, out: dict, req_id: str, prompt: list[int]) -> dict:
+    """vLLM's own cache emptied, `req_id` loads and is checked; then what is left afterwards:
+    counters, failed requests, pins, promotions in flight (at load or at lookup)."""
     assert _fresh_gpu_cache(h)
-    out["b2"] = _load_and_check(h, "b2", prompt + [4, 5, 6])
-    worker.drain()
+    out[req_id] = _load_and_check(h, req_id, prompt)
+    h.wconn.connector_worker.worker.drain()
     h.drain()
-    out["after_b2"] = h.counters()
+    out[f"after_{req_id}"] = h.counters()
     out["failed"] = sorted(h.failed)
     out["pins"] = _pins(h)
     manager = h.sched.connector.connector_scheduler.manager
     out["promoting"] = len(manager._promoting) + len(manager._fetches)
-    out["groups"] = len(h.kvc.kv_cache_groups)
     return out
 
 
