@@ -91,19 +91,19 @@ SCENARIOS = [
     # stats, the payload as EngineCore encodes it, vLLM's PrometheusStatLogger and log line); a
     # 96 KiB cpu tier (three chunks a group) before disk, so B loads from both tiers and a third
     # prompt's store evicts from cpu
-    {"name": "stats", "stats": True, "local_worker": False,
-     "extra": {"kvtier.tiers": "cpu,disk", "kvtier.cpu_bytes": "96KiB", "kvtier.disk_bytes": "16MiB"}},
+    {"name": "stats", "stats": True,
+     "extra": {"kvtier.host_region": "off", "kvtier.tiers": "cpu,disk", "kvtier.cpu_bytes": "96KiB", "kvtier.disk_bytes": "16MiB"}},
     # promotion: a cpu tier that holds one 200-token prompt (12 chunks a group) before disk;
     # A stored, C evicts it from cpu, B loads A from disk, B2 from cpu
-    {"name": "promote", "promote": True, "local_worker": False,
-     "extra": {"kvtier.tiers": "cpu,disk", "kvtier.cpu_bytes": "384KiB", "kvtier.disk_bytes": "16MiB"}},
-    {"name": "promote_chunk4", "promote": True, "local_worker": False,
-     "extra": {"blocks_per_chunk": 4, "kvtier.tiers": "cpu,disk", "kvtier.cpu_bytes": "384KiB",
+    {"name": "promote", "promote": True,
+     "extra": {"kvtier.host_region": "off", "kvtier.tiers": "cpu,disk", "kvtier.cpu_bytes": "384KiB", "kvtier.disk_bytes": "16MiB"}},
+    {"name": "promote_chunk4", "promote": True,
+     "extra": {"kvtier.host_region": "off", "blocks_per_chunk": 4, "kvtier.tiers": "cpu,disk", "kvtier.cpu_bytes": "384KiB",
                "kvtier.disk_bytes": "16MiB"}},
-    {"name": "promote_failed", "promote": True, "local_worker": False, "fail_reads": True,
-     "extra": {"kvtier.tiers": "cpu,disk", "kvtier.cpu_bytes": "384KiB", "kvtier.disk_bytes": "16MiB"}},
-    {"name": "promote_failed_aborted", "promote": True, "local_worker": False, "fail_reads": True, "abort": True,
-     "extra": {"kvtier.tiers": "cpu,disk", "kvtier.cpu_bytes": "384KiB", "kvtier.disk_bytes": "16MiB"}},
+    {"name": "promote_failed", "promote": True, "fail_reads": True,
+     "extra": {"kvtier.host_region": "off", "kvtier.tiers": "cpu,disk", "kvtier.cpu_bytes": "384KiB", "kvtier.disk_bytes": "16MiB"}},
+    {"name": "promote_failed_aborted", "promote": True, "fail_reads": True, "abort": True,
+     "extra": {"kvtier.host_region": "off", "kvtier.tiers": "cpu,disk", "kvtier.cpu_bytes": "384KiB", "kvtier.disk_bytes": "16MiB"}},
     # promotion at lookup (the worker in the scheduler's process, as vLLM's uni executor runs it)
     {"name": "promote_lookup", "promote": True,
      "extra": {"kvtier.tiers": "cpu,disk", "kvtier.cpu_bytes": "384KiB", "kvtier.disk_bytes": "16MiB"}},

@@ -357,7 +357,7 @@ def test_a_bad_cpu_copy_falls_back_to_the_disk_copy(tmp_path) -> None:
     ld = hit.chunks[0][1]  # full group, chunk 1, in cpu
     assert ld.tier == "cpu"
     # make the cpu slot claim another chunk: a foreign header there is dropped on read
-    cpu._headers[0][ld.slot] = s.header(b"\x01" * 32, 0, 1)
+    cpu.commit(0, ld.slot, s.header(b"\x01" * 32, 0, 1))
     assert roundtrip(s, toks, seed=4) == (64, 64)
     m = s.metrics()
     assert m["corrupt_dropped"] == 1

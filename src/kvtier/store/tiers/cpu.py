@@ -7,9 +7,20 @@ a slab is plain memory registered after the fact, as vLLM's CPU tier does: PyTor
 allocator rounds a request up to a power of two, so a 20 GiB slab would lock 32 GiB; if
 registration fails, PyTorch's pinned allocator is used, with a warning. A slot
 is a row; `view(g, s, n)` is a zero-copy view of its first n bytes that a transfer engine can
-copy into or out of directly. The header of each occupied slot is kept beside the slab in a
-Python list: memory of this process is trusted, so no payload checksum is computed here (the
-disk and redis tiers checksum; a checksum here would halve cpu throughput for no gain).
+copy into or out of directly.
+
+Slot table: each slot has a record (`host_region.SLOT_RECORD` bytes): a sequence number, then
+the header of the chunk it holds (zeros when empty). `begin` makes the number odd and clears the
+header before new bytes arrive; `commit` writes the header and makes it even again; `free` clears
+the header. So a reader that copies a slot without holding it (the vLLM worker's disk and Redis
+write-behind) knows the copy is the chunk it meant when `generation` is the same after the copy
+as when that chunk was committed (a seqlock; `fence` orders the number against the bytes). Memory
+of these processes is trusted, so no payload checksum is computed here (the disk and redis tiers
+checksum; a checksum here would halve cpu throughput for no gain).
+
+Given a `HostRegion` (host_region.py), slabs and table live in a file two processes map, so the
+vLLM scheduler's process can fill a slot the worker's process reads (promotion at lookup); every
+header then lives in the table, never only in a process's memory.
 Rejected alternative: one slab with rows sized for all groups (vLLM's layout); with unequal
 groups it wastes every byte between a group's chunk size and the largest one.
 """
@@ -17,13 +28,27 @@ groups it wastes every byte between a group's chunk size and the largest one.
 from __future__ import annotations
 
 import logging
+import struct
+import threading
 import weakref
 from collections.abc import Callable, Iterator
 
 import torch
 
-from kvtier.store.payload import ChunkHeader, as_bytes_view, mismatch, span_not_held
+from kvtier.store.payload import (
+    HEADER_BYTES,
+    MAGIC,
+    ChunkHeader,
+    as_bytes_view,
+    decode_header,
+    encode_header,
+    mismatch,
+    span_not_held,
+)
 from kvtier.store.tiers.base import SlotTier, TierLayout
+from kvtier.store.tiers.host_region import SEQ_BYTES, SLOT_RECORD, HostRegion
+
+ZERO_HEADER = bytes(HEADER_BYTES)
 
 
 def as_u8(t: torch.Tensor) -> torch.Tensor:
@@ -56,21 +81,72 @@ def _slab(shape: tuple[int, int], pin: bool, register: HostRegister | None) -> t
     return torch.empty(shape, dtype=torch.uint8, pin_memory=True), False
 
 
+def register_region(t: torch.Tensor, register: HostRegister | None) -> bool:
+    """Page-lock a slab of a shared region in place (it cannot be reallocated pinned: the other
+    process maps this memory); False, with a warning, when it cannot be (copies are then
+    synchronous, still correct)."""
+    if register is None or t.numel() == 0:
+        return False
+    if register[0](t.data_ptr(), t.numel()):
+        return True
+    log.warning("cpu tier: host registration of a %d-byte shared slab failed; its copies run "
+                "unpinned", t.numel())
+    return False
+
+
+_FENCE = threading.Lock()
+
+
+def fence() -> None:
+    """A full memory barrier between this thread's earlier and later memory accesses (a lock's
+    acquire and release are one each), for the seqlock above on weakly ordered CPUs (ARM)."""
+    with _FENCE:
+        pass
+
+
+_SEQ = struct.Struct("<Q")
+
+
 class CpuTier(SlotTier):
     name = "cpu"
 
     def __init__(self, layout: TierLayout, *, pin_memory: bool | None = None,
-                 host_register: HostRegister | None = None) -> None:
+                 host_register: HostRegister | None = None, region: HostRegion | None = None) -> None:
         super().__init__(layout)
         pin = _pin_default() if pin_memory is None else pin_memory
         self.pinned = pin
-        made = [_slab((n, b) if n else (0, 0), pin, host_register)
-                for b, n in zip(layout.slot_bytes, layout.num_slots)]
+        self.region = region
+        if region is not None:  # slabs and table in a file another process maps too
+            if region.layout != layout:
+                raise ValueError(f"host region laid out for {region.layout}, not {layout}")
+            registered = [bool(pin and register_region(t, host_register)) for t in region.slabs]
+            made = list(zip(region.slabs, registered))
+            self._tables = region.tables
+        else:
+            made = [_slab((n, b) if n else (0, 0), pin, host_register)
+                    for b, n in zip(layout.slot_bytes, layout.num_slots)]
+            self._tables = [memoryview(bytearray(n * SLOT_RECORD)) for n in layout.num_slots]
         self.slabs: list[torch.Tensor] = [t for t, _ in made]
         # registered slabs are unregistered by close(), or when the tier is collected unclosed
         self._unregister = [weakref.finalize(self, host_register[1], t.data_ptr())  # type: ignore[index]
                             for t, reg in made if reg]
-        self._headers: list[list[ChunkHeader | None]] = [[None] * n for n in layout.num_slots]
+
+    # -- the slot table ------------------------------------------------------------------------
+
+    def generation(self, group: int, slot: int) -> int:
+        """The slot's sequence number: odd while it is being written, changed by every `begin`."""
+        return _SEQ.unpack_from(self._tables[group], slot * SLOT_RECORD)[0]
+
+    def _set_header(self, group: int, slot: int, header: ChunkHeader | None, bump: bool) -> None:
+        table, off = self._tables[group], slot * SLOT_RECORD
+        seq = _SEQ.unpack_from(table, off)[0]
+        if bump and not seq & 1:  # begin: odd before any byte changes
+            _SEQ.pack_into(table, off, seq + 1)
+            fence()
+        table[off + SEQ_BYTES:off + SLOT_RECORD] = encode_header(header) if header is not None else ZERO_HEADER
+        if header is not None and seq & 1:  # commit: even once bytes and header are in
+            fence()
+            _SEQ.pack_into(table, off, seq + 1)
 
     def view(self, group: int, slot: int, nbytes: int) -> torch.Tensor:
         """Zero-copy view of the first `nbytes` bytes of a slot."""
@@ -79,53 +155,53 @@ class CpuTier(SlotTier):
 
     def header(self, group: int, slot: int) -> ChunkHeader | None:
         self._check(group, slot)
-        return self._headers[group][slot]
+        off = slot * SLOT_RECORD + SEQ_BYTES
+        raw = self._tables[group][off:off + HEADER_BYTES]
+        if raw[:4] != MAGIC:
+            return None
+        h = decode_header(raw)
+        return h if isinstance(h, ChunkHeader) else None
 
     def write(self, group: int, slot: int, header: ChunkHeader, data: object) -> bool:
         n = header.payload_bytes
         self._check(group, slot, n)
-        dst = self.slabs[group][slot, :n]
         if isinstance(data, torch.Tensor):
             src_t = as_u8(data)
             if src_t.numel() != n:
                 raise ValueError(f"data has {src_t.numel()} bytes, header says {n}")
-            dst.copy_(src_t)
+            self.begin(group, slot)[:n].copy_(src_t)
         else:
             src = as_bytes_view(data)
             if len(src) != n:
                 raise ValueError(f"data has {len(src)} bytes, header says {n}")
-            as_bytes_view(dst)[:] = src
-        self._headers[group][slot] = header
-        self.writes += 1
-        self.bytes_written += n
+            as_bytes_view(self.begin(group, slot)[:n])[:] = src
+        self.commit(group, slot, header)
         return True
 
     def begin(self, group: int, slot: int) -> torch.Tensor:
-        """Start writing a slot in place: its header is dropped first (so no reader, and no
-        background copy that checks `header(...) is h` afterwards, takes the slot for the old
-        chunk while new bytes arrive), then the whole row is returned for the caller to fill.
-        `commit` makes it readable. Bytes outside the span the header will name are whatever the
-        slot held before: a caller of `holds` copies only the span (the vLLM worker does), and
-        `read` copies the whole row, so a slot filled this way is read with `holds`. This is the
-        only way bytes enter a slot that a background copy checks by header identity: `write`
-        sets the header after the bytes."""
+        """Start writing a slot in place: its sequence number turns odd and its header is dropped
+        first (so no reader, and no background copy that compares `generation` afterwards, takes
+        the slot for the old chunk while new bytes arrive), then the whole row is returned for the
+        caller to fill. `commit` makes it readable. Bytes outside the span the header will name
+        are whatever the slot held before: a caller of `holds` copies only the span (the vLLM
+        worker does), and `read` copies the whole row, so a slot filled this way is read with
+        `holds`. Every write goes through here (`write` too)."""
         self._check(group, slot)
-        self._headers[group][slot] = None
+        self._set_header(group, slot, None, bump=True)
         return self.slabs[group][slot]
 
     def commit(self, group: int, slot: int, header: ChunkHeader) -> None:
         """The slot, filled in place since `begin`, now holds the chunk `header` names."""
         self._check(group, slot, header.payload_bytes)
-        self._headers[group][slot] = header
+        self._set_header(group, slot, header, bump=False)
         self.writes += 1
         self.bytes_written += header.payload_bytes
 
     def holds(self, group: int, slot: int, header: ChunkHeader) -> bool:
         """`read`'s checks without the copy: whether the slot serves `header` (a caller then reads
         the slot's row in place). Counts a read, a miss or a dropped corrupt slot as `read` does."""
-        self._check(group, slot)
         self.reads += 1
-        stored = self._headers[group][slot]
+        stored = self.header(group, slot)
         if stored is None:
             self.misses += 1
             return False
@@ -151,7 +227,7 @@ class CpuTier(SlotTier):
 
     def free(self, group: int, slot: int) -> None:
         self._check(group, slot)
-        self._headers[group][slot] = None
+        self._set_header(group, slot, None, bump=False)
 
     def close(self) -> None:
         """Unregister the slabs this tier registered (their owner synchronized its copies)."""
@@ -159,7 +235,8 @@ class CpuTier(SlotTier):
             fin()
 
     def list(self) -> Iterator[tuple[int, int, ChunkHeader]]:
-        for g, headers in enumerate(self._headers):
-            for s, h in enumerate(headers):
+        for g, n in enumerate(self.layout.num_slots):
+            for s in range(n):
+                h = self.header(g, s)
                 if h is not None:
                     yield g, s, h

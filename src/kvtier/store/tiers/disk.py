@@ -80,6 +80,7 @@ from kvtier.store.tiers.disk_files import (
     Mapping,
     map_file,
     open_namespace_dir,
+    open_reader_dir,
     open_slabs,
     pwrite_all,
     resident,
@@ -119,8 +120,11 @@ class DiskTier(SlotTier):
     def __init__(
         self, root: str | os.PathLike[str], layout: TierLayout, namespace_id: str, *,
         fsync: str = "never", pipeline: str | None = None, piece_bytes: int | None = None,
-        mapped_reads: bool | None = None, keyed: Keyed | None = None,
+        mapped_reads: bool | None = None, keyed: Keyed | None = None, reader: bool = False,
     ) -> None:
+        """`reader=True`: read a directory another process writes (the vLLM scheduler's
+        promotions, while the worker writes): no writer lock, no file created or sized, every
+        write fails and `free` does nothing."""
         super().__init__(layout)
         if fsync not in FSYNC_POLICIES:
             raise ConfigError(f"disk fsync policy {fsync!r} unknown; use one of: {', '.join(FSYNC_POLICIES)}")
@@ -151,7 +155,10 @@ class DiskTier(SlotTier):
         self.closed = False
         self.dir = self.root / namespace_id
         self.strides = [slot_stride(b) for b in layout.slot_bytes]
-        self._lock_fd, why = open_namespace_dir(self.dir)  # the directory fd holds the lock
+        if reader:
+            self._lock_fd, why = open_reader_dir(self.dir), "opened to read beside its writer"
+        else:
+            self._lock_fd, why = open_namespace_dir(self.dir)  # the directory fd holds the lock
         self.read_only = why is not None
         if why is not None:
             self.last_error = why

@@ -89,6 +89,22 @@ def _refuse_unsafe(path: Path, st: os.stat_result) -> None:
             f"{stat.S_IMODE(st.st_mode):o}); run `chmod 700 {str(path)!r}` or choose another directory")
 
 
+def open_reader_dir(path: Path) -> int:
+    """Open an existing namespace directory to read beside its writer (another process): no
+    lock, nothing created; checked as `open_namespace_dir` checks it. Raises TierError."""
+    try:
+        dfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | OPEN_FLAGS)
+    except OSError as exc:
+        raise TierError(f"disk tier cannot open directory {str(path)!r} ({exc.strerror}); "
+                        "it must be a real directory, not a symlink") from None
+    try:
+        _refuse_unsafe(path, os.fstat(dfd))
+    except TierError:
+        os.close(dfd)
+        raise
+    return dfd
+
+
 def open_namespace_dir(path: Path) -> tuple[int, str | None]:
     """Open (create 0700 if missing) a namespace directory and take its writer lock.
 
