@@ -805,6 +805,8 @@ def run_promote(sc: dict) -> dict:
         h.step()
         out["reset_ok"] = bool(h.sched.reset_prefix_cache(reset_connector=True))
         out["resets"] = h.counters().get("resets", 0)
+        manager = h.sched.connector.connector_scheduler.manager
+        out["held_after_reset"] = manager._reset_unflushed  # no promotion at lookup until flushed
         # D's stores take the new index's cpu slots, the ones B's held reads were reserved in
         d = _run_to_end(h, "d", [6000 + (i * 7919) % 900 for i in range(len(prompt))])
         disk.read = read
@@ -812,6 +814,7 @@ def run_promote(sc: dict) -> dict:
         promoter.drain()
         h.step()  # the held reads land: dropped, nothing written into D's slots
         out["after_b"] = h.counters()
+        out["held_at_end"] = manager._reset_unflushed
         return _reload_and_settle(h, out, "d2", d + [7, 8, 9])
     if sc.get("abort"):  # B's load is in flight when B is aborted; then the load fails
         h.add("b", prompt + [1, 2, 3])
