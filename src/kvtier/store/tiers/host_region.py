@@ -140,6 +140,10 @@ class HostRegion:
 
     def __init__(self, mm: mmap.mmap, layout: TierLayout, path: str) -> None:
         self._mm = mm
+        try:  # page tables filled now: a store into a slot never touched pays no faults in a step
+            mm.madvise(getattr(mmap, "MADV_POPULATE_WRITE", 23))
+        except (OSError, ValueError):  # a kernel before 5.14: faulted at first touch instead
+            pass
         self.layout = layout
         self.path = path
         offsets, _ = _offsets(layout)
