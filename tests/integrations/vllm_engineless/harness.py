@@ -807,6 +807,7 @@ def run_promote(sc: dict) -> dict:
         out["resets"] = h.counters().get("resets", 0)
         manager = h.sched.connector.connector_scheduler.manager
         out["held_after_reset"] = manager._reset_unflushed  # no promotion at lookup until flushed
+        out["flushed_at_reset"] = h.counters().get("resets_flushed", 0)  # 0.33 with nothing in flight
         # D's stores take the new index's cpu slots, the ones B's held reads were reserved in
         d = _run_to_end(h, "d", [6000 + (i * 7919) % 900 for i in range(len(prompt))])
         disk.read = read
