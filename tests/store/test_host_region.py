@@ -95,8 +95,9 @@ def test_the_region_file_is_private_and_removed_with_its_creator(tmp_path: Path)
     d = tmp_path / f"kvtier-{os.geteuid()}"
     f = d / "eng.host"
     assert stat.S_IMODE(d.stat().st_mode) == 0o700 and stat.S_IMODE(f.stat().st_mode) == 0o600
-    with pytest.raises(RegionError, match="engine id"):  # one engine id, one live region
+    with pytest.raises(RegionError, match="exists already"):
         HostRegion.create(tmp_path, "eng", LAYOUT)
+    assert f.exists()  # a failed creation never removes a file it did not make
     del region
     gc.collect()
     assert not f.exists()

@@ -137,11 +137,11 @@ class DelayProxy:
                 wait = due - loop.time()
                 if wait > 0:
                     await asyncio.sleep(wait)
-                writer.write(data)
-                await writer.drain()
-                with self._lock:
+                with self._lock:  # counted first: a byte the far side has read is always counted
                     self._chunks += 1
                     self._bytes += len(data)
+                writer.write(data)
+                await writer.drain()
             if writer.can_write_eof():
                 writer.write_eof()  # the other side's reader sees the end, as without the proxy
 

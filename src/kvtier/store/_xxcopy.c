@@ -327,6 +327,13 @@ static PyObject *py_pwrite_xxh3(PyObject *self, PyObject *args) {
 
 static PyObject *py_simd(PyObject *self, PyObject *unused) { return PyBool_FromLong(have_avx2()); }
 
+/* A full memory barrier (the cpu tier's seqlock, cpu.py: on ARM a lock's acquire and release
+   do not order a store before them against a store after them). */
+static PyObject *py_fence(PyObject *self, PyObject *unused) {
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"copy_xxh3", (PyCFunction)(void (*)(void))py_copy_xxh3, METH_VARARGS | METH_KEYWORDS,
      "copy_xxh3(dst, src, simd=None) -> int: copy src into dst (same length, > 240 bytes) and return "
@@ -336,6 +343,7 @@ static PyMethodDef methods[] = {
     {"pwrite_xxh3", py_pwrite_xxh3, METH_VARARGS,
      "pwrite_xxh3(fd, src, offset, piece) -> int: pwrite src at offset, piece bytes at a time, "
      "checksumming each piece right after it is written; returns XXH3-64 of src."},
+    {"fence", py_fence, METH_NOARGS, "fence(): a sequentially consistent memory barrier."},
     {"simd", py_simd, METH_NOARGS, "simd() -> bool: whether the AVX2 code runs on this CPU."},
     {NULL, NULL, 0, NULL},
 };

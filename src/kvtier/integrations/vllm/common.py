@@ -63,6 +63,7 @@ class KvtierHandshake(KVConnectorHandshakeMetadata):
     # differently, and the scheduler must look chunks up (Redis, disk) under the workers' name
     geometry_fingerprint: str = ""
     kv_dtype: str = ""
+    host_region: str = ""  # the name of the worker's cpu tier region, "" without one (the scheduler maps it)
 
 
 # vLLM's KVCacheConfig of each engine in this process, by engine id: KvtierConnector records it
@@ -81,7 +82,6 @@ class SpecContext:
     off_reason: str = ""
     # vLLM's bytes per block of each group (its KV-cache specs), when the spec saw them
     page_bytes: tuple[int, ...] | None = None
-    engine_id: str = ""  # vLLM's engine id: names the host region the scheduler maps (region_name)
 
     def new_index(self) -> Index:
         """The index both sides size their slots from. Where the groups' chunks span different
@@ -109,17 +109,19 @@ class SpecContext:
         return TierLayout(slot_bytes=tuple(gp.chunk_bytes if gp.cacheable else 0 for gp in groups),
                           num_slots=tuple(index.slots(gp.index, tier) if gp.cacheable else 0 for gp in groups))
 
-    def region_name(self) -> str | None:
-        """The name of the cpu tier's host region (store/tiers/host_region.py) the worker creates
-        and the scheduler maps, or None where there is none: no engine id, more than one worker
-        (tensor or pipeline parallel: each rank holds its own shard), or `kvtier.host_region`
-        "off". Engine id and namespace both go in: two engines never share a region."""
-        if not self.engine_id or self.namespace.world_size != 1 or self.config.host_region == "off":
+    def new_region_name(self) -> str | None:
+        """A fresh name for the cpu tier's host region (store/tiers/host_region.py) the worker
+        creates (the scheduler learns it from the worker's handshake and maps exactly that one),
+        or None where there is none: more than one worker (tensor or pipeline parallel: each rank
+        holds its own shard), `kvtier.host_region` "off", or no disk or Redis tier (nothing to
+        promote). Random per engine start: two engines never share or guess each other's region."""
+        if (self.namespace.world_size != 1 or self.config.host_region == "off"
+                or not set(self.config.tiers) - {"cpu"}):
             return None
-        import hashlib
+        import os
+        import secrets
 
-        digest = hashlib.blake2b(f"{self.engine_id}|{self.namespace.id}".encode(), digest_size=8).hexdigest()
-        return f"vllm-{digest}"
+        return f"vllm-{os.getpid()}-{secrets.token_hex(8)}"
 
     def span(self, group: int) -> int:
         """Tokens one chunk of plan group `group` covers (all groups alike without span_tokens)."""

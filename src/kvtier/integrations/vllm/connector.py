@@ -56,9 +56,12 @@ class KvtierConnector(OffloadingConnector):
         ctx = getattr(spec, "ctx", None)
         if ctx is None or ctx.page_bytes is None:
             return None
+        cpu = getattr(getattr(w, "worker", None), "tiers", {}).get("cpu")
+        region = getattr(cpu, "region", None)
         return KvtierHandshake(page_bytes=tuple(ctx.page_bytes),
                                geometry_fingerprint=ctx.namespace.geometry_fingerprint,
-                               kv_dtype=ctx.namespace.dtype)
+                               kv_dtype=ctx.namespace.dtype,
+                               host_region=region.name if region is not None else "")
 
     def set_xfer_handshake_metadata(self, metadata) -> None:  # noqa: ANN001 - vLLM's type
         s = self.connector_scheduler
@@ -72,6 +75,12 @@ class KvtierConnector(OffloadingConnector):
         if layouts and adopt is not None:
             with getattr(s.manager, "lock", contextlib.nullcontext()):
                 adopt(*layouts.pop())
+        # one worker with its cpu tier in a host region: map it now, before any request
+        regions = [m.host_region for m in metadata.values() if isinstance(m, KvtierHandshake) and m.host_region]
+        attach = getattr(s.manager, "adopt_region", None)
+        if len(regions) == 1 and len(metadata) == 1 and attach is not None:
+            with getattr(s.manager, "lock", contextlib.nullcontext()):
+                attach(regions[0])
 
     # -- kvtier's counters on vLLM's stats path (stats.py) -----------------------------------
 

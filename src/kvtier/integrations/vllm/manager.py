@@ -34,9 +34,12 @@ memory copy) and commits it, so the load reads host memory. Rules:
   at the reset (vLLM 0.33's `on_reset_flushed`; 0.32 has no such report, so its engines promote
   at load after a reset): such a job may still write any slot, and the index gives a slot to one
   writer at a time only among the jobs it knows;
-- a read that fails (a miss, a corrupt payload, a chunk stored only in part) releases the slot
-  and the chunk is served as before, read by its load (which fails and recomputes if it is
-  corrupt), and is not tried again; no free cpu slot serves the chunk as before too;
+- the chunk's source (disk or Redis entry) is pinned while its read runs, so the index never
+  hands that disk slot to another chunk the worker would write over the bytes being read;
+- a read that fails (a miss, a corrupt payload, a chunk stored only in part, a disk write the
+  worker has not landed yet) releases the slot and the chunk is served as before, read by its
+  load (which fails and recomputes if it is corrupt), and is not tried again for NO_FETCH_S;
+  no free cpu slot serves the chunk as before too;
 - a request promotes at lookup only until its first promotion lands (a promotion may evict a
   chunk the same request hit).
 Without a region (tensor parallel: each rank holds its own shard; `kvtier.host_region` "off"; no
@@ -79,6 +82,7 @@ log = logging.getLogger("kvtier.vllm")
 REDIS_LOOKUP_TIMEOUT_S = 2.0  # a Redis answer later than this is a counted miss
 REDIS_ANSWER_TTL_S = 1.0  # an answer not used within this is asked again
 SPLIT_MEMO_KEYS = 1 << 16  # key -> (chunk hash, group) memo entries kept before it is cleared
+NO_FETCH_S = 5.0  # a chunk whose promotion read failed is promoted at load meanwhile
 _HIT_SOURCE = {"cpu": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
 CONFIG_INFO_KEYS = ("kvtier_namespace", "kvtier_chunk_tokens", "kvtier_tiers", "kvtier_group_slots",
                     "kvtier_chunk_bytes")
@@ -125,13 +129,16 @@ class KvtierManager(OffloadingManager):
         # I/O thread appends (fetch, buffer or None) to _fetched, the scheduler's thread lands them
         self._fetches: dict[tuple[bytes, int], _Fetch] = {}
         self._fetched: deque[tuple[_Fetch, object]] = deque()
-        self._no_fetch: set[tuple[bytes, int]] = set()  # chunks whose promotion read failed
+        # chunks whose promotion read failed, until when they are not tried again (a read may fail
+        # only because the worker's disk write of the chunk has not landed yet: tried again later)
+        self._no_fetch: dict[tuple[bytes, int], float] = {}
         # requests with a promotion landed: they start no more (a promotion may evict a chunk the
         # same request hit; promoting that one again would evict the first: a request whose hit
         # is larger than the cpu tier would wait for ever). Their later lookups serve disk and
         # Redis chunks as before: the load reads them (and promotes them, its sources pinned).
         self._fetched_for: set[str] = set()
         self._promoter = LookupPromoter(ctx, self.index)
+        self._region = ""  # the worker's host region name, once its handshake said it
         self._reset_unflushed = False  # a reset whose in-flight jobs the workers have not reported
         self._redis = None
         if "redis" in ctx.config.tiers:
@@ -157,6 +164,12 @@ class KvtierManager(OffloadingManager):
         the spec's."""
         return self.relayout(page_bytes, fingerprint, kv_dtype) if self.relayout is not None else False
 
+    def adopt_region(self, name: str) -> bool:
+        """The worker's cpu tier lives in host region `name` (KvtierConnector's handshake, after
+        `adopt_worker_pages`, before any request): map it, for promotion at lookup."""
+        self._region = name
+        return self._promoter.attach(name)
+
     def adopt_context(self, ctx: SpecContext) -> None:
         """The workers' exact layout arrived (the spec's `adopt_worker_pages`, before any
         request): slots, chunk sizes and namespace are rebuilt from it."""
@@ -166,6 +179,8 @@ class KvtierManager(OffloadingManager):
         self.index = ctx.new_index()
         self._promoter.close()
         self._promoter = LookupPromoter(ctx, self.index)
+        if self._region:
+            self._promoter.attach(self._region)
         self._split.clear()
         self._okey.clear()
         self._evicted_later.clear()
@@ -270,8 +285,8 @@ class KvtierManager(OffloadingManager):
         """Reserve a cpu slot for a chunk only disk or Redis holds and queue its read; False when
         the chunk is served as before (in host memory already, no cpu tier, the worker's region
         not mapped, a reset not flushed yet, no free slot, a read of it failed before)."""
-        if (split in self._no_fetch or rc.req_id in self._fetched_for or self._reset_unflushed
-                or not self._promoter.ready()):
+        if (rc.req_id in self._fetched_for or self._reset_unflushed or not self._promoter.ready()
+                or self._no_fetch.get(split, 0.0) > time.monotonic()):
             return False
         places = self.index.where(*split)
         if not places or places[0][0] == "cpu":
@@ -283,15 +298,20 @@ class KvtierManager(OffloadingManager):
         from kvtier.store.payload import make_header
 
         header = make_header(self.ctx.namespace.id, h, g, start, end, self.ctx.plan.groups[g].chunk_bytes, "uint8")
+        tier, tslot = places[0]
+        if not self.index.pin(h, g, tier):  # its source slot is not handed out while the read runs
+            return False
         r = self.index.reserve(h, g, "cpu")
         self._evictions(r.evicted, "cpu", self._evicted_later)
         if r.slot is None:
+            self.index.unpin(h, g, tier)
             if r.status in ("full", "busy"):
                 self.metrics.add("promote_skipped_full", group=g)
             return False
-        f = _Fetch(rc.req_id, h, g, places[0][0], r.slot, header)
-        if not self._promoter.fetch(g, places[0][0], places[0][1], header, lambda buf, f=f: self._fetched.append((f, buf))):
+        f = _Fetch(rc.req_id, h, g, tier, r.slot, header)
+        if not self._promoter.fetch(g, tier, tslot, header, lambda buf, f=f: self._fetched.append((f, buf))):
             self.index.abort(h, g, "cpu")
+            self.index.unpin(h, g, tier)
             return False
         self._fetches[split] = f
         self.metrics.add("promote_chunks", group=g)
@@ -310,6 +330,7 @@ class KvtierManager(OffloadingManager):
                     self._promoter.give(buf)
                 continue
             del self._fetches[split]
+            self.index.unpin(f.h, f.g, f.tier)
             if f.req_id is not None:  # None: the request finished meanwhile
                 if len(self._fetched_for) >= SPLIT_MEMO_KEYS:
                     self._fetched_for.clear()
@@ -319,7 +340,7 @@ class KvtierManager(OffloadingManager):
                 self._report_gone(f.h, f.g)  # its source may have been evicted while the read ran
                 if len(self._no_fetch) >= SPLIT_MEMO_KEYS:
                     self._no_fetch.clear()
-                self._no_fetch.add(split)
+                self._no_fetch[split] = time.monotonic() + NO_FETCH_S
                 self.metrics.add("promote_read_failed", group=f.g)
                 continue
             self._promoter.fill(f.g, f.slot, buf, f.header)

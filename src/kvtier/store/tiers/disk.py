@@ -266,7 +266,8 @@ class DiskTier(SlotTier):
                       and resident(m[2], off, DATA_OFFSET + n))
             if mapped:
                 assert m is not None
-                stored = decode_header(m[1][off:off + HEADER_BYTES])
+                # copied out first: a writer in another process may change it while it is decoded
+                stored = decode_header(bytes(m[1][off:off + HEADER_BYTES]))
                 first = got = 0
             else:
                 hbuf = bytearray(HEADER_BYTES)  # per call: reads from several threads stay independent

@@ -16,8 +16,11 @@ another user's, or writable by others), is created 0600 with `O_EXCL | O_NOFOLLO
 is reserved at creation (`posix_fallocate`): a full tmpfs (Docker's 64 MiB /dev/shm) fails there,
 with one line naming the fix, instead of killing the engine with SIGBUS at the first store.
 
+Identity: the creator picks a random name per start (the vLLM worker) and tells the other process
+(its handshake), which maps exactly that file; no process guesses another's region.
+
 Lifetime: the creator (the worker) removes the file when it closes or exits; the other process
-(the scheduler) removes it right after it mapped it, so once both have mapped it nothing is left
+(the scheduler, at the handshake, before any request) removes it right after it mapped it, so once both have mapped it nothing is left
 behind even if both are killed; a creator also removes files of creators that are no longer
 alive. Memory is freed when the last mapping goes.
 
@@ -138,14 +141,16 @@ class HostRegion:
     """A mapped region: `slabs[g]` a uint8 tensor (slots, slot bytes), `tables[g]` a writable
     memoryview of the group's slot records. Use `create` (owner) or `attach` (other process)."""
 
-    def __init__(self, mm: mmap.mmap, layout: TierLayout, path: str) -> None:
+    def __init__(self, mm: mmap.mmap, layout: TierLayout, path: str, *, populate: bool) -> None:
         self._mm = mm
-        try:  # page tables filled now: a store into a slot never touched pays no faults in a step
-            mm.madvise(getattr(mmap, "MADV_POPULATE_WRITE", 23))
-        except (OSError, ValueError):  # a kernel before 5.14: faulted at first touch instead
-            pass
+        if populate:  # page tables filled now: a store into a slot never touched pays no faults in a step
+            try:
+                mm.madvise(getattr(mmap, "MADV_POPULATE_WRITE", 23))
+            except (OSError, ValueError):  # a kernel before 5.14: faulted at first touch instead
+                pass
         self.layout = layout
         self.path = path
+        self.name = os.path.basename(path)[:-len(".host")]
         offsets, _ = _offsets(layout)
         self.slabs: list[torch.Tensor] = []
         self.tables: list[memoryview] = []
@@ -159,21 +164,24 @@ class HostRegion:
 
     @classmethod
     def create(cls, base: str | os.PathLike[str], name: str, layout: TierLayout) -> HostRegion:
-        """Make and map a new region file `<base>/kvtier-<uid>/<name>.host` for `layout`; it is
-        removed when this region is collected or the process exits. Raises RegionError."""
+        """Make and map a new region file `<base>/kvtier-<uid>/<name>.host` for `layout`, every
+        page allocated and mapped now; it is removed when this region is collected or the process
+        exits. Raises RegionError (and leaves no file of its own, and any other's alone)."""
         if not _NAME_RE.match(name):
             raise RegionError(f"host region name {name!r} must be letters, digits, '.', '_' or '-'")
         dfd = _private_dir(base)
         fname = f"{name}.host"
+        path = os.path.join(base, f"kvtier-{os.geteuid()}", fname)
+        created = False
         try:
             _sweep(dfd)
             _, size = _offsets(layout)
             try:
                 fd = os.open(fname, os.O_RDWR | os.O_CREAT | os.O_EXCL | OPEN_FLAGS, 0o600, dir_fd=dfd)
-            except FileExistsError:
-                raise RegionError(f"{os.path.join(base, f'kvtier-{os.geteuid()}', fname)!r} exists: "
-                                  "another live engine uses the same engine id; give each engine "
-                                  "its own kv_transfer_config engine_id") from None
+            except FileExistsError:  # never ours to remove
+                raise RegionError(f"{path!r} exists already; host region names are random per "
+                                  "engine start: remove the file") from None
+            created = True
             try:
                 try:
                     os.posix_fallocate(fd, 0, size)
@@ -190,22 +198,25 @@ class HostRegion:
                 mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             finally:
                 os.close(fd)
+            region = cls(mm, layout, path, populate=True)
         except BaseException:
-            try:
-                os.unlink(fname, dir_fd=dfd)
-            except OSError:
-                pass
+            if created:
+                try:
+                    os.unlink(fname, dir_fd=dfd)
+                except OSError:
+                    pass
             os.close(dfd)
             raise
-        region = cls(mm, layout, os.path.join(base, f"kvtier-{os.geteuid()}", fname))
         region._remove = weakref.finalize(region, _unlink_at, dfd, fname, os.getpid())
         return region
 
     @classmethod
     def attach(cls, base: str | os.PathLike[str], name: str, layout: TierLayout) -> HostRegion | None:
-        """Map the region another process created for `layout`, then remove its file (both
-        processes hold it now). None when there is none, its creator is gone, or its layout is
-        another. Raises RegionError for an unsafe directory or file."""
+        """Map the region another process created for `layout` (named by it: the vLLM worker's
+        handshake), then remove its file (both processes hold it now). Page tables are filled at
+        first touch, not now (the creator allocated every page; filling 4 GiB of page tables here
+        took 1.5 s). None when there is none, its creator is gone, or its layout is another.
+        Raises RegionError for an unsafe directory or file."""
         if not _NAME_RE.match(name):
             return None
         dfd = _private_dir(base)
@@ -233,11 +244,13 @@ class HostRegion:
                 mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             finally:
                 os.close(fd)
-            try:
-                os.unlink(fname, dir_fd=dfd)
+            try:  # the name still the file this mapped (not one made since): remove it
+                now = os.stat(fname, dir_fd=dfd, follow_symlinks=False)
+                if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
+                    os.unlink(fname, dir_fd=dfd)
             except OSError:
                 pass
-            return cls(mm, layout, os.path.join(base, f"kvtier-{os.geteuid()}", fname))
+            return cls(mm, layout, os.path.join(base, f"kvtier-{os.geteuid()}", fname), populate=False)
         finally:
             os.close(dfd)
 
