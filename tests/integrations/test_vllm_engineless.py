@@ -119,6 +119,9 @@ SCENARIOS = [
      "extra": {"kvtier.tiers": "cpu,disk", "kvtier.cpu_bytes": "96KiB", "kvtier.disk_bytes": "16MiB"}},
     {"name": "promote_lookup_reset", "promote": True, "reset_during_fetch": True,
      "extra": {"kvtier.tiers": "cpu,disk", "kvtier.cpu_bytes": "384KiB", "kvtier.disk_bytes": "16MiB"}},
+    # a lookup promotion's read held while another prompt's stores fill a disk tier of two prompts
+    {"name": "promote_lookup_pinned", "promote": True, "steal_source": True,
+     "extra": {"kvtier.tiers": "cpu,disk", "kvtier.cpu_bytes": "384KiB", "kvtier.disk_bytes": "768KiB"}},
     # an EAGLE/MTP drafter's group beside the target's full-attention groups
     {"name": "draft_group", "draft_layers": [2],
      "layers": ["full", "full", {"kind": "sliding", "window": 1024, "name": "model.layers.2.mtp.attn"}]},
@@ -539,6 +542,8 @@ def test_a_lookup_promotes_a_disk_hit_before_the_load(results: dict, name: str) 
     verifies them, and B loads every chunk from host memory, byte-exact; B2 too. vLLM's
     scheduler waits on the pending answer as on any deferred lookup (both versions)."""
     r = ok(results, name)
+    # the worker's handshake named its region; the scheduler mapped it then, before any request
+    assert r["mapped_at_start"] and not r["region_file_left"], r
     for req in (r["b"], r["b2"]):
         assert req["external_tokens"] == 192 and req["checked"] > 0 and req["mismatches"] == 0, r
     assert r["failed"] == [] and r["pins"] == 0 and r["promoting"] == 0, r
@@ -564,6 +569,21 @@ def test_a_failed_lookup_promotion_is_a_recomputed_load(results: dict) -> None:
     b2 = r["b2"]
     assert b2["external_tokens"] in (0, 192) and b2["mismatches"] == 0, r
     assert r["pins"] == 0 and r["promoting"] == 0, r
+
+
+def test_a_lookup_promotion_keeps_its_source_while_its_read_runs(results: dict) -> None:
+    """B's lookup promotions (A's chunks, from disk) are held on the I/O thread while D's stores
+    would take every disk slot: the slots being read are pinned, so D skips them (counted), the
+    reads land and B restores A's tokens exactly. Without the pin D's bytes replace them and
+    every read fails (checked by removing it: 12 promote_read_failed, nothing restored)."""
+    r = ok(results, "promote_lookup_pinned")
+    assert r["b_pending"] > 0 and r["b_waited"], r
+    assert r["after_d"].get("store_skipped_full_disk", 0) >= r["b_pending"], r["after_d"]
+    a = r["after_b"]
+    assert a["promoted_chunks_disk"] == r["b_pending"] and a.get("promote_read_failed", 0) == 0, a
+    assert r["b"]["external_tokens"] >= 192 and r["b"]["checked"] > 0 and r["b"]["mismatches"] == 0, r["b"]
+    assert a.get("loaded_chunks_disk", 0) == 0, a  # the load read host memory only
+    assert r["failed"] == [] and r["pins"] == 0, r
 
 
 def test_a_lookup_promotion_held_across_a_reset_writes_nothing(results: dict) -> None:

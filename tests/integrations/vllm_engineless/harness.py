@@ -777,11 +777,15 @@ def run_promote(sc: dict) -> dict:
     worker = h.wconn.connector_worker.worker
     if sc.get("abort"):
         _hold_results(h)
+    promoter = h.sched.connector.connector_scheduler.manager._promoter
+    # mapped at the handshake, before any request; its file then removed (both processes hold it)
+    start = {"mapped_at_start": promoter.ready(),
+             "region_file_left": promoter.ready() and os.path.exists(promoter.cpu.region.path)}
     prompt = _store_a(h, int(sc.get("prompt_tokens", 200)))
     worker.drain()
     _store_c(h, len(prompt))
     worker.drain()
-    out: dict = {"after_c": h.counters()}
+    out: dict = {"after_c": h.counters(), **start}
     reads = {}
     if sc.get("fail_reads"):  # the worker's reads (at load) and the scheduler's (at lookup)
         for tier in _slow_readers(h):
@@ -817,6 +821,47 @@ def run_promote(sc: dict) -> dict:
         out["after_b"] = h.counters()
         out["held_at_end"] = manager._reset_unflushed
         return _reload_and_settle(h, out, "d2", d + [7, 8, 9])
+    if sc.get("steal_source"):  # B's lookup promotions are held while D's stores fill the disk tier
+        import threading
+
+        promoter = h.sched.connector.connector_scheduler.manager._promoter
+        assert promoter.ready(), "the scheduler did not map the worker's host region"
+        disk, gate = promoter.tiers["disk"], threading.Event()
+        read = disk.read
+        disk.read = lambda *a, **k: gate.wait(10) and read(*a, **k)
+        b = prompt + [1, 2, 3]
+        h.add("b", b, max_tokens=2)
+        h.step()
+        out["b_pending"] = h.counters().get("promote_at_lookup", 0)
+        # D (nothing in common with A or C, twice as long) stores into a disk tier that holds two
+        # prompts: it evicts every entry of A's and C's it may, not a source a held read is reading
+        h.add("d", [6000 + (i * 7919) % 900 for i in range(2 * len(prompt))])
+        for _ in range(500):
+            h.step()
+            if "d" not in h.sched.requests:
+                break
+        worker.drain()  # D's disk writes landed
+        out["after_d"] = h.counters()
+        disk.read = read
+        gate.set()
+        promoter.drain()
+        req = h.sched.requests.get("b")
+        out["b_waited"] = req is not None  # B did not run while its promotion was held
+        for _ in range(500 if req is not None else 0):  # B resumes: its promotions land, it loads what is left of its hit
+            so = h.step()
+            n = so.num_scheduled_tokens.get("b", 0)
+            if n:
+                ext = req.num_computed_tokens - n
+                out["b"] = {**h.check_loaded(req, b, ext), "external_tokens": ext}
+                break
+            time.sleep(0.01)
+        worker.drain()
+        promoter.drain()
+        h.drain()
+        out["after_b"] = h.counters()
+        out["failed"] = sorted(h.failed)
+        out["pins"] = _pins(h)
+        return out
     if sc.get("abort"):  # B's load is in flight when B is aborted; then the load fails
         h.add("b", prompt + [1, 2, 3])
         h.hold = 3
