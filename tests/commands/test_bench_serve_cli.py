@@ -75,8 +75,10 @@ def test_report_headline_ratios_point_the_documented_way() -> None:
                            block_tokens=128, max_prompt_tokens=512, requests=1, prompt_tokens=10,
                            max_tokens=4, delay_ms=2.0, cpu_bytes="1GiB", redis_bytes="1GiB", dtype="auto",
                            workloads=("a", "b", "c"))
+    w["a"]["prefilled_tokens"] = {"without": 300, "with": 120}
     r = bs.report(a, "m", "http", w, {}, {}, 5, 1000)
     assert r["ttft_p50_speedup"] == 4.0  # without / with
+    assert r["ttft_p50_speedup_ceiling"] == 2.5  # prompt tokens computed, without / with
     assert r["no_reuse_throughput_ratio"] == pytest.approx((4 / 5) / (4 / 2))  # with / without
     assert r["slow_redis_itl_p99_ratio"] == pytest.approx(2.0)  # with / without
     assert r["restored_tokens"] == {"cpu": 384, "redis": 128}
@@ -84,6 +86,7 @@ def test_report_headline_ratios_point_the_documented_way() -> None:
                                 "slow_redis_itl_p99_ratio": False}
     text = bs.human(r)
     assert "ttft_p50_speedup: 4.00 (target >= 3.0: met)" in text
+    assert "ttft_p50_speedup_ceiling: 2.50" in text
     assert "restored by kvtier: cpu 384 tokens (3 chunks)" in text
 
 
