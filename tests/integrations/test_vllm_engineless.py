@@ -31,7 +31,8 @@ SCENARIOS = [
     {"name": "chunk_tokens", "extra": {"kvtier.chunk_tokens": 64}},
     {"name": "failed_reads", "fail_reads": "load"},
     {"name": "partial_chunk", "partial": True, "extra": {"blocks_per_chunk": 4}},
-    {"name": "sync_loads", "extra": {"sync_load_budget_bytes": 1 << 20}},
+    {"name": "sync_loads", "extra": {"sync_load_budget_bytes": 1 << 20, "kvtier.tiers": "disk",
+                                     "kvtier.cpu_bytes": None, "kvtier.disk_bytes": "16MiB"}},
     {"name": "lookups", "lookups": 70000},
     # lifecycle: worker results held back for a few steps, as a GPU's asynchronous copies are
     {"name": "abort_load", "lifecycle": "abort_load"},
@@ -122,6 +123,13 @@ SCENARIOS = [
     # a lookup promotion's read held while another prompt's stores fill a disk tier of two prompts
     {"name": "promote_lookup_pinned", "promote": True, "steal_source": True,
      "extra": {"kvtier.tiers": "cpu,disk", "kvtier.cpu_bytes": "384KiB", "kvtier.disk_bytes": "768KiB"}},
+    # vLLM 0.33's synchronous loads: host-only loads (promoted at lookup first, or a miss)
+    {"name": "promote_sync", "promote": True,
+     "extra": {"sync_load_budget_bytes": 1 << 30, "kvtier.tiers": "cpu,disk", "kvtier.cpu_bytes": "384KiB",
+               "kvtier.disk_bytes": "16MiB"}},
+    {"name": "promote_sync_small", "promote": True,
+     "extra": {"sync_load_budget_bytes": 1 << 30, "kvtier.tiers": "cpu,disk", "kvtier.cpu_bytes": "96KiB",
+               "kvtier.disk_bytes": "16MiB"}},
     # an EAGLE/MTP drafter's group beside the target's full-attention groups
     {"name": "draft_group", "draft_layers": [2],
      "layers": ["full", "full", {"kind": "sliding", "window": 1024, "name": "model.layers.2.mtp.attn"}]},
@@ -252,15 +260,42 @@ def test_a_chunk_serves_only_the_block_positions_it_holds(results: dict) -> None
     r = ok(results, "partial_chunk")
     assert r["narrow_load"] == [True] and r["block6_restored"], r
     assert r["wide_load"] == [False], r
-    assert r["failed_expedited_load"] == [False] and r["block6_kept"], r  # a sync load that fails
+    # a sync load (vLLM runs the request on it this step) that fails stops the engine, one line
+    assert "synchronous load job 6 failed (a cpu slot did not hold its chunk)" in r["failed_expedited_load"], r
+    assert "Remove sync_load_budget_bytes" in r["failed_expedited_load"] and r["block6_kept"], r
+    assert "1 of its chunks are not in host memory" in r["slow_expedited_load"], r
     assert r["block5_untouched"] and r["block6_untouched"], r
     assert r["gap_store"] == [False], r  # blocks that cannot be contiguous fail the job
 
 
-def test_synchronous_loads_are_refused_at_start(results: dict) -> None:
+def test_synchronous_loads_without_a_cpu_tier_are_refused_at_start(results: dict) -> None:
     err = results["sync_loads"].get("error", "")
-    assert err.startswith("ConfigError: sync_load_budget_bytes=1048576:"), err
-    assert "remove sync_load_budget_bytes" in err and "\n" not in err
+    assert err.startswith("ConfigError: sync_load_budget_bytes=1048576 needs kvtier's cpu tier"), err
+    assert "add cpu to kvtier.tiers or remove sync_load_budget_bytes" in err and "\n" not in err
+
+
+@pytest.mark.parametrize("name", ["promote_sync", "promote_sync_small"])
+def test_synchronous_loads_read_host_memory_only(results: dict, name: str) -> None:
+    """vLLM 0.33's synchronous loads (`sync_load_budget_bytes`): vLLM runs the request on the
+    loaded KV in the same step and cannot hear of a failure, so kvtier hands out host-only loads:
+    B's disk hits are promoted at lookup first, and B loads every chunk from host memory,
+    synchronously on 0.33 (0.32 has no such loads: the same hits, loaded asynchronously). With a
+    cpu tier of 3 chunks a group, what cannot be promoted is a miss (computed), never a disk load."""
+    r = ok(results, name)
+    assert r["failed"] == [] and r["pins"] == 0 and r["promoting"] == 0, r
+    assert _delta(r, "after_c", "after_b2", "loaded_chunks_disk") == 0, r
+    assert _delta(r, "after_c", "after_b2", "sync_load_jobs_failed") == 0, r
+    for req in (r["b"], r["b2"]):
+        assert req["mismatches"] == 0, r
+    if name == "promote_sync":
+        assert r["b"]["external_tokens"] == r["b2"]["external_tokens"] == 192, r
+        assert r["b"]["checked"] > 0 and r["b2"]["checked"] > 0, r
+        assert _delta(r, "after_c", "after_b", "promote_at_lookup") > 0, r
+        sync = _delta(r, "after_c", "after_b2", "sync_load_jobs")
+        assert sync > 0 if results["vllm_version"].startswith("0.33") else sync == 0, r
+    else:  # 3 chunks a group cannot hold the window and prefix B needs: its hit ends there
+        assert r["b"]["external_tokens"] < 192, r
+        assert _delta(r, "after_c", "after_b", "lookup_not_in_host") > 0, r
 
 
 def test_the_managers_key_maps_stay_bounded(results: dict) -> None:

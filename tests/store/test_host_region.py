@@ -146,6 +146,34 @@ def test_a_killed_creators_file_is_not_attached_and_is_swept(tmp_path: Path) -> 
     assert not f.exists()
 
 
+def test_a_file_from_another_pid_namespace_is_never_swept(tmp_path: Path) -> None:
+    """Containers sharing /dev/shm (--ipc=host) see each other's files but not each other's pids:
+    a creator whose pid is not alive here may be alive in its own namespace."""
+    import json
+
+    from kvtier.store.tiers import host_region as hr
+
+    proc = other_process(tmp_path, """
+        import os
+        r = HostRegion.create(os.environ["KVT_BASE"], "elsewhere", LAYOUT)
+        print("made", flush=True)
+        time.sleep(60)
+    """, wait=False)
+    assert proc.stdout.readline().strip() == "made"
+    proc.kill()
+    proc.wait()
+    f = tmp_path / f"kvtier-{os.geteuid()}" / "elsewhere.host"
+    raw = f.read_bytes()[:hr.PAGE]
+    rec = json.loads(raw[8:].rstrip(b"\0"))
+    assert rec["pidns"] == hr._pidns()
+    rec["pidns"] = (rec["pidns"] or 0) + 1  # as if made in another PID namespace
+    body = hr.MAGIC + json.dumps(rec).encode()
+    with open(f, "r+b") as fh:
+        fh.write(body + bytes(hr.PAGE - len(body)))
+    _new = HostRegion.create(tmp_path, "eng", LAYOUT)
+    assert f.exists()  # its creator cannot be checked from here: left alone
+
+
 def test_no_room_for_the_region_is_one_line_naming_the_fix(tmp_path: Path) -> None:
     """A full tmpfs fails at creation (the space is reserved), never with SIGBUS at a store.
     Here the file size limit stands in for a small /dev/shm."""
@@ -182,3 +210,16 @@ def test_a_full_tmpfs_fails_at_creation_not_at_the_first_store(tmp_path: Path) -
     finally:
         gc.collect()
         subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_the_seqlock_fence_is_the_c_barrier_where_the_extension_is_built() -> None:
+    """On ARM a lock's acquire and release are not a full barrier: the cpu tier must use the
+    extension's __atomic_thread_fence whenever the extension is there (make setup builds it)."""
+    from kvtier.store.tiers import cpu
+
+    try:
+        from kvtier.store import _xxcopy
+    except ImportError:
+        pytest.skip("kvtier was installed without its C extension")
+    assert cpu.fence is _xxcopy.fence
+    cpu.fence()  # callable, returns

@@ -32,13 +32,15 @@ QUIET_MAX_S = 3.0
 
 
 def _cpu_times() -> tuple[int, int] | None:
-    """(idle, total) jiffies of all CPUs since boot, from /proc/stat; None where there is none."""
+    """(idle, total) jiffies of all CPUs since boot, from /proc/stat (user, nice, system, idle,
+    iowait, irq, softirq; a VM's steal time is left out: this machine's own work is what
+    matters); None where there is none."""
     try:
         with open("/proc/stat", "rb") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
+            fields = [int(x) for x in f.readline().split()[1:8]]
+        return fields[3] + (fields[4] if len(fields) > 4 else 0), sum(fields)
+    except (OSError, ValueError, IndexError):
         return None
-    return fields[3] + (fields[4] if len(fields) > 4 else 0), sum(fields[:8])
 
 
 def wait_quiet(idle: float = QUIET_IDLE, window_s: float = QUIET_WINDOW_S, max_s: float = QUIET_MAX_S) -> float:
@@ -55,7 +57,7 @@ def wait_quiet(idle: float = QUIET_IDLE, window_s: float = QUIET_WINDOW_S, max_s
             break
         d_idle, d_total = now[0] - last[0], now[1] - last[1]
         last = now
-        if d_total > 0 and d_idle / d_total >= idle:
+        if d_total <= 0 or d_idle / d_total >= idle:  # counters that do not move tell nothing
             break
     return time.monotonic() - t0
 

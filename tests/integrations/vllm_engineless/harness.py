@@ -486,8 +486,20 @@ def run_partial(sc: dict) -> dict:
     h.kv[name][6] = -1.0
     for tier in worker.tiers.values():
         tier.read = tier.holds = lambda *a, **k: False
-    worker.submit_load(6, KvtierLoadStoreSpec([item]), spec([6], bpc - 1), expedited=True)
-    out["failed_expedited_load"] = [r.success for r in worker.get_finished() if r.job_id == 6]
+    from kvtier.integrations.vllm.worker import SyncLoadError
+
+    try:  # the request would run on these blocks this step: the engine stops instead
+        worker.submit_load(6, KvtierLoadStoreSpec([item]), spec([6], bpc - 1), expedited=True)
+        out["failed_expedited_load"] = "no error"
+    except SyncLoadError as exc:
+        out["failed_expedited_load"] = str(exc)
+    # one whose chunk is on disk: refused before any read (a sync load reads host memory only)
+    slow = ChunkItem(g, b"\x11" * 16, 0, bpc * h.bs, (("disk", 0),))
+    try:
+        worker.submit_load(7, KvtierLoadStoreSpec([slow]), spec([6], bpc - 1), expedited=True)
+        out["slow_expedited_load"] = "no error"
+    except SyncLoadError as exc:
+        out["slow_expedited_load"] = str(exc)
     out["block6_kept"] = bool(h.torch.all(h.kv[name][6] == -1.0))
     return out
 

@@ -58,6 +58,9 @@ class VllmTierConfig:
     secret_file: str | None = None  # the path only: the tenant secret is read when tiers open
     io_queue_bytes: int = IO_QUEUE_BYTES
     host_region: str = "auto"  # "auto", "off", or a directory (kvtier.host_region)
+    # vLLM 0.33's sync_load_budget_bytes is set: every hit is served from the cpu tier only
+    # (manager.py, "Host-only loads"), so no load, synchronous or not, reads disk or Redis
+    host_only_loads: bool = False
 
     @property
     def host_region_dir(self) -> str | None:
@@ -165,6 +168,7 @@ def parse_config(extra_config: Mapping[str, object]) -> VllmTierConfig:
     if host_region not in ("auto", "off") and not os.path.isdir(host_region):
         raise ConfigError(f"kvtier.host_region={host_region!r} is not a directory; create it, or use "
                           "\"auto\" (/dev/shm) or \"off\"")
+    host_only = _sync_loads(extra_config, tiers)
     return VllmTierConfig(
         tiers=tiers,
         capacities_bytes=tuple(capacities),
@@ -178,7 +182,33 @@ def parse_config(extra_config: Mapping[str, object]) -> VllmTierConfig:
         io_queue_bytes=io_queue,
         secret_file=secret_file,
         host_region=host_region,
+        host_only_loads=host_only,
     )
+
+
+def _sync_loads(extra: Mapping[str, object], tiers: tuple[str, ...]) -> bool:
+    """Whether vLLM 0.33's synchronous loads are on (`sync_load_budget_bytes` > 0). vLLM runs a
+    request on its synchronously loaded KV in the same step and cannot hear that such a load
+    failed (failures are reported per block id, refused for models with several KV-cache groups),
+    so kvtier then serves hits from verified host memory only: a chunk on disk or in Redis is
+    promoted into the cpu tier at lookup first, or is a miss. That needs a cpu tier."""
+    budget = extra.get("sync_load_budget_bytes")
+    if budget is None:
+        return False
+    try:  # as vLLM reads it: int(value)
+        if isinstance(budget, bool) or (isinstance(budget, float) and not budget.is_integer()):
+            raise ValueError
+        n = int(budget)  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        raise ConfigError(f"sync_load_budget_bytes={budget!r} must be an integer byte count (vLLM's key), "
+                          "e.g. 268435456") from None
+    if n <= 0:
+        return False
+    if "cpu" not in tiers:
+        raise ConfigError(f"sync_load_budget_bytes={budget!r} needs kvtier's cpu tier (synchronous loads read "
+                          f"host memory only) but kvtier.tiers is {','.join(tiers)!r}; add cpu to kvtier.tiers "
+                          "or remove sync_load_budget_bytes")
+    return True
 
 
 def _has_password(url: str) -> bool:

@@ -55,11 +55,11 @@ class KvtierConnector(OffloadingConnector):
         w = self.connector_worker
         spec = getattr(w, "spec", None)
         ctx = getattr(spec, "ctx", None)
-        if ctx is None or ctx.page_bytes is None:
-            return None
         cpu = getattr(getattr(w, "worker", None), "tiers", {}).get("cpu")
         region = getattr(cpu, "region", None)
-        return KvtierHandshake(page_bytes=tuple(ctx.page_bytes),
+        if ctx is None or (ctx.page_bytes is None and region is None):
+            return None
+        return KvtierHandshake(page_bytes=tuple(ctx.page_bytes or ()),  # () when the worker saw none
                                geometry_fingerprint=ctx.namespace.geometry_fingerprint,
                                kv_dtype=ctx.namespace.dtype,
                                host_region=region.name if region is not None else "")
@@ -69,7 +69,7 @@ class KvtierConnector(OffloadingConnector):
         if s is None:
             return
         layouts = {(m.page_bytes, m.geometry_fingerprint, m.kv_dtype)
-                   for m in metadata.values() if isinstance(m, KvtierHandshake)}
+                   for m in metadata.values() if isinstance(m, KvtierHandshake) and m.page_bytes}
         if len(layouts) > 1:
             raise ConfigError(f"kvtier: the workers report different layouts {sorted(layouts)}")
         adopt = getattr(s.manager, "adopt_worker_pages", None)

@@ -38,12 +38,23 @@ memory copy) and commits it, so the load reads host memory. Rules:
   hands that disk slot to another chunk the worker would write over the bytes being read;
 - a read that fails (a miss, a corrupt payload, a chunk stored only in part, a disk write the
   worker has not landed yet) releases the slot and the chunk is served as before, read by its
-  load (which fails and recomputes if it is corrupt), and is not tried again for NO_FETCH_S;
+  load (which fails and recomputes if it is corrupt), and is tried once more after NO_FETCH_S;
   no free cpu slot serves the chunk as before too;
 - a request promotes at lookup only until its first promotion lands (a promotion may evict a
   chunk the same request hit).
 Without a region (tensor parallel: each rank holds its own shard; `kvtier.host_region` "off"; no
 room in /dev/shm), promotion happens at load (above).
+
+Host-only loads (vLLM 0.33's `sync_load_budget_bytes` set; config.py): vLLM runs a request on
+its synchronously loaded KV in the same step and cannot hear that such a load failed, so every
+load must read verified host memory only. A lookup then answers HIT only for a chunk whose
+fastest place is the cpu tier; a chunk only on disk or in Redis is promoted at lookup
+(HIT_PENDING) or, where it cannot be (no region, no free slot, its request promoted once
+already, a failed read), is a MISS: the hit ends there and vLLM computes the rest. A cpu entry
+answered HIT stays pinned until the step ends (`on_schedule_end`), after the request's
+prepare_load (same step) pinned it for its load: vLLM's lookup of a request goes on after a HIT
+(other groups, sliding windows scanned from the end), and a promotion it starts reserves a cpu
+slot, which must not evict a chunk already answered HIT.
 
 Rejected alternative: demoting host evictions to disk. The worker owns the bytes, so a demotion
 would be a copy job vLLM does not know how to schedule; write-through costs disk bandwidth on
@@ -82,7 +93,7 @@ log = logging.getLogger("kvtier.vllm")
 REDIS_LOOKUP_TIMEOUT_S = 2.0  # a Redis answer later than this is a counted miss
 REDIS_ANSWER_TTL_S = 1.0  # an answer not used within this is asked again
 SPLIT_MEMO_KEYS = 1 << 16  # key -> (chunk hash, group) memo entries kept before it is cleared
-NO_FETCH_S = 5.0  # a chunk whose promotion read failed is promoted at load meanwhile
+NO_FETCH_S = 5.0  # a chunk whose promotion read failed is tried once more after this, then never
 _HIT_SOURCE = {"cpu": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
 CONFIG_INFO_KEYS = ("kvtier_namespace", "kvtier_chunk_tokens", "kvtier_tiers", "kvtier_group_slots",
                     "kvtier_chunk_bytes")
@@ -130,13 +141,18 @@ class KvtierManager(OffloadingManager):
         self._fetches: dict[tuple[bytes, int], _Fetch] = {}
         self._fetched: deque[tuple[_Fetch, object]] = deque()
         # chunks whose promotion read failed, until when they are not tried again (a read may fail
-        # only because the worker's disk write of the chunk has not landed yet: tried again later)
+        # only because the worker's disk write of the chunk has not landed yet: tried once more)
         self._no_fetch: dict[tuple[bytes, int], float] = {}
         # requests with a promotion landed: they start no more (a promotion may evict a chunk the
         # same request hit; promoting that one again would evict the first: a request whose hit
         # is larger than the cpu tier would wait for ever). Their later lookups serve disk and
         # Redis chunks as before: the load reads them (and promotes them, its sources pinned).
         self._fetched_for: set[str] = set()
+        # host-only loads: cpu entries a lookup of this step answered HIT for, pinned until the
+        # step ends, so no promotion reserved later in the step evicts one before its request's
+        # prepare_load pins it (vLLM's lookup of one request goes on after a HIT: other groups,
+        # a narrower boundary, sliding windows scanned from the end)
+        self._step_pins: set[tuple[bytes, int]] = set()
         self._promoter = LookupPromoter(ctx, self.index)
         self._region = ""  # the worker's host region name, once its handshake said it
         self._reset_unflushed = False  # a reset whose in-flight jobs the workers have not reported
@@ -177,6 +193,7 @@ class KvtierManager(OffloadingManager):
             raise RuntimeError("kvtier: the workers' layout arrived after transfers began")
         self.ctx = ctx
         self.index = ctx.new_index()
+        self._step_pins.clear()
         self._promoter.close()
         self._promoter = LookupPromoter(ctx, self.index)
         if self._region:
@@ -276,6 +293,15 @@ class KvtierManager(OffloadingManager):
         if self._start_fetch(key, split, req_context):
             self.metrics.add("lookup_pending_keys", group=group)
             return LookupResult.HIT_PENDING
+        if self.ctx.config.host_only_loads:
+            places = self.index.where(*split)
+            if not places or places[0][0] != "cpu":  # host-only loads: not promoted, so not a hit
+                self.metrics.add("lookup_not_in_host", group=group)
+                return LookupResult.MISS
+            if split not in self._step_pins:  # kept in host memory until this step's loads pinned it
+                if not self.index.pin(split[0], split[1], "cpu"):
+                    return LookupResult.MISS
+                self._step_pins.add(split)
         self.metrics.add("lookup_hit_keys", group=group)
         return LookupResult.HIT
 
@@ -340,7 +366,10 @@ class KvtierManager(OffloadingManager):
                 self._report_gone(f.h, f.g)  # its source may have been evicted while the read ran
                 if len(self._no_fetch) >= SPLIT_MEMO_KEYS:
                     self._no_fetch.clear()
-                self._no_fetch[split] = time.monotonic() + NO_FETCH_S
+                # once more after NO_FETCH_S (the worker's disk write may not have landed), then
+                # never: a corrupt or partial chunk would cost an evicted cpu chunk per try
+                retried = split in self._no_fetch
+                self._no_fetch[split] = float("inf") if retried else time.monotonic() + NO_FETCH_S
                 self.metrics.add("promote_read_failed", group=f.g)
                 continue
             self._promoter.fill(f.g, f.slot, buf, f.header)
@@ -358,6 +387,14 @@ class KvtierManager(OffloadingManager):
         finished, also those no request asks for again (an abort)."""
         if self._fetched:
             self._land_fetches()
+        self._unpin_step()
+
+    def _unpin_step(self) -> None:
+        """Host-only loads: release the cpu entries this step's lookups answered HIT for (each
+        request's prepare_load, in the step, pinned those it loads)."""
+        for h, g in self._step_pins:
+            self.index.unpin(h, g, "cpu")
+        self._step_pins.clear()
 
     # -- the shared Redis tier, asked off the engine thread ----------------------------------
     # A key this index lacks may be in Redis (another engine, an earlier process). lookup()
@@ -626,6 +663,7 @@ class KvtierManager(OffloadingManager):
         self._fetches.clear()  # their reads land in no slot (_land_fetches drops them)
         self._no_fetch.clear()
         self._fetched_for.clear()
+        self._step_pins.clear()  # pins of the old index
         self._reset_unflushed = True  # no promotion at lookup until on_reset_flushed
         self._okey.clear()
         self._evicted_later.clear()

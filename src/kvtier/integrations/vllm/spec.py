@@ -44,7 +44,6 @@ class KvtierOffloadingSpec(OffloadingSpec):
     def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(config)
         tier_config = parse_config(config.extra_config)
-        _refuse_sync_loads(config.extra_config)
         _refuse_parallel(config.parallel)
         groups = [EngineGroup(g.group_id, g.tokens_per_block, tuple(g.layer_names))
                   for g in config.groups]
@@ -203,25 +202,6 @@ def _state_offload_off(geometry: object, modes: set[str] | None) -> str:
     return (f"the model keeps Mamba/GDN states and vLLM runs mamba_cache_mode={','.join(sorted(modes))}, "
             "which keeps no state per block boundary, so no stored state could serve a hit; "
             "start vLLM with --mamba-cache-mode align and --enable-prefix-caching to offload it")
-
-
-def _refuse_sync_loads(extra: object) -> None:
-    """vLLM 0.33 runs a request on its synchronously loaded KV in the same step, and a failed
-    synchronous load can be reported only per block id, which vLLM refuses for models with several
-    KV-cache groups: a tier read that fails (a corrupt or evicted payload) would leave the request
-    running on wrong KV. kvtier's loads can fail until host slots are verified before loads are
-    scheduled, so synchronous loads are refused at start rather than risked."""
-    budget = extra.get("sync_load_budget_bytes") if hasattr(extra, "get") else None  # type: ignore[union-attr]
-    try:
-        on = budget is not None and int(budget) > 0
-    except (TypeError, ValueError):
-        on = True
-    if on:
-        raise ConfigError(
-            f"sync_load_budget_bytes={budget!r}: kvtier cannot report a failed synchronous load to "
-            "vLLM, so a tier miss could leave a request on wrong KV; remove sync_load_budget_bytes "
-            "(kvtier loads asynchronously)"
-        )
 
 
 # vLLM parallel settings kvtier has not been built and tested for: each splits a request's KV

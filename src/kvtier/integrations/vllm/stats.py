@@ -79,12 +79,15 @@ FAMILIES: tuple[Family, ...] = (
     Family("promote_chunks", ("group",), "Chunks loaded from disk or Redis that the scheduler "
            "gave a cpu slot to be promoted into."),
     Family("promote_aborted", ("group",), "Promotion slots released because their load failed."),
-    Family("promote_at_lookup", ("group",), "Promotions started by a lookup (the worker runs in the "
-           "scheduler's process): the lookup answered pending until the chunk was in host memory."),
+    Family("promote_at_lookup", ("group",), "Promotions started by a lookup (through the worker's "
+           "host region): the lookup answered pending until the chunk was in host memory."),
     Family("promote_read_failed", ("group",), "Promotions started by a lookup whose read failed (a "
            "miss, a corrupt payload, a chunk stored in part): the chunk is served as before."),
     Family("lookup_pending_keys", ("group",), "Lookups answered pending while their chunk was "
            "promoted into host memory (vLLM asks again next step)."),
+    Family("lookup_not_in_host", ("group",), "Lookups answered as a miss because the chunk was "
+           "only on disk or in Redis and could not be promoted (host-only loads: "
+           "sync_load_budget_bytes)."),
     Family("promote_skipped_full", ("group",), "Promotions skipped because every cpu slot of the "
            "group was pinned or reserved (the load still reads the slower tier)."),
     Family("store_skipped_full_{tier}", TIER_AND_GROUP, "Stores skipped because every slot of the "
@@ -102,6 +105,10 @@ FAMILIES: tuple[Family, ...] = (
     # workers (KvtierWorker)
     Family("load_jobs", (), "Load jobs the workers finished."),
     Family("load_jobs_failed", (), "Load jobs the workers failed (vLLM recomputes the request)."),
+    Family("sync_load_jobs", (), "Synchronous loads (vLLM 0.33's sync_load_budget_bytes) the "
+           "workers restored from host memory."),
+    Family("sync_load_jobs_failed", (), "Synchronous loads that failed: the engine stopped rather "
+           "than run a request on KV never restored (none expected; report it)."),
     Family("store_jobs", (), "Store jobs the workers finished."),
     Family("store_jobs_failed", (), "Store jobs the workers failed."),
     Family("jobs_noncontiguous", (), "Jobs refused because a group's blocks were not contiguous."),

@@ -147,12 +147,17 @@ class KvtierWorker(OffloadingWorker):
 
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec,
                     expedited: bool = False) -> bool:
-        """vLLM 0.33 passes `expedited=True` for a load it waits on within the step (a sync load;
-        the spec refuses `sync_load_budget_bytes`, so kvtier sees one only when driven by hand).
-        Every load here finishes inside this call on CPU tensors, so both kinds are handled
-        alike; 0.32 never passes the argument."""
+        """vLLM 0.33 passes `expedited=True` for a load it waits on within the step (a sync load,
+        with `sync_load_budget_bytes`): its request runs on these blocks this very step and vLLM
+        cannot hear that the load failed. The manager then hands out host-only loads (manager.py),
+        so such a load reads verified cpu slots only, in this call; one that would read disk or
+        Redis, or that fails, stops the engine (SyncLoadError) rather than let a request run on
+        KV that was never restored. 0.32 never passes the argument."""
         t0 = time.perf_counter()
         assert isinstance(src_spec, KvtierLoadStoreSpec)
+        if expedited:
+            self._sync_load(job_id, src_spec, dst_spec, t0)
+            return True
         placement = self._placement(dst_spec, src_spec.items)
         if placement is None:
             self._done(job_id, False, 0, t0, "load")
@@ -176,6 +181,22 @@ class KvtierWorker(OffloadingWorker):
             return True
         self._finish_load(job_id, t0, placement, self._read(placement))
         return True
+
+    def _sync_load(self, job_id: int, src_spec: KvtierLoadStoreSpec, dst_spec: GPULoadStoreSpec, t0: float) -> None:
+        slow = [it for it in src_spec.items if not it.places or it.places[0][0] != "cpu"]
+        placement = self._placement(dst_spec, src_spec.items) if not slow else None
+        if placement is not None:
+            before = len(self._finished)
+            self._finish_load(job_id, t0, placement, self._read(placement))
+            if not any(r.job_id == job_id and not r.success for r in self._finished[before:]):
+                self.metrics.add("sync_load_jobs")
+                return
+        self.metrics.add("sync_load_jobs_failed")
+        self.metrics.flush(force=True)
+        where = f"{len(slow)} of its chunks are not in host memory" if slow else "a cpu slot did not hold its chunk"
+        raise SyncLoadError(f"kvtier: synchronous load job {job_id} failed ({where}); vLLM would run the "
+                            "request on KV that was never restored, so the engine stops. Remove "
+                            "sync_load_budget_bytes from kv_connector_extra_config and report this")
 
     def _finish_load(self, job_id: int, t0: float, placement: list, read: tuple[bool, list, int]) -> None:
         """On the engine thread: check the chunks the cpu tier holds (their slots are read in
@@ -545,6 +566,10 @@ class KvtierWorker(OffloadingWorker):
                 continue
             with torch.cuda.stream(self._stream):
                 ref.tensor[bids, :page] = src.to(self.device, non_blocking=True)
+
+
+class SyncLoadError(RuntimeError):
+    """A synchronous load (vLLM 0.33's sync_load_budget_bytes) could not restore its chunks."""
 
 
 def _make_tier(name: str, layout: TierLayout, ctx: SpecContext, keyed: Keyed | None, pin: bool) -> Tier:

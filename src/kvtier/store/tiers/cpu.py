@@ -108,6 +108,13 @@ try:
     from kvtier.store._xxcopy import fence as _c_fence
 except ImportError:  # installed without a C compiler, or an extension built before fence existed
     _c_fence = None
+    import platform
+
+    if platform.machine().lower() not in ("x86_64", "amd64", "i686", "i386"):
+        logging.getLogger("kvtier.cpu").warning(
+            "kvtier: the C extension's memory fence is missing on %s, where a lock is not a full "
+            "barrier; reinstall kvtier with a C compiler (pip install -e .) before sharing the cpu "
+            "tier between processes", platform.machine())
 
 # A full memory barrier between this thread's earlier and later memory accesses, for the seqlock
 # above on weakly ordered CPUs (ARM): the C extension's __atomic_thread_fence(SEQ_CST).

@@ -5,7 +5,7 @@ executor; tensor parallel). For the scheduler to promote a chunk from disk or Re
 tier before the load (manager.py), it must write the same host slots the worker reads. This
 module lays the cpu tier out in one file both processes map `MAP_SHARED`:
 
-    page 0        a record: MAGIC, the creator's pid, the layout (JSON: slot bytes and slots per
+    page 0        a record: MAGIC, the creator's pid and PID namespace, the layout (JSON: slot bytes and slots per
                   group, the owner's name for it)
     per group g   its slot table (`SLOT_RECORD` bytes a slot: an 8-byte sequence number, then
                   the 128-byte chunk header, zero when empty), then its slab (slots x slot
@@ -95,6 +95,22 @@ def _private_dir(base: str | os.PathLike[str]) -> int:
     return dfd
 
 
+def _pidns() -> int | None:
+    """This process's PID namespace (its inode): a pid means something only inside it."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
+
+
+def _gone(rec: dict) -> bool:
+    """Whether a record's creator is known to be dead: its pid is not alive in this PID
+    namespace. A creator in another namespace (containers sharing /dev/shm through --ipc=host)
+    cannot be checked and counts as alive."""
+    pid = rec.get("pid")
+    return isinstance(pid, int) and rec.get("pidns") == _pidns() and not _alive(pid)
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -129,7 +145,7 @@ def _sweep(dfd: int) -> None:
             rec = _read_record(fd)
         finally:
             os.close(fd)
-        if rec is not None and isinstance(rec.get("pid"), int) and not _alive(rec["pid"]):
+        if rec is not None and _gone(rec):
             try:
                 os.unlink(name, dir_fd=dfd)
                 log.info("host region: removed %s, left by process %d", name, rec["pid"])
@@ -190,7 +206,7 @@ class HostRegion:
                         f"cannot reserve {size} bytes in {str(base)!r} ({exc.strerror}); give the "
                         "container more shared memory (docker --shm-size or --ipc=host) or lower "
                         "kvtier.cpu_bytes") from None
-                record = json.dumps({"pid": os.getpid(), "slot_bytes": list(layout.slot_bytes),
+                record = json.dumps({"pid": os.getpid(), "pidns": _pidns(), "slot_bytes": list(layout.slot_bytes),
                                      "num_slots": list(layout.num_slots)}).encode()
                 if len(record) + len(MAGIC) > PAGE:
                     raise RegionError(f"host region layout of {len(layout.slot_bytes)} groups does not fit a page")
@@ -239,7 +255,7 @@ class HostRegion:
                 _, size = _offsets(layout)
                 if (rec is None or rec.get("slot_bytes") != list(layout.slot_bytes)
                         or rec.get("num_slots") != list(layout.num_slots) or st.st_size != size
-                        or not isinstance(rec.get("pid"), int) or not _alive(rec["pid"])):
+                        or not isinstance(rec.get("pid"), int) or _gone(rec)):
                     return None
                 mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             finally:
