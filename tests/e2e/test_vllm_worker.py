@@ -304,3 +304,98 @@ def test_a_failed_load_counts_nothing_as_loaded(tmp_path: Path) -> None:
     assert not any(k.startswith(("loaded_", "loaded_blocks")) for k in counts), counts
     assert torch.equal(layers[0][20:24], kept)
     worker.shutdown()
+
+
+def _promoting_pair(tmp_path: Path, cpu_chunks: int, host_only: bool = False):  # noqa: ANN202
+    """A manager and a worker sharing the worker's host region (as the handshake joins them),
+    with a cpu tier of `cpu_chunks` chunks a group before a disk tier."""
+    base = _ctx(tmp_path, "cpu,disk")
+    chunk = base.plan.groups[0].chunk_bytes
+    extra = {"kvtier.tiers": "cpu,disk", "kvtier.directory": str(tmp_path), "kvtier.disk_bytes": 1 << 20,
+             "kvtier.cpu_bytes": cpu_chunks * chunk * 2, "kvtier.host_region": str(tmp_path)}
+    if host_only:
+        extra["sync_load_budget_bytes"] = 1 << 30
+    ctx = SpecContext(plan=base.plan, namespace=base.namespace, config=parse_config(extra),
+                      group_of=base.group_of, blocks_per_chunk=BPC)
+    manager = KvtierManager(ctx, Metrics("scheduler", None))
+    kv, _ = _kv()
+    worker = KvtierWorker(ctx, kv, Metrics("worker0", None))
+    assert manager.adopt_region(worker.tiers["cpu"].region.name)
+    return ctx, manager, worker
+
+
+def _store(manager, worker, keys, rc, job: int) -> None:  # noqa: ANN001
+    out = manager.prepare_store(keys, rc)
+    n = len(out.keys_to_store)
+    src = GPULoadStoreSpec(list(range(1, 2 * n + 1)), group_sizes=[2 * n, 0], block_indices=[0, 0])
+    assert worker.submit_store(job, src, out.store_spec)
+    assert [(r.job_id, r.success) for r in worker.get_finished()] == [(job, True)]
+    manager.complete_store(out.keys_to_store, rc)
+    assert worker.drain()
+
+
+def _full_keys(rc: ReqContext, first: int, n: int) -> list:
+    keys = []
+    for i in range(n):
+        k = make_offload_key(bytes([first + i]) * 32, 0)
+        rc.set_offload_key_position(k, (i + 1) * TPB * BPC)
+        keys.append(k)
+    return keys
+
+
+def test_a_failed_lookup_promotion_is_tried_once_more_then_never(tmp_path: Path) -> None:
+    """A promotion read that fails may only have raced the worker's disk write: the chunk is
+    tried once more after NO_FETCH_S, then never (a corrupt chunk would otherwise cost a cpu slot
+    and a whole read every NO_FETCH_S)."""
+    ctx, manager, worker = _promoting_pair(tmp_path, cpu_chunks=4)
+    rc = ReqContext(req_id="a")
+    (key,) = _full_keys(rc, 1, 1)
+    _store(manager, worker, [key], rc, 1)
+    h, g = ctx.split_key(key)
+    assert manager.index.remove(h, g, "cpu")  # on disk only now
+    manager._promoter.tiers["disk"].read = lambda *a, **k: False  # as an empty or corrupt slot reads
+    tries = []
+    for _ in range(4):
+        rb = ReqContext(req_id=f"b{len(tries)}")
+        rb.set_offload_key_position(key, TPB * BPC)
+        first = manager.lookup(key, rb)
+        manager._promoter.drain()
+        tries.append((first, manager.lookup(key, rb)))  # the failed read lands: served as before
+        for split, until in manager._no_fetch.items():
+            if until != float("inf"):
+                manager._no_fetch[split] = 0.0  # as if NO_FETCH_S passed
+    assert tries == [(LookupResult.HIT_PENDING, LookupResult.HIT)] * 2 + [(LookupResult.HIT, LookupResult.HIT)] * 2
+    assert manager.metrics.counts.get("promote_read_failed", 0) == 2
+    manager.shutdown()
+    worker.shutdown()
+
+
+def test_host_only_hits_stay_in_host_memory_until_their_load_is_prepared(tmp_path: Path) -> None:
+    """Host-only loads (sync_load_budget_bytes): a lookup answered HIT for a cpu chunk, and the
+    same step's next lookup starts a promotion whose cpu reservation must evict one of the
+    group's chunks; the chunk answered HIT is not the one (pinned until the step ends), so the
+    request's prepare_load still finds it in host memory, and loads nothing else."""
+    ctx, manager, worker = _promoting_pair(tmp_path, cpu_chunks=2, host_only=True)
+    rc = ReqContext(req_id="a")
+    k1, k2 = _full_keys(rc, 1, 2)
+    _store(manager, worker, [k1, k2], rc, 1)  # both chunks in cpu (full) and on disk
+    h2, g = ctx.split_key(k2)
+    assert manager.index.remove(h2, g, "cpu")  # k2 on disk only
+    rc3 = ReqContext(req_id="c")
+    (k3,) = _full_keys(rc3, 9, 1)
+    _store(manager, worker, [k3], rc3, 2)  # the pool is full again: k1 (oldest) and k3
+    rb = ReqContext(req_id="b")
+    for i, k in enumerate((k1, k2)):
+        rb.set_offload_key_position(k, (i + 1) * TPB * BPC)
+    assert manager.lookup(k1, rb) == LookupResult.HIT
+    assert manager.lookup(k2, rb) == LookupResult.HIT_PENDING  # its promotion reserved a cpu slot
+    h1, _ = ctx.split_key(k1)
+    assert [t for t, _ in manager.index.where(h1, g)][:1] == ["cpu"], manager.index.where(h1, g)
+    spec = manager.prepare_load([k1], rb)
+    assert [it.places[0][0] for it in spec.items] == ["cpu"]
+    manager.on_schedule_end(None)  # the step ends: the lookup's pin goes, the load's stays
+    manager.complete_load([k1], rb)
+    assert manager.metrics.counts.get("load_keys_vanished", 0) == 0
+    manager._promoter.drain()
+    manager.shutdown()
+    worker.shutdown()
