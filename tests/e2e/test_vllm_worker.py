@@ -399,3 +399,17 @@ def test_host_only_hits_stay_in_host_memory_until_their_load_is_prepared(tmp_pat
     manager._promoter.drain()
     manager.shutdown()
     worker.shutdown()
+
+
+def test_the_region_name_is_fresh_per_start_and_only_where_a_promotion_can_use_it(tmp_path: Path) -> None:
+    """Random per worker start (the handshake carries it; no engine guesses another's); none
+    without a disk or Redis tier (nothing to promote) or with kvtier.host_region "off"."""
+    ctx = _ctx(tmp_path, "cpu,disk")
+    a, b = ctx.new_region_name(), ctx.new_region_name()
+    assert a != b and a.startswith("vllm-") and b.startswith("vllm-")
+    assert _ctx(tmp_path, "cpu").new_region_name() is None
+    extra = {"kvtier.tiers": "cpu,disk", "kvtier.directory": str(tmp_path), "kvtier.cpu_bytes": 1 << 20,
+             "kvtier.disk_bytes": 1 << 20, "kvtier.host_region": "off"}
+    off = SpecContext(plan=ctx.plan, namespace=ctx.namespace, config=parse_config(extra),
+                      group_of=ctx.group_of, blocks_per_chunk=BPC)
+    assert off.new_region_name() is None
