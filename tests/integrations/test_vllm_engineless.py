@@ -108,6 +108,9 @@ SCENARIOS = [
     # promotion at lookup (the worker in the scheduler's process, as vLLM's uni executor runs it)
     {"name": "promote_lookup", "promote": True,
      "extra": {"kvtier.tiers": "cpu,disk", "kvtier.cpu_bytes": "384KiB", "kvtier.disk_bytes": "16MiB"}},
+    # reads that finish before the next key is looked up: the pass still promotes every chunk
+    {"name": "promote_lookup_instant", "promote": True, "instant_reads": True,
+     "extra": {"kvtier.tiers": "cpu,disk", "kvtier.cpu_bytes": "384KiB", "kvtier.disk_bytes": "16MiB"}},
     {"name": "promote_lookup_chunk4", "promote": True,
      "extra": {"blocks_per_chunk": 4, "kvtier.tiers": "cpu,disk", "kvtier.cpu_bytes": "384KiB",
                "kvtier.disk_bytes": "16MiB"}},
@@ -570,7 +573,7 @@ def test_a_failed_promotion_is_never_offered(results: dict, name: str) -> None:
     assert r["pins"] == 0 and r["promoting"] == 0, r
 
 
-@pytest.mark.parametrize("name", ["promote_lookup", "promote_lookup_chunk4"])
+@pytest.mark.parametrize("name", ["promote_lookup", "promote_lookup_chunk4", "promote_lookup_instant"])
 def test_a_lookup_promotes_a_disk_hit_before_the_load(results: dict, name: str) -> None:
     """The worker runs in the scheduler's process (vLLM's uni executor): B's lookup finds A's
     full-attention chunks only on disk, answers pending while the worker's I/O thread reads and

