@@ -360,7 +360,8 @@ def test_a_failed_lookup_promotion_is_tried_once_more_then_never(tmp_path: Path)
         rb.set_offload_key_position(key, TPB * BPC)
         first = manager.lookup(key, rb)
         manager._promoter.drain()
-        tries.append((first, manager.lookup(key, rb)))  # the failed read lands: served as before
+        manager.on_schedule_end(None)  # the step ends: the failed read lands
+        tries.append((first, manager.lookup(key, rb)))  # served as before
         for split, until in manager._no_fetch.items():
             if until != float("inf"):
                 manager._no_fetch[split] = 0.0  # as if NO_FETCH_S passed
