@@ -414,3 +414,25 @@ def test_the_region_name_is_fresh_per_start_and_only_where_a_promotion_can_use_i
     off = SpecContext(plan=ctx.plan, namespace=ctx.namespace, config=parse_config(extra),
                       group_of=ctx.group_of, blocks_per_chunk=BPC)
     assert off.new_region_name() is None
+
+
+def test_host_only_hits_are_checked_in_the_slot_table_not_only_the_index(tmp_path: Path) -> None:
+    """vLLM 0.33 never reports a failed store, so the index may name a cpu slot that holds
+    nothing; a synchronous load from it would stop the engine. The lookup reads the slot's
+    header through the worker's host region: an empty slot is a miss."""
+    ctx, manager, worker = _promoting_pair(tmp_path, cpu_chunks=4, host_only=True)
+    rc = ReqContext(req_id="a")
+    k1, k2 = _full_keys(rc, 1, 2)
+    _store(manager, worker, [k1, k2], rc, 1)
+    h2, g = ctx.split_key(k2)
+    (slot,) = [s for t, s in manager.index.where(h2, g) if t == "cpu"]
+    worker.tiers["cpu"].free(g, slot)  # as a store job the worker failed: nothing in the slot
+    rb = ReqContext(req_id="b")
+    for i, k in enumerate((k1, k2)):
+        rb.set_offload_key_position(k, (i + 1) * TPB * BPC)
+    assert manager.lookup(k1, rb) == LookupResult.HIT
+    assert manager.lookup(k2, rb) == LookupResult.MISS
+    assert manager.metrics.counts.get("lookup_not_in_host", 0) == 1
+    manager.on_schedule_end(None)
+    manager.shutdown()
+    worker.shutdown()

@@ -271,10 +271,10 @@ def test_a_chunk_serves_only_the_block_positions_it_holds(results: dict) -> None
     assert r["gap_store"] == [False], r  # blocks that cannot be contiguous fail the job
 
 
-def test_synchronous_loads_without_a_cpu_tier_are_refused_at_start(results: dict) -> None:
+def test_synchronous_loads_without_the_cpu_tier_first_are_refused_at_start(results: dict) -> None:
     err = results["sync_loads"].get("error", "")
     assert err.startswith("ConfigError: sync_load_budget_bytes=1048576 needs kvtier's cpu tier"), err
-    assert "add cpu to kvtier.tiers or remove sync_load_budget_bytes" in err and "\n" not in err
+    assert "put cpu first in kvtier.tiers or remove sync_load_budget_bytes" in err and "\n" not in err
 
 
 @pytest.mark.parametrize("name", ["promote_sync", "promote_sync_small"])

@@ -191,7 +191,8 @@ def _sync_loads(extra: Mapping[str, object], tiers: tuple[str, ...]) -> bool:
     request on its synchronously loaded KV in the same step and cannot hear that such a load
     failed (failures are reported per block id, refused for models with several KV-cache groups),
     so kvtier then serves hits from verified host memory only: a chunk on disk or in Redis is
-    promoted into the cpu tier at lookup first, or is a miss. That needs a cpu tier."""
+    promoted into the cpu tier at lookup first, or is a miss. That needs the cpu tier first (and,
+    at run time, the worker's host region, through which the scheduler checks each slot)."""
     budget = extra.get("sync_load_budget_bytes")
     if budget is None:
         return False
@@ -204,10 +205,10 @@ def _sync_loads(extra: Mapping[str, object], tiers: tuple[str, ...]) -> bool:
                           "e.g. 268435456") from None
     if n <= 0:
         return False
-    if "cpu" not in tiers:
-        raise ConfigError(f"sync_load_budget_bytes={budget!r} needs kvtier's cpu tier (synchronous loads read "
-                          f"host memory only) but kvtier.tiers is {','.join(tiers)!r}; add cpu to kvtier.tiers "
-                          "or remove sync_load_budget_bytes")
+    if tiers[0] != "cpu":
+        raise ConfigError(f"sync_load_budget_bytes={budget!r} needs kvtier's cpu tier first (synchronous loads "
+                          f"read host memory only) but kvtier.tiers is {','.join(tiers)!r}; put cpu first in "
+                          "kvtier.tiers or remove sync_load_budget_bytes")
     return True
 
 

