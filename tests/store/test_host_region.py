@@ -129,18 +129,25 @@ def test_unsafe_directories_and_files_are_refused(tmp_path: Path) -> None:
         HostRegion.attach(tmp_path, "eng", LAYOUT)
 
 
-def test_a_killed_creators_file_is_not_attached_and_is_swept(tmp_path: Path) -> None:
-    proc = other_process(tmp_path, """
+def killed_creator(base: Path, name: str) -> Path:
+    """The file of region `name`, made by another process that was then killed (SIGKILL runs no
+    finalizer, so the file stays)."""
+    proc = other_process(base, f"""
         import os
-        r = HostRegion.create(os.environ["KVT_BASE"], "dead", LAYOUT)
+        r = HostRegion.create(os.environ["KVT_BASE"], {name!r}, LAYOUT)
         print("made", flush=True)
         time.sleep(60)
     """, wait=False)
     assert proc.stdout.readline().strip() == "made"
     proc.kill()
     proc.wait()
-    f = tmp_path / f"kvtier-{os.geteuid()}" / "dead.host"
-    assert f.exists()  # SIGKILL ran no finalizer
+    f = base / f"kvtier-{os.geteuid()}" / f"{name}.host"
+    assert f.exists()
+    return f
+
+
+def test_a_killed_creators_file_is_not_attached_and_is_swept(tmp_path: Path) -> None:
+    f = killed_creator(tmp_path, "dead")
     assert HostRegion.attach(tmp_path, "dead", LAYOUT) is None  # its creator is gone
     _new = HostRegion.create(tmp_path, "eng", LAYOUT)  # a creator sweeps what the dead left
     assert not f.exists()
@@ -153,16 +160,7 @@ def test_a_file_from_another_pid_namespace_is_never_swept(tmp_path: Path) -> Non
 
     from kvtier.store.tiers import host_region as hr
 
-    proc = other_process(tmp_path, """
-        import os
-        r = HostRegion.create(os.environ["KVT_BASE"], "elsewhere", LAYOUT)
-        print("made", flush=True)
-        time.sleep(60)
-    """, wait=False)
-    assert proc.stdout.readline().strip() == "made"
-    proc.kill()
-    proc.wait()
-    f = tmp_path / f"kvtier-{os.geteuid()}" / "elsewhere.host"
+    f = killed_creator(tmp_path, "elsewhere")
     raw = f.read_bytes()[:hr.PAGE]
     rec = json.loads(raw[8:].rstrip(b"\0"))
     assert rec["pidns"] == hr._pidns()

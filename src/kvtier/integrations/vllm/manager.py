@@ -164,7 +164,6 @@ class KvtierManager(OffloadingManager):
         # a narrower boundary, sliding windows scanned from the end)
         self._step_pins: set[tuple[bytes, int]] = set()
         self._promoter = LookupPromoter(ctx, self.index)
-        self._region = ""  # the worker's host region name, once its handshake said it
         self._reset_unflushed = False  # a reset whose in-flight jobs the workers have not reported
         self._redis = None
         if "redis" in ctx.config.tiers:
@@ -192,8 +191,8 @@ class KvtierManager(OffloadingManager):
 
     def adopt_region(self, name: str) -> bool:
         """The worker's cpu tier lives in host region `name` (KvtierConnector's handshake, after
-        `adopt_worker_pages`, before any request): map it, for promotion at lookup."""
-        self._region = name
+        `adopt_worker_pages`, whose relayout replaces the promoter, before any request): map it,
+        for promotion at lookup."""
         return self._promoter.attach(name)
 
     def adopt_context(self, ctx: SpecContext) -> None:
@@ -206,8 +205,6 @@ class KvtierManager(OffloadingManager):
         self._step_pins.clear()
         self._promoter.close()
         self._promoter = LookupPromoter(ctx, self.index)
-        if self._region:
-            self._promoter.attach(self._region)
         self._split.clear()
         self._okey.clear()
         self._evicted_later.clear()
@@ -337,15 +334,22 @@ class KvtierManager(OffloadingManager):
                             "slots before a synchronous load, and there is none (tensor parallel, "
                             "kvtier.host_region \"off\", or no room in /dev/shm): every lookup misses")
             return False
+        from kvtier.store.payload import mismatch
+
+        want = self._whole_header(key, split, rc)
+        stored = cpu.header(split[1], slot) if want is not None else None
+        return stored is not None and mismatch(stored, want) is None
+
+    def _whole_header(self, key: OffloadKey, split: tuple[bytes, int], rc: ReqContext):  # noqa: ANN202
+        """The header of `key`'s whole chunk at the position vLLM gave it, or None when vLLM gave
+        no position for the key."""
         h, g = split
         start, end = self._span(key, g, rc)
         if end - start != self.ctx.span(g):
-            return False
-        from kvtier.store.payload import make_header, mismatch
+            return None
+        from kvtier.store.payload import make_header
 
-        stored = cpu.header(g, slot)
-        want = make_header(self.ctx.namespace.id, h, g, start, end, self.ctx.plan.groups[g].chunk_bytes, "uint8")
-        return stored is not None and mismatch(stored, want) is None
+        return make_header(self.ctx.namespace.id, h, g, start, end, self.ctx.plan.groups[g].chunk_bytes, "uint8")
 
     # -- promotion at lookup (see the module doc) ---------------------------------------------
 
@@ -360,12 +364,9 @@ class KvtierManager(OffloadingManager):
         if not places or places[0][0] == "cpu":
             return False
         h, g = split
-        start, end = self._span(key, g, rc)
-        if end - start != self.ctx.span(g):
-            return False  # vLLM gave no position for the key
-        from kvtier.store.payload import make_header
-
-        header = make_header(self.ctx.namespace.id, h, g, start, end, self.ctx.plan.groups[g].chunk_bytes, "uint8")
+        header = self._whole_header(key, split, rc)
+        if header is None:
+            return False
         tier, tslot = places[0]
         if not self.index.pin(h, g, tier):  # its source slot is not handed out while the read runs
             return False

@@ -95,6 +95,10 @@ def _private_dir(base: str | os.PathLike[str]) -> int:
     return dfd
 
 
+def _path(base: str | os.PathLike[str], fname: str) -> str:
+    return os.path.join(base, f"kvtier-{os.geteuid()}", fname)
+
+
 def _pidns() -> int | None:
     """This process's PID namespace (its inode): a pid means something only inside it."""
     try:
@@ -187,7 +191,7 @@ class HostRegion:
             raise RegionError(f"host region name {name!r} must be letters, digits, '.', '_' or '-'")
         dfd = _private_dir(base)
         fname = f"{name}.host"
-        path = os.path.join(base, f"kvtier-{os.geteuid()}", fname)
+        path = _path(base, fname)
         created = False
         try:
             _sweep(dfd)
@@ -266,7 +270,7 @@ class HostRegion:
                     os.unlink(fname, dir_fd=dfd)
             except OSError:
                 pass
-            return cls(mm, layout, os.path.join(base, f"kvtier-{os.geteuid()}", fname), populate=False)
+            return cls(mm, layout, _path(base, fname), populate=False)
         finally:
             os.close(dfd)
 
