@@ -137,6 +137,15 @@ SCENARIOS = [
     {"name": "draft_group", "draft_layers": [2],
      "layers": ["full", "full", {"kind": "sliding", "window": 1024, "name": "model.layers.2.mtp.attn"}]},
 ]
+# The same scenarios as a GPU runs them: kvtier's worker sees CUDA tensors and moves chunks in
+# cpu slots through vLLM's own SingleDirectionOffloadingHandler (copier.py), whose descriptor code
+# runs unchanged; only the copy itself is emulated (vllm_engineless/fake_cuda.py: CPU tensors that
+# claim CUDA, a queued memmove per batched copy that runs when its event is asked, so a job the
+# worker reports done before asking its copies leaves wrong bytes behind).
+GPU_COPIES = ["gemma3_like", "gemma3_like_chunk4", "partial_chunk", "mixed_blocks", "qwen3_next_like_chunk4",
+              "dsv4_fp8_ds_mla", "promote", "promote_chunk4", "promote_lookup", "promote_sync", "abort_load",
+              "reset_store", "preempt_store", "slow_disk"]
+SCENARIOS += [dict(sc, name=sc["name"] + "_gpu", fake_cuda=True) for sc in SCENARIOS if sc["name"] in GPU_COPIES]
 VERSIONS = ["0.32", "0.33"]
 
 
@@ -227,7 +236,16 @@ def ok(results: dict, name: str) -> dict:
     return r
 
 
-@pytest.mark.parametrize("name", ["gemma3_like", "gemma3_like_chunk4"])
+@pytest.mark.parametrize("name", GPU_COPIES)
+def test_gpu_copies_go_through_vllms_handlers(results: dict, name: str) -> None:
+    """Each _gpu scenario moved its chunks with vLLM's batched copies (the tests of the scenario
+    itself check its bytes)."""
+    r = ok(results, name + "_gpu")
+    assert r["handler_transfers"] > 0, r
+    assert "handler_transfers" not in ok(results, name)  # the CPU run copied with index_copy
+
+
+@pytest.mark.parametrize("name", ["gemma3_like", "gemma3_like_chunk4", "gemma3_like_gpu", "gemma3_like_chunk4_gpu"])
 def test_b_loads_exactly_what_a_stored_in_every_group(results: dict, name: str) -> None:
     r = ok(results, name)
     assert r["num_groups"] == 4
@@ -256,11 +274,12 @@ def test_a_failed_tier_read_is_recomputed_never_restored(results: dict) -> None:
     assert r["counters"]["removed_after_failure"] > 0  # the bad hit is not offered again
 
 
-def test_a_chunk_serves_only_the_block_positions_it_holds(results: dict) -> None:
+@pytest.mark.parametrize("name", ["partial_chunk", "partial_chunk_gpu"])
+def test_a_chunk_serves_only_the_block_positions_it_holds(results: dict, name: str) -> None:
     """A chunk stored from its last block only (vLLM's first chunk of a group may start mid-chunk)
     restores that block, and a load that also needs the block before it fails without writing
     either block."""
-    r = ok(results, "partial_chunk")
+    r = ok(results, name)
     assert r["narrow_load"] == [True] and r["block6_restored"], r
     assert r["wide_load"] == [False], r
     # a sync load (vLLM runs the request on it this step) that fails stops the engine, one line
@@ -277,7 +296,7 @@ def test_synchronous_loads_without_the_cpu_tier_first_are_refused_at_start(resul
     assert "put cpu first in kvtier.tiers or remove sync_load_budget_bytes" in err and "\n" not in err
 
 
-@pytest.mark.parametrize("name", ["promote_sync", "promote_sync_small"])
+@pytest.mark.parametrize("name", ["promote_sync", "promote_sync_small", "promote_sync_gpu"])
 def test_synchronous_loads_read_host_memory_only(results: dict, name: str) -> None:
     """vLLM 0.33's synchronous loads (`sync_load_budget_bytes`): vLLM runs the request on the
     loaded KV in the same step and cannot hear of a failure, so kvtier hands out host-only loads:
@@ -290,7 +309,7 @@ def test_synchronous_loads_read_host_memory_only(results: dict, name: str) -> No
     assert _delta(r, "after_c", "after_b2", "sync_load_jobs_failed") == 0, r
     for req in (r["b"], r["b2"]):
         assert req["mismatches"] == 0, r
-    if name == "promote_sync":
+    if name != "promote_sync_small":
         assert r["b"]["external_tokens"] == r["b2"]["external_tokens"] == 192, r
         assert r["b"]["checked"] > 0 and r["b2"]["checked"] > 0, r
         assert _delta(r, "after_c", "after_b", "promote_at_lookup") > 0, r
@@ -318,10 +337,11 @@ def test_config_info_publishes_each_groups_slots(results: dict) -> None:
     assert int(info["kvtier_chunk_tokens"]) == 16
 
 
-def test_groups_with_different_tokens_per_block_restore_every_byte(results: dict) -> None:
+@pytest.mark.parametrize("name", ["mixed_blocks", "mixed_blocks_gpu"])
+def test_groups_with_different_tokens_per_block_restore_every_byte(results: dict, name: str) -> None:
     """vLLM's blocks_per_chunk over groups of 64/16/32 tokens per block: each group's chunks span
     their own tokens; kvtier sizes each group's slots for its own chunk (kvtier refused this)."""
-    r = ok(results, "mixed_blocks")
+    r = ok(results, name)
     assert r["geometry_source"].startswith("vLLM KV-cache specs")  # from vLLM's own specs
     assert [(k, tpb) for _, k, tpb, _ in r["geometry"]] == [("full", 64), ("sliding", 16), ("mla", 32)]
     assert r["external_tokens"] == 384, r  # three 128-token chunks of the full group
@@ -337,7 +357,8 @@ def test_the_geometry_is_read_from_vllms_specs(results: dict) -> None:
     assert [k for _, k, _, _ in r["geometry"]] == ["sliding", "sliding", "sliding", "full"]
 
 
-@pytest.mark.parametrize("name", ["abort_load", "reset_load", "reset_store", "repeat_store", "preempt_store"])
+@pytest.mark.parametrize("name", ["abort_load", "reset_load", "reset_store", "repeat_store", "preempt_store",
+                                  "abort_load_gpu", "reset_store_gpu", "preempt_store_gpu"])
 def test_lifecycle_leaves_nothing_pinned_and_restores_right(results: dict, name: str) -> None:
     """A load in flight when its request is aborted or the cache is reset, stores still queued at
     a reset, two requests storing the same chunks at once: afterwards no chunk stays pinned, and a
@@ -345,6 +366,7 @@ def test_lifecycle_leaves_nothing_pinned_and_restores_right(results: dict, name:
     r = ok(results, name)
     assert r["pins_left"] == 0 and r["pins_after_c"] == 0, r
     c = r["c"]
+    name = name.removesuffix("_gpu")
     want = 112 if name == "preempt_store" else 192  # C's prompt: A's 120 or 200 tokens + 3
     assert c["external_tokens"] == want and c["checked"] > 0 and c["mismatches"] == 0, c
     if name == "abort_load":
@@ -361,7 +383,7 @@ def test_a_tenant_secret_macs_every_disk_payload_and_restores(results: dict) -> 
     assert r["external_tokens"] >= 192 and r["checked"] > 0 and r["mismatches"] == 0, r
 
 
-@pytest.mark.parametrize("name", ["qwen3_next_like", "qwen3_next_like_chunk4"])
+@pytest.mark.parametrize("name", ["qwen3_next_like", "qwen3_next_like_chunk4", "qwen3_next_like_chunk4_gpu"])
 def test_state_groups_restore_the_state_at_the_hit(results: dict, name: str) -> None:
     """GDN state groups in vLLM's align mode: each is a kvtier state group read from vLLM's
     MambaSpec, B loads one state per state group (the one ending at the hit) and every loaded
@@ -415,7 +437,7 @@ def test_chunked_local_groups_load_only_the_hits_local_chunk(results: dict) -> N
     assert (c["loaded_chunks_group0"], c["loaded_chunks_group1"]) == (14, 2), c
 
 
-@pytest.mark.parametrize("name", ["dsv4_fp8_ds_mla", "dsv4_bfloat16"])
+@pytest.mark.parametrize("name", ["dsv4_fp8_ds_mla", "dsv4_bfloat16", "dsv4_fp8_ds_mla_gpu"])
 def test_deepseek_v4_restores_every_page_of_every_group(results: dict, name: str) -> None:
     """vLLM's own DeepSeek-V4 specs: groups of 64/64/64/256/4/8 tokens per block, layers of
     different pages in one group, padded fp8_ds_mla pages, one packed block for every layer.
@@ -453,12 +475,13 @@ def test_the_two_deepseek_v4_formats_never_share_a_namespace(results: dict) -> N
     assert a["namespace"] != b["namespace"]
 
 
-def test_a_slow_disk_never_blocks_a_step(results: dict) -> None:
+@pytest.mark.parametrize("name", ["slow_disk", "slow_disk_gpu"])
+def test_a_slow_disk_never_blocks_a_step(results: dict, name: str) -> None:
     """Request A runs to the end while every disk write is held (the steps would hang for 20 s
     if submit_store waited for the disk): the cpu tier has A's chunks, the disk writes wait on
     kvtier's I/O thread, those past kvtier.io_queue_bytes are dropped and counted, and the queued
     ones land once the disk answers. C restores every byte from the cpu tier."""
-    r = ok(results, "slow_disk")
+    r = ok(results, name)
     assert r["a_finished"] and r["disk_write_started"], r
     held, released = r["held"], r["released"]
     assert held["stored_chunks_cpu"] == 21 and held["stored_chunks_disk"] == 0, held
@@ -526,7 +549,7 @@ def _delta(r: dict, a: str, b: str, counter: str) -> int:
     return r[b].get(counter, 0) - r[a].get(counter, 0)
 
 
-@pytest.mark.parametrize("name", ["promote", "promote_chunk4"])
+@pytest.mark.parametrize("name", ["promote", "promote_chunk4", "promote_gpu", "promote_chunk4_gpu"])
 def test_a_chunk_loaded_from_disk_is_promoted_to_host_memory(results: dict, name: str) -> None:
     """B loads A's full-attention chunks from disk (C's evicted them from the cpu tier; the
     sliding groups' pools still hold A's); each one B needs whole is copied into a cpu slot, so
@@ -541,7 +564,7 @@ def test_a_chunk_loaded_from_disk_is_promoted_to_host_memory(results: dict, name
     from_disk = _delta(r, "after_c", "after_b", "loaded_chunks_disk")
     from_cpu = _delta(r, "after_c", "after_b", "loaded_chunks_cpu")
     promoted = _delta(r, "after_c", "after_b", "promoted_chunks_disk")
-    first_chunks = 1 if name == "promote_chunk4" else 0  # the one group on disk: its first chunk
+    first_chunks = 1 if name.startswith("promote_chunk4") else 0  # the one group on disk: its first chunk
     assert from_disk > 0 and promoted == from_disk - first_chunks > 0, (promoted, from_disk, r)
     assert _delta(r, "after_c", "after_b", "promote_chunks") == promoted
     # B2: every chunk B read, from host memory, except the first chunks not promoted
@@ -573,7 +596,7 @@ def test_a_failed_promotion_is_never_offered(results: dict, name: str) -> None:
     assert r["pins"] == 0 and r["promoting"] == 0, r
 
 
-@pytest.mark.parametrize("name", ["promote_lookup", "promote_lookup_chunk4", "promote_lookup_instant"])
+@pytest.mark.parametrize("name", ["promote_lookup", "promote_lookup_chunk4", "promote_lookup_instant", "promote_lookup_gpu"])
 def test_a_lookup_promotes_a_disk_hit_before_the_load(results: dict, name: str) -> None:
     """The worker runs in the scheduler's process (vLLM's uni executor): B's lookup finds A's
     full-attention chunks only on disk, answers pending while the worker's I/O thread reads and

@@ -466,9 +466,11 @@ def run_partial(sc: dict) -> dict:
 
     out = {"bpc": bpc}
     worker.submit_store(1, spec([6], bpc - 1), KvtierLoadStoreSpec([item]))  # last position only
+    worker.wait({1})  # its copy ran (on a GPU, asynchronous: fake_cuda scenarios)
     h.kv[name][5] = -1.0
     h.kv[name][6] = -1.0
     worker.submit_load(2, KvtierLoadStoreSpec([item]), spec([6], bpc - 1), expedited=True)
+    worker.wait({2})  # as vLLM waits for an expedited load
     out["narrow_load"] = [r.success for r in worker.get_finished() if r.job_id == 2]
     out["block6_restored"] = bool(h.torch.all(h.kv[name][6] == 6.0))
     h.kv[name][6] = -1.0
@@ -669,6 +671,7 @@ def run_slow_disk(sc: dict) -> dict:
         h.step()
         steps += 1
     finished = not h.sched.requests  # A ran to the end with every disk write held
+    h.drain(2)  # on a GPU, A's last store job ends at a later step's poll
     started = entered.wait(10)  # the I/O thread reached the disk (it copies the cpu slot first)
     c = h.counters()
     out = {"steps": steps, "a_finished": finished, "disk_write_started": started,
@@ -1043,7 +1046,13 @@ def main() -> None:
                    else run_submit_timing if sc.get("submit_timing")
                    else run_stats if sc.get("stats") else run_promote if sc.get("promote")
                    else run_lifecycle if sc.get("lifecycle") else run_two_requests)
-            results[sc["name"]] = run(sc)
+            if sc.get("fake_cuda"):
+                import fake_cuda
+                with fake_cuda.installed():
+                    results[sc["name"]] = run(sc)
+                    results[sc["name"]]["handler_transfers"] = fake_cuda.transfers()
+            else:
+                results[sc["name"]] = run(sc)
         except Exception as exc:  # noqa: BLE001 - reported to the test, which decides
             results[sc["name"]] = {"error": f"{type(exc).__name__}: {exc}",
                                    "traceback": traceback.format_exc()[-3000:]}

@@ -26,11 +26,16 @@ The cpu tier's slabs and slot table live in a file the scheduler's process maps 
 for promotions started at lookup (manager.py). The index gives each slot to one writer at a
 time, so the two processes never write the same slot at once. Host buffers for reads and for stores without a cpu slot come
 from a small pool (`POOL_BUFFERS` per size), not one allocation per call.
-When the tensors live on a GPU, the copies run on a side CUDA stream (after it waits for the
-compute stream once per job) without synchronizing: a job finishes when its event fires
-(`get_finished` polls), and a background write waits for its store's event before copying the
-slot. (That GPU path has not run on a GPU yet: the machines this was built on had none;
-scripts/gpu-check.py is ready for one.)
+When the tensors live on a GPU, a chunk in a cpu slot moves through vLLM's own copy handlers
+(copier.py: `SingleDirectionOffloadingHandler`, one batched copy per run of consecutive chunks of
+a group, on vLLM's pooled streams; expedited loads on their own handler), straight between the
+blocks and the slot (page-locked), one copy. A chunk without a cpu slot (a store to disk or Redis
+only, a read not promoted) goes through a pooled pinned buffer on a side stream. Nothing
+synchronizes in `submit_*`: a job finishes when its transfers and its event have ended
+(`get_finished` polls), and a store's disk and Redis writes wait for its copies on the lane
+thread. The tests run this path on CPU tensors that claim CUDA, through vLLM's real descriptor
+code with the copy emulated asynchronously (tests/integrations/vllm_engineless/fake_cuda.py);
+it has not run on a GPU yet (scripts/gpu-check.py is ready for one).
 
 A job that cannot be completed (a tier miss, a corrupt payload, a layout mismatch) finishes
 with `success=False` and is never reported as loaded. vLLM 0.32's own OffloadingConnector
@@ -62,6 +67,7 @@ from kvtier.store.tiers.base import Tier, TierLayout
 from kvtier.store.tiers.cpu import fence
 
 from .common import ChunkItem, KvtierLoadStoreSpec, Metrics, SpecContext
+from .copier import EXPEDITED, LOAD, STORE
 from .lane import Lane
 
 log = logging.getLogger("kvtier.vllm")
@@ -74,6 +80,18 @@ class _Ref:
     tensor: torch.Tensor  # uint8 (num_blocks, >= page_bytes)
     page_bytes: int
     offset: int  # byte offset of this layer's pages inside a chunk payload
+
+
+@dataclass(slots=True)
+class _Job:
+    """A job whose copies are still running on a GPU."""
+    job_id: int
+    event: object  # the side stream's torch.cuda.Event, or None
+    tids: list[int]  # the copier's transfers
+    bufs: list[torch.Tensor]  # host buffers its copies read, given back when it ends
+    nbytes: int
+    t0: float
+    kind: str  # "store" / "load"
 
 
 class KvtierWorker(OffloadingWorker):
@@ -117,13 +135,21 @@ class KvtierWorker(OffloadingWorker):
                 continue
             self.tiers[tier] = _make_tier(tier, ctx.tier_layout(index, tier), ctx, keyed,
                                           self.device.type == "cuda")
-        # On a GPU: copies run on a side stream through pinned host buffers; a load finishes
-        # when its event fires (get_finished polls), a store waits for its device->host copy
-        # before the tier write. On CPU every job finishes inside submit_*.
+        # On a GPU: chunks in cpu slots move through vLLM's own copy handlers (copier.py); other
+        # chunks (no cpu slot: staging buffers) on a side stream through pinned host buffers. A
+        # job finishes when its transfers and its event have ended (get_finished polls); a
+        # store's disk and Redis writes are queued only then. On CPU every job finishes inside
+        # submit_*.
         self._pin = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if self._pin else None
-        # (job id, event, host buffers the async copies use, bytes, start time, "store"/"load")
-        self._in_flight: list[tuple[int, torch.cuda.Event, list[torch.Tensor], int, float, str]] = []
+        self._copier = None
+        cpu = self._cpu
+        if tensors[0].is_cuda and cpu is not None:
+            from .copier import SlabCopier
+
+            self._copier = SlabCopier([[(r.tensor, r.page_bytes, r.offset) for r in refs] for refs in self.refs],
+                                      cpu.slabs, cpu.locked, self.bpc)
+        self._in_flight: list[_Job] = []
         self._finished: list[TransferResult] = []
         slow = [t for t in self.tiers if t != "cpu"]
         self._lane = Lane("tier-io", ctx.config.io_queue_bytes) if slow else None
@@ -138,9 +164,10 @@ class KvtierWorker(OffloadingWorker):
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
         t0 = time.perf_counter()
         assert isinstance(dst_spec, KvtierLoadStoreSpec)
-        ok, nbytes, event = self._store(src_spec, dst_spec.items)
-        if event is not None:  # device->host copies in flight on the side stream
-            self._in_flight.append((job_id, event, [], nbytes, t0, "store"))
+        ok, nbytes, event, tids, later = self._store(src_spec, dst_spec.items)
+        self._queue_slow(later, event, tids)
+        if event is not None or tids:  # device->host copies in flight
+            self._in_flight.append(_Job(job_id, event, tids, [], nbytes, t0, "store"))
         else:
             self._done(job_id, ok, nbytes, t0, "store")
         return True
@@ -187,7 +214,7 @@ class KvtierWorker(OffloadingWorker):
         placement = self._placement(dst_spec, src_spec.items) if not slow else None
         if placement is not None:
             before = len(self._finished)
-            self._finish_load(job_id, t0, placement, self._read(placement))
+            self._finish_load(job_id, t0, placement, self._read(placement), expedited=True)
             if not any(r.job_id == job_id and not r.success for r in self._finished[before:]):
                 self.metrics.add("sync_load_jobs")
                 return
@@ -198,16 +225,18 @@ class KvtierWorker(OffloadingWorker):
                             "request on KV that was never restored, so the engine stops. Remove "
                             "sync_load_budget_bytes from kv_connector_extra_config and report this")
 
-    def _finish_load(self, job_id: int, t0: float, placement: list, read: tuple[bool, list, int]) -> None:
+    def _finish_load(self, job_id: int, t0: float, placement: list, read: tuple[bool, list, int],
+                     expedited: bool = False) -> None:
         """On the engine thread: check the chunks the cpu tier holds (their slots are read in
         place, right now, so no store can take a slot in between) and copy them and the chunks
         read from disk or Redis into their blocks. Nothing is copied unless every chunk is there."""
         ok, staged, nbytes = read
-        sources: list[tuple[int, list[tuple[int, int]], torch.Tensor, str]] = []  # (g, blocks, row, tier)
+        # (g, index of the chunk in its group, blocks, row, tier, cpu slot or None)
+        sources: list[tuple[int, int, list[tuple[int, int]], torch.Tensor, str, int | None]] = []
         held: list[torch.Tensor] = []  # staging buffers the copies read (given back after them)
         cpu = self._cpu
         for g, placed in placement if ok else ():
-            for item, blocks in placed:
+            for i, (item, blocks) in enumerate(placed):
                 tier, slot = item.places[0]
                 if tier != "cpu":
                     continue
@@ -215,60 +244,92 @@ class KvtierWorker(OffloadingWorker):
                     self.metrics.add("load_miss_cpu", group=g)  # evicted, or not the span needed
                     ok = False
                     break
-                sources.append((g, blocks, cpu.slabs[g][slot], "cpu"))
+                sources.append((g, i, blocks, cpu.slabs[g][slot], "cpu", slot))
                 nbytes += self.ctx.plan.groups[g].chunk_bytes
             if not ok:
                 break
         if not ok:
-            for _, _, buf, _, _ in staged:
+            for _, _, _, buf, _, _ in staged:
                 self._give(buf)
             self._done(job_id, False, 0, t0, "load")
             return
-        for g, blocks, buf, tier, item in staged:
-            row = self._promote(g, blocks, buf, tier, item)
+        for g, i, blocks, buf, tier, item in staged:
+            row, slot = self._promote(g, blocks, buf, tier, item)
             if row is None:
-                sources.append((g, blocks, buf, tier))
+                sources.append((g, i, blocks, buf, tier, None))
                 held.append(buf)
             else:  # the blocks are filled from the slot (pinned on a GPU); the buffer is free now
-                sources.append((g, blocks, row, tier))
+                sources.append((g, i, blocks, row, tier, slot))
                 self._give(buf)
-        if self._stream is not None:  # blocks just allocated may still be zeroed on the compute stream
+        tids: list[int] = []
+        if self._copier is not None:  # chunks in cpu slots: vLLM's handlers, one transfer a run
+            direction = EXPEDITED if expedited else LOAD
+            tids = self._submit_runs(direction, [(g, i, blocks, slot) for g, i, blocks, _, _, slot in sources])
+        copied = [s for s in sources if self._copier is None or s[5] is None or not self._copier.covers(s[0])]
+        if copied and self._stream is not None:  # blocks just allocated may still be zeroed on the compute stream
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        for g, blocks, row, tier in sources:  # counted here, once the whole job restores
+        for g, _, blocks, row, _, _ in copied:
             self._copy_in(g, blocks, row)
+        for g, _, blocks, _, tier, _ in sources:  # counted here, once the whole job restores
             self.metrics.add("loaded_blocks", len(blocks), group=g)
             self.metrics.add(f"loaded_chunks_{tier}", group=g)
             self.metrics.add(f"loaded_chunks_group{g}")
             self.metrics.add(f"loaded_bytes_{tier}", self.ctx.plan.groups[g].chunk_bytes, group=g)
-        if self._stream is None:
+        event = None
+        if copied and self._stream is not None:
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        if event is None and not tids:
             for buf in held:
                 self._give(buf)
             self._done(job_id, True, nbytes, t0, "load")
             return
-        event = torch.cuda.Event()
-        event.record(self._stream)
-        # the slot rows stay valid: a later store into one of them runs after this on the stream
-        self._in_flight.append((job_id, event, held, nbytes, t0, "load"))
+        # the slot rows stay valid: the manager keeps them pinned until this load ends
+        self._in_flight.append(_Job(job_id, event, tids, held, nbytes, t0, "load"))
+
+    def _submit_runs(self, direction: int, chunks: list[tuple[int, int, list[tuple[int, int]], int | None]]) -> list[int]:
+        """Hand the chunks with a cpu slot (g, index in group, blocks, slot) to the copier, one
+        transfer per run of consecutive chunks of a group; the transfer ids."""
+        copier = self._copier
+        assert copier is not None
+        tids: list[int] = []
+        run: list[tuple[int, int, list[tuple[int, int]], int]] = []
+
+        def flush() -> None:
+            if run:
+                bids = [b for _, _, blocks, _ in run for b, _ in blocks]
+                tids.append(copier.submit(direction, run[0][0], bids, run[0][2][0][1], [s for *_, s in run]))
+                run.clear()
+
+        for g, i, blocks, slot in sorted(chunks, key=lambda c: (c[0], c[1])):
+            if slot is None or not copier.covers(g):
+                flush()
+                continue
+            if run and (run[-1][0] != g or run[-1][1] != i - 1):
+                flush()
+            run.append((g, i, blocks, slot))
+        flush()
+        return tids
 
     def _promote(self, g: int, blocks: list[tuple[int, int]], buf: torch.Tensor, tier: str,
-                 item: ChunkItem) -> torch.Tensor | None:
+                 item: ChunkItem) -> tuple[torch.Tensor | None, int | None]:
         """On the engine thread: copy a verified chunk read from disk or Redis into the cpu slot
-        the scheduler reserved for it, if any; the slot's row, or None (no slot). A chunk the
+        the scheduler reserved for it, if any; (the slot's row, the slot), or (None, None). A chunk the
         load needs only part of is not promoted (its header would claim blocks whose bytes were
         not checked for this load): the slot is left empty, a later read of it a counted miss."""
         cpu = self._cpu
         slot = next((s for t, s in item.places[1:] if t == "cpu"), None)
         if cpu is None or slot is None:
-            return None
+            return None, None
         if len(blocks) != self.bpc:
             cpu.free(g, slot)
             self.metrics.add("promote_skipped_partial", group=g)
-            return None
+            return None, None
         row = cpu.begin(g, slot)
         row.copy_(buf)
         cpu.commit(g, slot, self._header(item, blocks))
         self.metrics.add(f"promoted_chunks_{tier}", group=g)
-        return row
+        return row, slot
 
     def _finish_reads(self) -> None:
         while self._read_done:  # loads whose tier reads finished on the lane
@@ -278,11 +339,19 @@ class KvtierWorker(OffloadingWorker):
 
     def get_finished(self) -> list[TransferResult]:
         self._finish_reads()
-        while self._in_flight and self._in_flight[0][1].query():  # in submission order
-            job_id, _, bufs, nbytes, t0, kind = self._in_flight.pop(0)  # host buffers may go now
-            for buf in bufs:
-                self._give(buf)
-            self._done(job_id, True, nbytes, t0, kind)
+        if self._in_flight:
+            if self._copier is not None:
+                self._copier.poll()
+            running = []
+            for job in self._in_flight:
+                if (job.event is not None and not job.event.query()) or (
+                        job.tids and not self._copier.finished(job.tids)):  # type: ignore[union-attr]
+                    running.append(job)
+                    continue
+                for buf in job.bufs:  # host buffers may go now
+                    self._give(buf)
+                self._done(job.job_id, True, job.nbytes, job.t0, job.kind)
+            self._in_flight = running
         out, self._finished = self._finished, []
         return out
 
@@ -290,9 +359,12 @@ class KvtierWorker(OffloadingWorker):
         if self._lane is not None and self._reading & set(job_ids):
             self._lane.drain()  # only when vLLM asks to wait for a load on disk or Redis
             self._finish_reads()
-        for job_id, event, *_ in self._in_flight:
-            if job_id in job_ids:
-                event.synchronize()
+        for job in self._in_flight:
+            if job.job_id in job_ids:
+                if job.event is not None:
+                    job.event.synchronize()
+                if job.tids:
+                    self._copier.wait(job.tids)  # type: ignore[union-attr]
 
     def drain(self, timeout: float | None = 30.0) -> bool:
         """Wait until every disk and Redis write and read queued so far has run."""
@@ -306,6 +378,8 @@ class KvtierWorker(OffloadingWorker):
             return
         if self._stream is not None:
             self._stream.synchronize()
+        if self._copier is not None:
+            self._copier.shutdown()  # drains every transfer before the slabs go
         self.metrics.flush(force=True)
         for tier in self.tiers.values():
             tier.close()
@@ -399,27 +473,34 @@ class KvtierWorker(OffloadingWorker):
     def _cpu(self):  # noqa: ANN202 - the CpuTier, or None without a cpu tier
         return self.tiers.get("cpu")
 
-    def _store(self, spec: GPULoadStoreSpec, items: Sequence[ChunkItem]) -> tuple[bool, int, torch.cuda.Event | None]:
+    def _store(self, spec: GPULoadStoreSpec, items: Sequence[ChunkItem]) -> tuple:
         """Copy each chunk's pages out of its blocks, once: straight into its cpu tier slot (the
         slot's header is dropped first and set after, `CpuTier.begin`/`commit`), or, for a chunk
-        without a cpu slot, into a zeroed host buffer. Disk and Redis writes are queued on the
-        lane; one of a chunk in a cpu slot copies the slot there and writes only if the slot still
-        holds that chunk (`_write_from_cpu`). Returns (ok, bytes, the copies' event on a GPU)."""
+        without a cpu slot, into a zeroed host buffer. Returns (ok, bytes, the side stream's event
+        or None, the copier's transfer ids, the disk/Redis writes to queue): a write waits for
+        the copies first, and one of a chunk in a cpu slot copies the slot and goes ahead only if
+        the slot still holds that chunk (`_write_slow`)."""
         placement = self._placement(spec, items)
         if placement is None:
-            return False, 0, None
-        if self._stream is not None:  # the side stream must see what the model wrote
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+            return False, 0, None, [], []
         cpu, total = self._cpu, 0
-        later: list[tuple] = []  # slow-tier writes, queued once the copies are recorded
+        later: list[tuple] = []  # slow-tier writes
+        to_slots: list[tuple[int, int, list[tuple[int, int]], int]] = []  # for the copier
+        staged: list[tuple[int, list[tuple[int, int]], torch.Tensor]] = []  # copied here
         for g, placed in placement:
             nbytes = self.ctx.plan.groups[g].chunk_bytes
-            for item, blocks in placed:
+            for i, (item, blocks) in enumerate(placed):
                 header = self._header(item, blocks)
                 slow = [(t, slot) for t, slot in item.places if t != "cpu"]
                 cpu_slot = next((slot for t, slot in item.places if t == "cpu"), None)
                 if cpu is not None and cpu_slot is not None:
-                    self._copy_out(g, blocks, cpu.begin(g, cpu_slot))
+                    row = cpu.begin(g, cpu_slot)
+                    if self._copier is not None and self._copier.covers(g):
+                        to_slots.append((g, i, blocks, cpu_slot))
+                    else:
+                        staged.append((g, blocks, row))
+                    # committed before an asynchronous copy lands: nothing reads the slot before
+                    # the copy ended (vLLM loads it after complete_store; the writes wait for it)
                     cpu.commit(g, cpu_slot, header)
                     self.metrics.add("stored_chunks_cpu", group=g)
                     self.metrics.add("stored_bytes_cpu", nbytes, group=g)
@@ -429,35 +510,55 @@ class KvtierWorker(OffloadingWorker):
                         later.append((g, slow, nbytes, ("cpu", cpu_slot, gen, header, blocks)))
                 elif slow:
                     buf = self._take(nbytes, zero=True)
-                    self._copy_out(g, blocks, buf)
+                    staged.append((g, blocks, buf))
                     later.append((g, slow, nbytes, ("buf", buf, header)))
+        tids = self._submit_runs(STORE, to_slots) if to_slots else []
+        if staged and self._stream is not None:  # the side stream must see what the model wrote
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        for g, blocks, row in staged:
+            self._copy_out(g, blocks, row)
         event = None
-        if self._stream is not None:
-            event = torch.cuda.Event(blocking=True)  # the lane waits on it without spinning a core
+        if staged and self._stream is not None:
+            event = torch.cuda.Event()
             event.record(self._stream)
+        return True, total, event, tids, later
+
+    def _queue_slow(self, later: list[tuple], event, tids: list[int]) -> None:  # noqa: ANN001
+        """Queue a store's disk and Redis writes on the lane; each first waits there for the
+        store's device->host copies (`event` on the side stream, `tids` in the copier)."""
+        if not later:
+            return
+        wait = None
+        if event is not None or tids:
+            def wait() -> None:
+                with torch.cuda.device(self.device) if self._pin else _null():  # never a context on another GPU
+                    if event is not None:
+                        event.synchronize()
+                    if tids:
+                        self._copier.wait(tids)  # type: ignore[union-attr]
         for g, slow, nbytes, src in later:
             if self._lane is None:  # no lane (only when driven by hand): the writes run inline
-                self._write_slow(event, g, slow, nbytes, src)
+                self._write_slow(wait, g, slow, nbytes, src)
             elif not self._lane.submit(
-                    lambda g=g, slow=slow, n=nbytes, src=src: self._write_slow(event, g, slow, n, src),
+                    lambda g=g, slow=slow, n=nbytes, src=src: self._write_slow(wait, g, slow, n, src),
                     write_bytes=nbytes * len(slow)):
                 # the queue is full: these tiers skip the chunk (a later load there is a counted
                 # miss); the engine never waits for a disk or a network
                 for tier, _ in slow:
                     self.metrics.add(f"store_dropped_{tier}", group=g)
-        return True, total, event
+                if src[0] == "buf":
+                    self._give(src[1])
 
-    def _write_slow(self, event, g: int, slow: list, nbytes: int, src: tuple) -> None:  # noqa: ANN001
+    def _write_slow(self, wait, g: int, slow: list, nbytes: int, src: tuple) -> None:  # noqa: ANN001
         """On the lane: write one chunk into its disk/Redis places, once its device->host copy
-        finished. From a cpu slot: the slot is copied first and the write goes ahead only if the
+        ended (`wait`). From a cpu slot: the slot is copied first and the write goes ahead only if the
         slot still holds this chunk afterwards (its sequence number unchanged since the store
         committed it: every `begin`, in this process or the scheduler's, changes it before any
         new bytes arrive); otherwise the slot was taken for another chunk meanwhile and
         the write is skipped, counted `store_overwritten_<tier>`. Positions the chunk does not
         hold are zeros in what is written."""
-        if event is not None:
-            with torch.cuda.device(self.device):  # never a context on another GPU from this thread
-                event.synchronize()
+        if wait is not None:
+            wait()
         if src[0] == "buf":
             data, header = src[1], src[2]
         else:
@@ -500,14 +601,14 @@ class KvtierWorker(OffloadingWorker):
 
     def _read(self, placement: list) -> tuple[bool, list, int]:
         """Read and verify the chunks of a load that are on disk or in Redis into host buffers:
-        (all found, [(group, blocks, buffer, tier, item)], bytes). Runs on the lane. Chunks in the
+        (all found, [(group, index in group, blocks, buffer, tier, item)], bytes). Runs on the lane. Chunks in the
         cpu tier are checked and copied from their slots later, on the engine thread
         (`_finish_load`), which also promotes what was read here into the cpu tier."""
         total = 0
         staged = []
         for g, placed in placement:
             nbytes = self.ctx.plan.groups[g].chunk_bytes
-            for item, blocks in placed:
+            for i, (item, blocks) in enumerate(placed):
                 if not item.places:  # the scheduler lost it between lookup and load: a miss
                     self.metrics.add("load_miss_vanished", group=g)
                     return False, [], 0
@@ -520,10 +621,10 @@ class KvtierWorker(OffloadingWorker):
                     # this job is reported as loaded; vLLM recomputes the request
                     self.metrics.add(f"load_miss_{tier}", group=g)
                     for st in staged:
-                        self._give(st[2])
+                        self._give(st[3])
                     self._give(buf)
                     return False, [], 0
-                staged.append((g, blocks, buf, tier, item))
+                staged.append((g, i, blocks, buf, tier, item))
                 total += nbytes
         return True, staged, total
 
@@ -566,6 +667,12 @@ class KvtierWorker(OffloadingWorker):
                 continue
             with torch.cuda.stream(self._stream):
                 ref.tensor[bids, :page] = src.to(self.device, non_blocking=True)
+
+
+def _null():  # noqa: ANN202
+    import contextlib
+
+    return contextlib.nullcontext()
 
 
 class SyncLoadError(RuntimeError):

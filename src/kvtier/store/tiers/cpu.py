@@ -144,6 +144,9 @@ class CpuTier(SlotTier):
                     for b, n in zip(layout.slot_bytes, layout.num_slots)]
             self._tables = [memoryview(bytearray(n * SLOT_RECORD)) for n in layout.num_slots]
         self.slabs: list[torch.Tensor] = [t for t, _ in made]
+        # per slab: page-locked (registered, or allocated pinned), so a GPU may read it directly
+        self.locked: list[bool] = ([reg for _, reg in made] if region is not None
+                                   else [bool(pin and t.numel()) for t, _ in made])
         # registered slabs are unregistered by close(), or when the tier is collected unclosed
         self._unregister = [weakref.finalize(self, host_register[1], t.data_ptr())  # type: ignore[index]
                             for t, reg in made if reg]
