@@ -31,6 +31,7 @@ SCENARIOS = [
     {"name": "chunk_tokens", "extra": {"kvtier.chunk_tokens": 64}},
     {"name": "failed_reads", "fail_reads": "load"},
     {"name": "partial_chunk", "partial": True, "extra": {"blocks_per_chunk": 4}},
+    {"name": "partial_chunk_two_layers", "partial": True, "layers": ["full", "full"], "extra": {"blocks_per_chunk": 4}},
     {"name": "sync_loads", "extra": {"sync_load_budget_bytes": 1 << 20, "kvtier.tiers": "disk",
                                      "kvtier.cpu_bytes": None, "kvtier.disk_bytes": "16MiB"}},
     {"name": "lookups", "lookups": 70000},
@@ -142,7 +143,7 @@ SCENARIOS = [
 # runs unchanged; only the copy itself is emulated (vllm_engineless/fake_cuda.py: CPU tensors that
 # claim CUDA, a queued memmove per batched copy that runs when its event is asked, so a job the
 # worker reports done before asking its copies leaves wrong bytes behind).
-GPU_COPIES = ["gemma3_like", "gemma3_like_chunk4", "partial_chunk", "mixed_blocks", "qwen3_next_like_chunk4",
+GPU_COPIES = ["gemma3_like", "gemma3_like_chunk4", "partial_chunk", "partial_chunk_two_layers", "mixed_blocks", "qwen3_next_like_chunk4",
               "dsv4_fp8_ds_mla", "promote", "promote_chunk4", "promote_lookup", "promote_sync", "abort_load",
               "reset_store", "preempt_store", "slow_disk"]
 SCENARIOS += [dict(sc, name=sc["name"] + "_gpu", fake_cuda=True) for sc in SCENARIOS if sc["name"] in GPU_COPIES]
@@ -274,12 +275,14 @@ def test_a_failed_tier_read_is_recomputed_never_restored(results: dict) -> None:
     assert r["counters"]["removed_after_failure"] > 0  # the bad hit is not offered again
 
 
-@pytest.mark.parametrize("name", ["partial_chunk", "partial_chunk_gpu"])
+@pytest.mark.parametrize("name", ["partial_chunk", "partial_chunk_gpu", "partial_chunk_two_layers",
+                                  "partial_chunk_two_layers_gpu"])
 def test_a_chunk_serves_only_the_block_positions_it_holds(results: dict, name: str) -> None:
     """A chunk stored from its last block only (vLLM's first chunk of a group may start mid-chunk)
     restores that block, and a load that also needs the block before it fails without writing
     either block."""
     r = ok(results, name)
+    assert r["slot_layout"] and all(r["slot_layout"]), r  # every layer's page where kvtier's layout puts it
     assert r["narrow_load"] == [True] and r["block6_restored"], r
     assert r["wide_load"] == [False], r
     # a sync load (vLLM runs the request on it this step) that fails stops the engine, one line

@@ -464,9 +464,15 @@ def run_partial(sc: dict) -> dict:
         sizes = [len(blocks) if i == g else 0 for i in range(ngroups)]
         return GPULoadStoreSpec(blocks, sizes, [first if i == g else 0 for i in range(ngroups)])
 
-    out = {"bpc": bpc}
+    out: dict = {"bpc": bpc}
     worker.submit_store(1, spec([6], bpc - 1), KvtierLoadStoreSpec([item]))  # last position only
     worker.wait({1})  # its copy ran (on a GPU, asynchronous: fake_cuda scenarios)
+    # the slot's layout, whichever path copied: each layer ref's pages at its offset in the chunk,
+    # block 6 at the chunk's last position (vLLM's handler and kvtier's index_copy agree)
+    row = worker.tiers["cpu"].slabs[g][0]
+    out["slot_layout"] = [bool(h.torch.equal(row[r.offset + (bpc - 1) * r.page_bytes:r.offset + bpc * r.page_bytes],
+                                             h.torch.Tensor(r.tensor)[6, :r.page_bytes]))
+                          for r in worker.refs[g]]
     h.kv[name][5] = -1.0
     h.kv[name][6] = -1.0
     worker.submit_load(2, KvtierLoadStoreSpec([item]), spec([6], bpc - 1), expedited=True)
