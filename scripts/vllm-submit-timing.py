@@ -2,7 +2,11 @@
 kvtier's background I/O against the same jobs done inline, side by side in one run (vLLM's real
 connector halves on CPU tensors, tests/integrations/vllm_engineless/harness.py).
 
-    .venv/bin/python scripts/vllm-submit-timing.py [0.32|0.33] [JOBS]
+    .venv/bin/python scripts/vllm-submit-timing.py [0.32|0.33] [JOBS] [handler]
+
+`handler`: the worker's GPU path, chunks moved through vLLM's own copy handler (its descriptor
+code runs; the copy itself is emulated on this CPU machine, tests/integrations/vllm_engineless/
+fake_cuda.py): what `submit_*` costs the engine thread there, not a GPU figure.
 
 Starts its own redis-server on a free loopback port (scripts/ensure-redis.sh installs it). For
 0.33, vLLM 0.33's Python code must be in .vllm033 (scripts/setup-vllm033.sh).
@@ -24,10 +28,11 @@ from redis_servers import redis_server  # noqa: E402
 def main() -> int:
     version = sys.argv[1] if len(sys.argv) > 1 else "0.32"
     jobs = int(sys.argv[2]) if len(sys.argv) > 2 else 1000
+    handler = len(sys.argv) > 3 and sys.argv[3] == "handler"
     with redis_server() as srv:
         sc = [{"name": "t", "submit_timing": True, "jobs": jobs,
                "extra": {"kvtier.tiers": "cpu,disk,redis", "kvtier.disk_bytes": "64MiB",
-                         "kvtier.redis_bytes": "64MiB", "kvtier.redis_url": srv.url}}]
+                         "kvtier.redis_bytes": "64MiB", "kvtier.redis_url": srv.url}, "fake_cuda": handler}]
         env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1", VLLM_LOGGING_LEVEL="ERROR")
         if version == "0.33":
             env["PYTHONPATH"] = str(REPO / ".vllm033")
@@ -42,7 +47,8 @@ def main() -> int:
     if "error" in r:
         print(r["error"], file=sys.stderr)
         return 1
-    print(f"vLLM {out['vllm_version']}, {r['jobs']} one-chunk jobs, tiers {','.join(r['tiers'])}")
+    path = "GPU path: vLLM's copy handler, copy emulated" if handler else "CPU path"
+    print(f"vLLM {out['vllm_version']}, {r['jobs']} one-chunk jobs, tiers {','.join(r['tiers'])}, {path}")
     for mode in ("background", "inline"):
         print(f"  {mode:10s} submit_store median {r[mode]['store_median_ms']:.3f} ms, "
               f"submit_load (from Redis) median {r[mode]['load_median_ms']:.3f} ms")
