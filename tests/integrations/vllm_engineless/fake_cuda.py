@@ -5,14 +5,17 @@ GPU path through vLLM's handlers (copier.py) and vLLM's own descriptor code comp
 pointer. What a GPU would do is emulated, asynchronously:
 
 - `swap_blocks_batch` (the one batched copy) is queued, not run: a real GPU runs it later;
-- an event recorded after it answers its first `query()` with False and runs the queue up to
-  itself at the second (or at `synchronize()`), so a job never ends in the step it was submitted,
-  and its copies run only when the worker asks whether they ran: a worker that reports a job done,
-  or reads a slot, without asking its events sees the bytes as they were before the copy (a
+- each handler's transfers form one FIFO (vLLM chains a handler's pooled streams with
+  `wait_event`); different handlers' FIFOs are independent, as a GPU's streams are, so a load
+  handler's copy can run before a store handler's copy submitted earlier;
+- an event recorded after a copy answers its first `query()` with False and runs its own FIFO
+  up to itself at the second (or at `synchronize()`): a job never ends in the step it was
+  submitted, and its copies run only when the worker asks whether they ran. A worker that
+  reports a job done, or reads a slot, without asking its events, or that relies on one
+  handler's copies having run before another's, sees the bytes as they were before the copy (a
   restored request's check, or a disk write, then finds them wrong);
 - `tick()` runs everything queued (at the end of a scenario).
 
-Streams are one FIFO (stricter ordering than a GPU, never looser within a handler).
 `transfers()` counts the batched copies queued since `installed()` began.
 """
 
@@ -25,9 +28,9 @@ import threading
 import torch
 
 _lock = threading.RLock()  # the engine thread and kvtier's I/O thread (a store's disk write waits)
-_queue: list = []  # closures of queued copies
-_ran = 0  # copies run so far
-_queued = 0  # copies queued so far
+_chains: list = []  # every FIFO made (tick runs them all)
+_local = threading.local()  # the stream a handler made current
+_queued = 0  # batched copies queued so far
 _base = 0  # _queued when installed() began
 
 
@@ -41,17 +44,26 @@ class FakeCuda(torch.Tensor):
         return True
 
 
+class _Chain:
+    """One FIFO of copies (the streams of one handler)."""
+
+    def __init__(self) -> None:
+        self.ops: list = []
+        self.ran = 0
+        _chains.append(self)
+
+    def run_to(self, mark: int) -> None:
+        with _lock:
+            while self.ran < mark:
+                op, self.ops[self.ran] = self.ops[self.ran], None
+                op()
+                self.ran += 1
+
+
 def tick() -> None:
     """Run every queued copy (the 'GPU' catches up)."""
-    _upto(_queued)
-
-
-def _upto(mark: int) -> None:
-    global _ran
-    with _lock:
-        while _ran < mark and _queue:
-            _queue.pop(0)()
-            _ran += 1
+    for chain in list(_chains):
+        chain.run_to(len(chain.ops))
 
 
 def _swap(src, dst, sizes, is_src_access_order_any=False, **_):  # noqa: ANN001, ANN202
@@ -62,42 +74,61 @@ def _swap(src, dst, sizes, is_src_access_order_any=False, **_):  # noqa: ANN001,
         for s, d, n in ops:
             ctypes.memmove(d, s, n)
 
+    stream = getattr(_local, "stream", None)
+    chain = stream.chain if stream is not None else _Chain()
     with _lock:
-        _queue.append(run)
+        chain.ops.append(run)
         _queued += 1
 
 
 class _Event:
     def __init__(self, **_) -> None:  # noqa: ANN003
+        self.chain: _Chain | None = None
         self.mark = 0
         self.asked = False
 
-    def record(self, *_) -> None:  # noqa: ANN002
-        self.mark = _queued
+    def record(self, stream=None) -> None:  # noqa: ANN001
+        self.chain = stream.chain if stream is not None else None
+        self.mark = len(self.chain.ops) if self.chain is not None else 0
         self.asked = False
 
     def query(self) -> bool:
-        if _ran >= self.mark:
+        if self.chain is None or self.chain.ran >= self.mark:
             return True
         if not self.asked:  # not yet: the 'GPU' is busy
             self.asked = True
             return False
-        _upto(self.mark)
+        self.chain.run_to(self.mark)
         return True
 
     def synchronize(self) -> None:
-        _upto(self.mark)
+        if self.chain is not None:
+            self.chain.run_to(self.mark)
 
     def elapsed_time(self, _other) -> float:  # noqa: ANN001
         return 0.0
 
 
 class _Stream:
-    def wait_stream(self, *_) -> None:  # noqa: ANN002
+    def __init__(self) -> None:
+        self.chain = _Chain()
+
+    def wait_stream(self, *_) -> None:  # noqa: ANN002 - the compute stream: the model ran already
         pass
 
-    def wait_event(self, *_) -> None:  # noqa: ANN002
-        pass
+    def wait_event(self, event: _Event) -> None:
+        if event.chain is not None:  # after that event: the same FIFO
+            self.chain = event.chain
+
+
+@contextlib.contextmanager
+def _current(stream: _Stream):
+    prev = getattr(_local, "stream", None)
+    _local.stream = stream
+    try:
+        yield
+    finally:
+        _local.stream = prev
 
 
 @contextlib.contextmanager
@@ -114,7 +145,7 @@ def installed():
              (torch, "Event", torch.Event), (gw, "_select_swap_blocks_fn", gw._select_swap_blocks_fn)]
     plat.Stream = _Stream
     plat.current_stream = lambda *a, **k: _Stream()
-    plat.stream = lambda s: contextlib.nullcontext()
+    plat.stream = _current
     torch.Event = _Event
     gw._select_swap_blocks_fn = lambda *a, **k: _swap
     # kvtier's worker sees vLLM's KV tensors (which vLLM rebuilds as plain tensors) as CUDA ones
