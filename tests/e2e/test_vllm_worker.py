@@ -573,3 +573,30 @@ def test_the_handshake_maps_every_ranks_region_or_none(tmp_path: Path, regions_f
     manager.shutdown()
     for w in workers:
         w.shutdown()
+
+
+def test_a_store_job_the_worker_failed_is_never_committed(tmp_path: Path) -> None:
+    """vLLM never hears that a store job failed (0.33 ignores it; vLLM's own connector marks it
+    completed on 0.32) and calls complete_store. The manager reads the chunk's cpu slot through
+    the worker's host region: the slot does not hold the chunk, so no tier commits it and a later
+    lookup misses instead of loading a slot that holds nothing (or another chunk)."""
+    ctx, manager, worker = _promoting_pair(tmp_path, cpu_chunks=4)
+    rc = ReqContext(req_id="a")
+    good, bad = _full_keys(rc, 1, 1), _full_keys(rc, 5, 1)
+    _store(manager, worker, good, rc, 1)
+    out = manager.prepare_store(bad, rc)
+    # a job whose blocks do not match its chunks (3 blocks, two chunks' worth, for one chunk):
+    # the worker fails it, writing nothing
+    assert worker.submit_store(2, GPULoadStoreSpec([9, 10, 11], group_sizes=[3, 0], block_indices=[0, 0]),
+                               out.store_spec)
+    assert [(r.job_id, r.success) for r in worker.get_finished()] == [(2, False)]
+    manager.complete_store(out.keys_to_store, rc)  # as vLLM does anyway
+    (hb, g), (hg, _) = ctx.split_key(bad[0]), ctx.split_key(good[0])
+    assert manager.index.where(hb, g) == [], manager.index.where(hb, g)
+    assert [t for t, _ in manager.index.where(hg, g)] == ["cpu", "disk"]
+    assert manager.metrics.counts.get("store_failed_unreported", 0) == 1
+    rb = ReqContext(req_id="b")
+    rb.set_offload_key_position(bad[0], TPB * BPC)
+    assert manager.lookup(bad[0], rb) == LookupResult.MISS
+    manager.shutdown()
+    worker.shutdown()

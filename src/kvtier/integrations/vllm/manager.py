@@ -128,7 +128,7 @@ class KvtierManager(OffloadingManager):
         self._okey: dict[tuple[bytes, int], OffloadKey] = {}
         self._evicted_later: list[OffloadKey] = []  # evicted outside prepare_store, reported next
         self._pins: dict[OffloadKey, list[str]] = {}  # tier of each pin, oldest first
-        self._pending: dict[OffloadKey, list[str]] = {}  # tiers reserved by a store in flight
+        self._pending: dict[OffloadKey, list[tuple[str, int]]] = {}  # places reserved by a store in flight
         self._loads: dict[str, list[tuple[bytes, int]]] = {}  # req_id -> chunks of its load
         # req_id -> load jobs in flight (prepare_load .. complete_load); a request vLLM finishes
         # meanwhile (aborted) keeps its chunks in _loads until its load completes, so a failed
@@ -636,7 +636,7 @@ class KvtierManager(OffloadingManager):
                 start, end = self._span(key, g, req_context)
                 items.append(ChunkItem(g, h, start, end, tuple(places)))
                 to_store.append(key)
-                self._pending[key] = [t for t, _ in places]
+                self._pending[key] = places
                 stored[g] = stored.get(g, 0) + 1
         if evicted and to_store:  # evicted earlier and stored again now: not an eviction
             storing = set(to_store)
@@ -651,17 +651,27 @@ class KvtierManager(OffloadingManager):
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> None:
+        """A store job the worker failed is reported as a success by vLLM 0.33 (and by vLLM's own
+        connector on 0.32): it never hears of store failures. Where the workers' host regions are
+        mapped, the chunk's cpu slot is read: a slot that does not hold the chunk (the job wrote
+        nothing, in any tier: a job fails whole) is not committed in any tier
+        (`store_failed_unreported`), so no lookup is answered from it."""
         for key in keys:
-            tiers = self._pending.pop(key, None)
+            places = self._pending.pop(key, None)
             split = self._key(key)
-            if not tiers or split is None:
+            if not places or split is None:
                 continue
-            for tier in tiers:
-                if success:
+            ok = success
+            cpu_slot = next((slot for t, slot in places if t == "cpu"), None)
+            if ok and cpu_slot is not None and self._promoter.holds_chunk(split[1], cpu_slot, split[0]) is False:
+                ok = False
+                self.metrics.add("store_failed_unreported", group=split[1])
+            for tier, _ in places:
+                if ok:
                     self.index.commit(split[0], split[1], tier)
                 else:
                     self.index.abort(split[0], split[1], tier)
-            if not success:
+            if not ok:
                 self._gone(*split)
 
     def on_request_finished(self, req_context: ReqContext) -> None:

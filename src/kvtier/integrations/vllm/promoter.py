@@ -129,6 +129,18 @@ class LookupPromoter:
                 return False
         return True
 
+    def holds_chunk(self, g: int, slot: int, chunk_hash: bytes) -> bool | None:
+        """Whether every rank's cpu slot holds some span of chunk `chunk_hash` of group `g`
+        (under that rank's namespace); None without mapped regions."""
+        if not self.ranks:
+            return None
+        for r in self.ranks:
+            stored = r.cpu.header(g, slot)
+            if (stored is None or stored.chunk_hash != chunk_hash or stored.group != g
+                    or stored.namespace_id != r.namespace_id):
+                return False
+        return True
+
     def fetch(self, g: int, tier: str, slot: int, header: ChunkHeader,
               done: Callable[[object], None]) -> bool:
         """Queue a read of a whole chunk from `tier`, every rank's shard into a pooled buffer,

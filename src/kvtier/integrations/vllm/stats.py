@@ -127,6 +127,8 @@ FAMILIES: tuple[Family, ...] = (
     Family("store_failed_{tier}", TIER_AND_GROUP, "Chunk writes a tier refused or failed."),
     Family("store_dropped_{tier}", TIER_AND_GROUP, "Chunk writes dropped because the background "
            "I/O queue was full (kvtier.io_queue_bytes)."),
+    Family("store_failed_unreported", ("group",), "Chunks of store jobs a worker failed, which "
+           "vLLM reported as stored: their cpu slot did not hold them, so no tier commits them."),
     Family("store_overwritten_{tier}", TIER_AND_GROUP, "Disk/Redis writes skipped because the cpu "
            "slot they were copied from was taken by another chunk first."),
 )
