@@ -32,6 +32,7 @@ vLLM's real descriptor code.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -120,6 +121,22 @@ class SlabCopier:
             h = self._owner.get(t)
             if h is not None:
                 h.wait({t})
+
+    def wait_polling(self, tids: Iterable[int], interval_s: float = 0.0005) -> None:
+        """Block until these transfers ended, from another thread (kvtier's I/O thread, before a
+        store's disk or Redis write), without spinning a core: vLLM's events are not
+        blocking-sync events, so their `synchronize()` would busy-wait for up to a forward pass.
+        A transfer this object no longer knows has ended. (If the engine thread recycles an
+        event meanwhile, this waits for a later transfer: longer, never too short.)"""
+        for t in tids:
+            h = self._owner.get(t)
+            event = getattr(h, "_transfer_events", {}).get(t) if h is not None else None
+            if event is None:
+                if h is not None and not hasattr(h, "_transfer_events"):  # another vLLM: its wait
+                    h.wait({t})
+                continue
+            while not event.query():
+                time.sleep(interval_s)
 
     def shutdown(self) -> None:
         for hs in self._handlers:

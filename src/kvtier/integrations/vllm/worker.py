@@ -486,7 +486,9 @@ class KvtierWorker(OffloadingWorker):
         cpu, total = self._cpu, 0
         later: list[tuple] = []  # slow-tier writes
         to_slots: list[tuple[int, int, list[tuple[int, int]], int]] = []  # for the copier
-        staged: list[tuple[int, list[tuple[int, int]], torch.Tensor]] = []  # copied here
+        copied = False  # anything copied here (on a GPU: on the side stream)
+        if self._stream is not None:  # the side stream must see what the model wrote
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
         for g, placed in placement:
             nbytes = self.ctx.plan.groups[g].chunk_bytes
             for i, (item, blocks) in enumerate(placed):
@@ -498,9 +500,10 @@ class KvtierWorker(OffloadingWorker):
                     if self._copier is not None and self._copier.covers(g):
                         to_slots.append((g, i, blocks, cpu_slot))
                     else:
-                        staged.append((g, blocks, row))
-                    # committed before an asynchronous copy lands: nothing reads the slot before
-                    # the copy ended (vLLM loads it after complete_store; the writes wait for it)
+                        self._copy_out(g, blocks, row)
+                        copied = True
+                    # on a GPU committed before the asynchronous copy lands: nothing reads the slot
+                    # before the job ended (vLLM loads it after complete_store; the writes wait)
                     cpu.commit(g, cpu_slot, header)
                     self.metrics.add("stored_chunks_cpu", group=g)
                     self.metrics.add("stored_bytes_cpu", nbytes, group=g)
@@ -510,16 +513,13 @@ class KvtierWorker(OffloadingWorker):
                         later.append((g, slow, nbytes, ("cpu", cpu_slot, gen, header, blocks)))
                 elif slow:
                     buf = self._take(nbytes, zero=True)
-                    staged.append((g, blocks, buf))
+                    self._copy_out(g, blocks, buf)
+                    copied = True
                     later.append((g, slow, nbytes, ("buf", buf, header)))
         tids = self._submit_runs(STORE, to_slots) if to_slots else []
-        if staged and self._stream is not None:  # the side stream must see what the model wrote
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        for g, blocks, row in staged:
-            self._copy_out(g, blocks, row)
         event = None
-        if staged and self._stream is not None:
-            event = torch.cuda.Event()
+        if copied and self._stream is not None:
+            event = torch.cuda.Event(blocking=True)  # the lane waits on it without spinning a core
             event.record(self._stream)
         return True, total, event, tids, later
 
@@ -535,7 +535,7 @@ class KvtierWorker(OffloadingWorker):
                     if event is not None:
                         event.synchronize()
                     if tids:
-                        self._copier.wait(tids)  # type: ignore[union-attr]
+                        self._copier.wait_polling(tids)  # type: ignore[union-attr]
         for g, slow, nbytes, src in later:
             if self._lane is None:  # no lane (only when driven by hand): the writes run inline
                 self._write_slow(wait, g, slow, nbytes, src)
@@ -546,8 +546,8 @@ class KvtierWorker(OffloadingWorker):
                 # miss); the engine never waits for a disk or a network
                 for tier, _ in slow:
                     self.metrics.add(f"store_dropped_{tier}", group=g)
-                if src[0] == "buf":
-                    self._give(src[1])
+                if src[0] == "buf" and self._stream is None:  # on a GPU its copy may still run:
+                    self._give(src[1])  # left to PyTorch's pinned allocator, which waits for it
 
     def _write_slow(self, wait, g: int, slow: list, nbytes: int, src: tuple) -> None:  # noqa: ANN001
         """On the lane: write one chunk into its disk/Redis places, once its device->host copy
