@@ -142,10 +142,12 @@ SCENARIOS = [
 # cpu slots through vLLM's own SingleDirectionOffloadingHandler (copier.py), whose descriptor code
 # runs unchanged; only the copy itself is emulated (vllm_engineless/fake_cuda.py: CPU tensors that
 # claim CUDA, a queued memmove per batched copy that runs when its event is asked, so a job the
-# worker reports done before asking its copies leaves wrong bytes behind).
+# worker reports done before asking its copies leaves wrong bytes behind). Chunks without a cpu
+# slot (staging buffers: "stats" loads some from disk unpromoted, "keyed_disk" has no cpu tier)
+# go through kvtier's side stream, emulated alike.
 GPU_COPIES = ["gemma3_like", "gemma3_like_chunk4", "partial_chunk", "partial_chunk_two_layers", "mixed_blocks", "qwen3_next_like_chunk4",
               "dsv4_fp8_ds_mla", "promote", "promote_chunk4", "promote_lookup", "promote_sync", "abort_load",
-              "reset_store", "preempt_store", "slow_disk"]
+              "reset_store", "preempt_store", "slow_disk", "stats", "keyed_disk"]
 SCENARIOS += [dict(sc, name=sc["name"] + "_gpu", fake_cuda=True) for sc in SCENARIOS if sc["name"] in GPU_COPIES]
 VERSIONS = ["0.32", "0.33"]
 
@@ -239,10 +241,15 @@ def ok(results: dict, name: str) -> dict:
 
 @pytest.mark.parametrize("name", GPU_COPIES)
 def test_gpu_copies_go_through_vllms_handlers(results: dict, name: str) -> None:
-    """Each _gpu scenario moved its chunks with vLLM's batched copies (the tests of the scenario
-    itself check its bytes)."""
+    """Each _gpu scenario moved its chunks with vLLM's batched copies, and those without a cpu
+    slot on kvtier's side stream (the tests of the scenario itself check its bytes)."""
     r = ok(results, name + "_gpu")
-    assert r["handler_transfers"] > 0, r
+    if name == "keyed_disk":  # no cpu tier: every chunk through a staging buffer
+        assert r["handler_transfers"] == 0 and r["side_copies"] > 0, r
+    else:
+        assert r["handler_transfers"] > 0, r
+    if name in ("stats", "slow_disk"):  # disk loads without a cpu slot / nothing else
+        assert (r["side_copies"] > 0) == (name == "stats"), r
     assert "handler_transfers" not in ok(results, name)  # the CPU run copied with index_copy
 
 
@@ -380,8 +387,9 @@ def test_lifecycle_leaves_nothing_pinned_and_restores_right(results: dict, name:
         assert r["preempted"] >= 1 and r["unfinished"] == [], r  # a preemption happened, all finished
 
 
-def test_a_tenant_secret_macs_every_disk_payload_and_restores(results: dict) -> None:
-    r = ok(results, "keyed_disk")
+@pytest.mark.parametrize("name", ["keyed_disk", "keyed_disk_gpu"])
+def test_a_tenant_secret_macs_every_disk_payload_and_restores(results: dict, name: str) -> None:
+    r = ok(results, name)
     assert r["disk_slots"] > 0 and r["disk_macs"] == r["disk_slots"], r
     assert r["external_tokens"] >= 192 and r["checked"] > 0 and r["mismatches"] == 0, r
 
@@ -511,11 +519,12 @@ def _samples(r: dict, metric: str, **labels: str) -> list[float]:
     return [v for got, v in r["samples"].get(metric, []) if all(got.get(k) == x for k, x in labels.items())]
 
 
-def test_kvtier_counters_reach_vllms_prometheus_metrics(results: dict) -> None:
+@pytest.mark.parametrize("name", ["stats", "stats_gpu"])
+def test_kvtier_counters_reach_vllms_prometheus_metrics(results: dict, name: str) -> None:
     """Every kvtier counter reaches vLLM's /metrics through vLLM's own connector-stats path, per
     tier and group, with the same totals as kvtier's counter files; vLLM's own offload metrics
     (and 0.33's config info) are still reported beside them."""
-    r = ok(results, "stats")
+    r = ok(results, name)
     c = r["c"]
     assert c["external_tokens"] == 192 and c["checked"] > 0 and c["mismatches"] == 0, c
     assert r["payload_types"] == ["KvtierConnectorStats"], r["payload_types"]

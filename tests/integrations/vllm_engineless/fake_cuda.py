@@ -14,9 +14,12 @@ pointer. What a GPU would do is emulated, asynchronously:
   reports a job done, or reads a slot, without asking its events, or that relies on one
   handler's copies having run before another's, sees the bytes as they were before the copy (a
   restored request's check, or a disk write, then finds them wrong);
+- kvtier's own side stream (copier.SideStream: chunks without a cpu slot, through staging
+  buffers) is emulated alike: the copies it is given run later, as one more FIFO;
 - `tick()` runs everything queued (at the end of a scenario).
 
-`transfers()` counts the batched copies queued since `installed()` began.
+`transfers()` counts the batched copies queued since `installed()` began, `side_copies()` the
+side stream's.
 """
 
 from __future__ import annotations
@@ -32,10 +35,15 @@ _chains: list = []  # every FIFO made (tick runs them all)
 _local = threading.local()  # the stream a handler made current
 _queued = 0  # batched copies queued so far
 _base = 0  # _queued when installed() began
+_side = [0, 0]  # side stream copies queued so far, and when installed() began
 
 
 def transfers() -> int:
     return _queued - _base
+
+
+def side_copies() -> int:
+    return _side[0] - _side[1]
 
 
 class FakeCuda(torch.Tensor):
@@ -121,6 +129,29 @@ class _Stream:
             self.chain = event.chain
 
 
+class _FakeSide:
+    """kvtier's SideStream (copier.py), its copies run later."""
+
+    def __init__(self) -> None:
+        self.chain = _Chain()
+
+    def wait_compute(self) -> None:  # the model ran already
+        pass
+
+    def run(self, fn) -> None:  # noqa: ANN001
+        with _lock:
+            self.chain.ops.append(fn)
+            _side[0] += 1
+
+    def record(self, blocking: bool = False) -> _Event:
+        event = _Event()
+        event.chain, event.mark = self.chain, len(self.chain.ops)
+        return event
+
+    def synchronize(self) -> None:
+        self.chain.run_to(len(self.chain.ops))
+
+
 @contextlib.contextmanager
 def _current(stream: _Stream):
     prev = getattr(_local, "stream", None)
@@ -138,6 +169,7 @@ def installed():
 
     global _base
     _base = _queued
+    _side[1] = _side[0]
     plat = gw.current_platform
     saved = [(plat, "Stream", getattr(plat, "Stream", None)),
              (plat, "current_stream", getattr(plat, "current_stream", None)),
@@ -157,6 +189,7 @@ def installed():
         for t in kv_caches.tensors:
             t.tensor = t.tensor.as_subclass(FakeCuda)
         init(self, ctx, kv_caches, metrics)
+        self._stream = _FakeSide()  # staging copies later too (their host buffers stay unpinned)
 
     saved.append((kw.KvtierWorker, "__init__", init))
     kw.KvtierWorker.__init__ = fake_init

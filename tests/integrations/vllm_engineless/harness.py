@@ -1057,6 +1057,7 @@ def main() -> None:
                 with fake_cuda.installed():
                     results[sc["name"]] = run(sc)
                     results[sc["name"]]["handler_transfers"] = fake_cuda.transfers()
+                    results[sc["name"]]["side_copies"] = fake_cuda.side_copies()
             else:
                 results[sc["name"]] = run(sc)
         except Exception as exc:  # noqa: BLE001 - reported to the test, which decides

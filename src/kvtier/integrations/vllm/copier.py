@@ -143,3 +143,33 @@ class SlabCopier:
             for h in hs or ():
                 h.shutdown()
         self._handlers = []
+
+
+class SideStream:
+    """The worker's own CUDA stream for chunks without a cpu slot (staging buffers): copies are
+    enqueued on it (`run`), after the compute stream's work so far (`wait_compute`), and a job
+    ends when the event recorded after them fires. The tests replace it with an emulation that
+    runs the enqueued copies later (tests/integrations/vllm_engineless/fake_cuda.py)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+
+    def wait_compute(self) -> None:
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    def run(self, fn) -> None:  # noqa: ANN001
+        """Enqueue the copies `fn` makes (asynchronous: they may run after this returns)."""
+        with torch.cuda.stream(self.stream):
+            fn()
+
+    def record(self, blocking: bool = False):  # noqa: ANN201 - a torch.cuda.Event
+        """An event after everything enqueued so far; `blocking`: its synchronize() sleeps
+        instead of spinning (for the I/O thread)."""
+        event = torch.cuda.Event(blocking=blocking)
+        event.record(self.stream)
+        return event
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+

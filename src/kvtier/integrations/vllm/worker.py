@@ -67,7 +67,7 @@ from kvtier.store.tiers.base import Tier, TierLayout
 from kvtier.store.tiers.cpu import fence
 
 from .common import ChunkItem, KvtierLoadStoreSpec, Metrics, SpecContext
-from .copier import EXPEDITED, LOAD, STORE
+from .copier import EXPEDITED, LOAD, STORE, SideStream
 from .lane import Lane
 
 log = logging.getLogger("kvtier.vllm")
@@ -141,7 +141,7 @@ class KvtierWorker(OffloadingWorker):
         # store's disk and Redis writes are queued only then. On CPU every job finishes inside
         # submit_*.
         self._pin = self.device.type == "cuda"
-        self._stream = torch.cuda.Stream(self.device) if self._pin else None
+        self._stream = SideStream(self.device) if self._pin else None
         self._copier = None
         cpu = self._cpu
         if tensors[0].is_cuda and cpu is not None:
@@ -267,7 +267,7 @@ class KvtierWorker(OffloadingWorker):
             tids = self._submit_runs(direction, [(g, i, blocks, slot) for g, i, blocks, _, _, slot in sources])
         copied = [s for s in sources if self._copier is None or s[5] is None or not self._copier.covers(s[0])]
         if copied and self._stream is not None:  # blocks just allocated may still be zeroed on the compute stream
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+            self._stream.wait_compute()
         for g, _, blocks, row, _, _ in copied:
             self._copy_in(g, blocks, row)
         for g, _, blocks, _, tier, _ in sources:  # counted here, once the whole job restores
@@ -277,8 +277,7 @@ class KvtierWorker(OffloadingWorker):
             self.metrics.add(f"loaded_bytes_{tier}", self.ctx.plan.groups[g].chunk_bytes, group=g)
         event = None
         if copied and self._stream is not None:
-            event = torch.cuda.Event()
-            event.record(self._stream)
+            event = self._stream.record()
         if event is None and not tids:
             for buf in held:
                 self._give(buf)
@@ -488,7 +487,7 @@ class KvtierWorker(OffloadingWorker):
         to_slots: list[tuple[int, int, list[tuple[int, int]], int]] = []  # for the copier
         copied = False  # anything copied here (on a GPU: on the side stream)
         if self._stream is not None:  # the side stream must see what the model wrote
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+            self._stream.wait_compute()
         for g, placed in placement:
             nbytes = self.ctx.plan.groups[g].chunk_bytes
             for i, (item, blocks) in enumerate(placed):
@@ -519,8 +518,7 @@ class KvtierWorker(OffloadingWorker):
         tids = self._submit_runs(STORE, to_slots) if to_slots else []
         event = None
         if copied and self._stream is not None:
-            event = torch.cuda.Event(blocking=True)  # the lane waits on it without spinning a core
-            event.record(self._stream)
+            event = self._stream.record(blocking=True)  # the lane waits on it without spinning a core
         return True, total, event, tids, later
 
     def _queue_slow(self, later: list[tuple], event, tids: list[int]) -> None:  # noqa: ANN001
@@ -637,19 +635,22 @@ class KvtierWorker(OffloadingWorker):
         # pinned on a GPU: a non_blocking copy from pageable memory may wait for the side stream
         bids = torch.tensor([b for b, _ in blocks], pin_memory=self._pin)
         if self._stream is not None:
-            with torch.cuda.stream(self._stream):  # ordered with the copies that use it
-                bids = bids.to(self.device, non_blocking=True)
+            def enqueue() -> None:
+                ids = bids.to(self.device, non_blocking=True)
+                for ref in self.refs[g]:
+                    page = ref.page_bytes
+                    dst = row[ref.offset + lo * page:ref.offset + (lo + n) * page].view(n, page)
+                    dst.copy_(ref.tensor.index_select(0, ids)[:, :page], non_blocking=True)
+
+            self._stream.run(enqueue)
+            return
         for ref in self.refs[g]:
             page = ref.page_bytes
             dst = row[ref.offset + lo * page:ref.offset + (lo + n) * page].view(n, page)
-            if self._stream is None:
-                if ref.tensor.shape[1] == page:
-                    torch.index_select(ref.tensor, 0, bids, out=dst)
-                else:
-                    dst.copy_(ref.tensor.index_select(0, bids)[:, :page])
-                continue
-            with torch.cuda.stream(self._stream):
-                dst.copy_(ref.tensor.index_select(0, bids)[:, :page], non_blocking=True)
+            if ref.tensor.shape[1] == page:
+                torch.index_select(ref.tensor, 0, bids, out=dst)
+            else:
+                dst.copy_(ref.tensor.index_select(0, bids)[:, :page])
 
     def _copy_in(self, g: int, blocks: list[tuple[int, int]], row: torch.Tensor) -> None:
         """Copy a chunk row's pages at the blocks' positions into the blocks (the reverse)."""
@@ -657,16 +658,19 @@ class KvtierWorker(OffloadingWorker):
         # pinned on a GPU: a non_blocking copy from pageable memory may wait for the side stream
         bids = torch.tensor([b for b, _ in blocks], pin_memory=self._pin)
         if self._stream is not None:
-            with torch.cuda.stream(self._stream):
-                bids = bids.to(self.device, non_blocking=True)
+            def enqueue() -> None:
+                ids = bids.to(self.device, non_blocking=True)
+                for ref in self.refs[g]:
+                    page = ref.page_bytes
+                    src = row[ref.offset + lo * page:ref.offset + (lo + n) * page].view(n, page)
+                    ref.tensor[ids, :page] = src.to(self.device, non_blocking=True)
+
+            self._stream.run(enqueue)
+            return
         for ref in self.refs[g]:
             page = ref.page_bytes
             src = row[ref.offset + lo * page:ref.offset + (lo + n) * page].view(n, page)
-            if self._stream is None:
-                ref.tensor[bids, :page] = src
-                continue
-            with torch.cuda.stream(self._stream):
-                ref.tensor[bids, :page] = src.to(self.device, non_blocking=True)
+            ref.tensor[bids, :page] = src
 
 
 def _null():  # noqa: ANN202
