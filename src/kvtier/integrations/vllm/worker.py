@@ -22,7 +22,7 @@ Such a chunk is also promoted when the scheduler reserved a cpu slot for it (a s
 `("cpu", slot)` in its item, manager.py): the verified bytes are copied into that slot on the
 engine thread and the blocks are filled from the slot, so the next hit reads host memory.
 The cpu tier's slabs and slot table live in a file the scheduler's process maps too
-(`kvtier.host_region`, host_region.py; one worker only): the scheduler fills slots it reserved
+(`kvtier.host_region`, host_region.py; one per tensor-parallel rank): the scheduler fills slots it reserved
 for promotions started at lookup (manager.py). The index gives each slot to one writer at a
 time, so the two processes never write the same slot at once. Host buffers for reads and for stores without a cpu slot come
 from a small pool (`POOL_BUFFERS` per size), not one allocation per call.
