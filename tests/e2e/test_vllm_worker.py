@@ -600,3 +600,29 @@ def test_a_store_job_the_worker_failed_is_never_committed(tmp_path: Path) -> Non
     assert manager.lookup(bad[0], rb) == LookupResult.MISS
     manager.shutdown()
     worker.shutdown()
+
+
+def test_tensor_parallel_a_store_one_rank_failed_is_committed_nowhere(tmp_path: Path) -> None:
+    """Two ranks store the same job; rank 1's worker fails it (vLLM hears nothing of it): the
+    chunk is committed in no tier, since rank 1's cpu slot does not hold it, and a lookup misses
+    instead of loading rank 0's shard beside nothing on rank 1."""
+    manager, workers, _ = _tp_group(tmp_path)
+    rc = ReqContext(req_id="a")
+    (key,) = _full_keys(rc, 3, 1)
+    out = manager.prepare_store([key], rc)
+    good = GPULoadStoreSpec([1, 2], group_sizes=[2, 0], block_indices=[0, 0])
+    bad = GPULoadStoreSpec([1, 2, 3], group_sizes=[3, 0], block_indices=[0, 0])  # 3 blocks for 1 chunk
+    for w, spec, ok in ((workers[0], good, True), (workers[1], bad, False)):
+        assert w.submit_store(1, spec, out.store_spec)
+        assert [(r.job_id, r.success) for r in w.get_finished()] == [(1, ok)]
+        assert w.drain()
+    manager.complete_store(out.keys_to_store, rc)
+    h, g = manager.ctx.split_key(key)
+    assert manager.index.where(h, g) == []
+    assert manager.metrics.counts.get("store_failed_unreported", 0) == 1
+    rb = ReqContext(req_id="b")
+    rb.set_offload_key_position(key, TPB * BPC)
+    assert manager.lookup(key, rb) == LookupResult.MISS
+    manager.shutdown()
+    for w in workers:
+        w.shutdown()
