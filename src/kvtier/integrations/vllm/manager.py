@@ -328,7 +328,7 @@ class KvtierManager(OffloadingManager):
         recomputed; a synchronous one cannot be). Without the region nothing can be checked: no
         hit (warned once)."""
         want = self._whole_header(key, split, rc)
-        held = self._promoter.holds(split[1], slot, want) if want is not None else False
+        held = self._promoter.holds(split[1], slot, split[0], want) if want is not None else False
         if held is None:
             if not self._warned_no_region:
                 self._warned_no_region = True
@@ -663,7 +663,7 @@ class KvtierManager(OffloadingManager):
                 continue
             ok = success
             cpu_slot = next((slot for t, slot in places if t == "cpu"), None)
-            if ok and cpu_slot is not None and self._promoter.holds_chunk(split[1], cpu_slot, split[0]) is False:
+            if ok and cpu_slot is not None and self._promoter.holds(split[1], cpu_slot, split[0]) is False:
                 ok = False
                 self.metrics.add("store_failed_unreported", group=split[1])
             for tier, _ in places:

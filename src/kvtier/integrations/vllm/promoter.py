@@ -116,28 +116,20 @@ class LookupPromoter:
                                               keyed=keyed, password=redis_password(self.ctx.config))
         return out
 
-    def holds(self, g: int, slot: int, header: ChunkHeader) -> bool | None:
-        """Whether every rank's cpu slot holds the chunk `header` names (under that rank's
-        namespace), read from the slot tables; None without mapped regions."""
+    def holds(self, g: int, slot: int, chunk_hash: bytes, whole: ChunkHeader | None = None) -> bool | None:
+        """Whether every rank's cpu slot holds chunk `chunk_hash` of group `g` under that rank's
+        namespace (some span of it; with `whole`, the span that header names), read from the
+        slot tables; None without mapped regions."""
         if not self.ranks:
             return None
         from kvtier.store.payload import mismatch
 
         for r in self.ranks:
             stored = r.cpu.header(g, slot)
-            if stored is None or mismatch(stored, replace(header, namespace_id=r.namespace_id)) is not None:
-                return False
-        return True
-
-    def holds_chunk(self, g: int, slot: int, chunk_hash: bytes) -> bool | None:
-        """Whether every rank's cpu slot holds some span of chunk `chunk_hash` of group `g`
-        (under that rank's namespace); None without mapped regions."""
-        if not self.ranks:
-            return None
-        for r in self.ranks:
-            stored = r.cpu.header(g, slot)
             if (stored is None or stored.chunk_hash != chunk_hash or stored.group != g
                     or stored.namespace_id != r.namespace_id):
+                return False
+            if whole is not None and mismatch(stored, replace(whole, namespace_id=r.namespace_id)) is not None:
                 return False
         return True
 

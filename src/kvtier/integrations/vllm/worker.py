@@ -45,6 +45,7 @@ asserts success; `KvtierConnector` (connector.py) turns the failure into vLLM's
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import deque
@@ -261,11 +262,10 @@ class KvtierWorker(OffloadingWorker):
             else:  # the blocks are filled from the slot (pinned on a GPU); the buffer is free now
                 sources.append((g, i, blocks, row, tier, slot))
                 self._give(buf)
-        tids: list[int] = []
-        if self._copier is not None:  # chunks in cpu slots: vLLM's handlers, one transfer a run
-            direction = EXPEDITED if expedited else LOAD
-            tids = self._submit_runs(direction, [(g, i, blocks, slot) for g, i, blocks, _, _, slot in sources])
-        copied = [s for s in sources if self._copier is None or s[5] is None or not self._copier.covers(s[0])]
+        # chunks in cpu slots: vLLM's handlers, one transfer a run; the rest copied here
+        runs = [(g, i, blocks, slot) for g, i, blocks, _, _, slot in sources if self._by_copier(g, slot)]
+        tids = self._submit_runs(EXPEDITED if expedited else LOAD, runs) if runs else []
+        copied = [s for s in sources if not self._by_copier(s[0], s[5])]
         if copied and self._stream is not None:  # blocks just allocated may still be zeroed on the compute stream
             self._stream.wait_compute()
         for g, _, blocks, row, _, _ in copied:
@@ -286,9 +286,14 @@ class KvtierWorker(OffloadingWorker):
         # the slot rows stay valid: the manager keeps them pinned until this load ends
         self._in_flight.append(_Job(job_id, event, tids, held, nbytes, t0, "load"))
 
-    def _submit_runs(self, direction: int, chunks: list[tuple[int, int, list[tuple[int, int]], int | None]]) -> list[int]:
-        """Hand the chunks with a cpu slot (g, index in group, blocks, slot) to the copier, one
-        transfer per run of consecutive chunks of a group; the transfer ids."""
+    def _by_copier(self, g: int, slot: int | None) -> bool:
+        """Whether a chunk of group g in cpu slot `slot` (None: no slot) moves through vLLM's
+        handlers (a GPU), not through `_copy_out`/`_copy_in`."""
+        return slot is not None and self._copier is not None and self._copier.covers(g)
+
+    def _submit_runs(self, direction: int, chunks: list[tuple[int, int, list[tuple[int, int]], int]]) -> list[int]:
+        """Hand chunks the copier moves (g, index in group, blocks, slot; `_by_copier`) to it,
+        one transfer per run of consecutive chunks of a group; the transfer ids."""
         copier = self._copier
         assert copier is not None
         tids: list[int] = []
@@ -301,10 +306,7 @@ class KvtierWorker(OffloadingWorker):
                 run.clear()
 
         for g, i, blocks, slot in sorted(chunks, key=lambda c: (c[0], c[1])):
-            if slot is None or not copier.covers(g):
-                flush()
-                continue
-            if run and (run[-1][0] != g or run[-1][1] != i - 1):
+            if run and (run[-1][0] != g or run[-1][1] != i - 1):  # a gap: a chunk copied here
                 flush()
             run.append((g, i, blocks, slot))
         flush()
@@ -496,7 +498,7 @@ class KvtierWorker(OffloadingWorker):
                 cpu_slot = next((slot for t, slot in item.places if t == "cpu"), None)
                 if cpu is not None and cpu_slot is not None:
                     row = cpu.begin(g, cpu_slot)
-                    if self._copier is not None and self._copier.covers(g):
+                    if self._by_copier(g, cpu_slot):
                         to_slots.append((g, i, blocks, cpu_slot))
                     else:
                         self._copy_out(g, blocks, row)
@@ -529,7 +531,7 @@ class KvtierWorker(OffloadingWorker):
         wait = None
         if event is not None or tids:
             def wait() -> None:
-                with torch.cuda.device(self.device) if self._pin else _null():  # never a context on another GPU
+                with torch.cuda.device(self.device) if self._pin else contextlib.nullcontext():  # never a context on another GPU
                     if event is not None:
                         event.synchronize()
                     if tids:
@@ -671,12 +673,6 @@ class KvtierWorker(OffloadingWorker):
             page = ref.page_bytes
             src = row[ref.offset + lo * page:ref.offset + (lo + n) * page].view(n, page)
             ref.tensor[bids, :page] = src
-
-
-def _null():  # noqa: ANN202
-    import contextlib
-
-    return contextlib.nullcontext()
 
 
 class SyncLoadError(RuntimeError):
