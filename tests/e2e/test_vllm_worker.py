@@ -307,31 +307,22 @@ def test_a_failed_load_counts_nothing_as_loaded(tmp_path: Path) -> None:
 
 
 def _promoting_pair(tmp_path: Path, cpu_chunks: int, host_only: bool = False):  # noqa: ANN202
-    """A manager and a worker sharing the worker's host region (as the handshake joins them),
-    with a cpu tier of `cpu_chunks` chunks a group before a disk tier."""
-    base = _ctx(tmp_path, "cpu,disk")
-    chunk = base.plan.groups[0].chunk_bytes
-    extra = {"kvtier.tiers": "cpu,disk", "kvtier.directory": str(tmp_path), "kvtier.disk_bytes": 1 << 20,
-             "kvtier.cpu_bytes": cpu_chunks * chunk * 2, "kvtier.host_region": str(tmp_path)}
-    if host_only:
-        extra["sync_load_budget_bytes"] = 1 << 30
-    ctx = SpecContext(plan=base.plan, namespace=base.namespace, config=parse_config(extra),
-                      group_of=base.group_of, blocks_per_chunk=BPC)
-    manager = KvtierManager(ctx, Metrics("scheduler", None))
-    kv, _ = _kv()
-    worker = KvtierWorker(ctx, kv, Metrics("worker0", None))
-    assert manager.adopt_region(worker.tiers["cpu"].region.name)
-    return ctx, manager, worker
+    """A manager and one worker sharing the worker's host region (as the handshake joins them),
+    with a cpu tier of `cpu_chunks` chunks a group before a disk tier: (ctx, manager, worker)."""
+    manager, (worker,), _ = _tp_group(tmp_path, world=1, cpu_chunks=cpu_chunks, host_only=host_only)
+    return manager.ctx, manager, worker
 
 
-def _store(manager, worker, keys, rc, job: int) -> None:  # noqa: ANN001
+def _store(manager, workers, keys, rc, job: int) -> None:  # noqa: ANN001
+    """Store `keys` through every worker (each rank stores the same blocks of its own shard)."""
     out = manager.prepare_store(keys, rc)
     n = len(out.keys_to_store)
-    src = GPULoadStoreSpec(list(range(1, 2 * n + 1)), group_sizes=[2 * n, 0], block_indices=[0, 0])
-    assert worker.submit_store(job, src, out.store_spec)
-    assert [(r.job_id, r.success) for r in worker.get_finished()] == [(job, True)]
+    for w in workers:
+        src = GPULoadStoreSpec(list(range(1, 2 * n + 1)), group_sizes=[2 * n, 0], block_indices=[0, 0])
+        assert w.submit_store(job, src, out.store_spec)
+        assert [(r.job_id, r.success) for r in w.get_finished()] == [(job, True)]
+        assert w.drain()
     manager.complete_store(out.keys_to_store, rc)
-    assert worker.drain()
 
 
 def _full_keys(rc: ReqContext, first: int, n: int) -> list:
@@ -350,7 +341,7 @@ def test_a_failed_lookup_promotion_is_tried_once_more_then_never(tmp_path: Path)
     ctx, manager, worker = _promoting_pair(tmp_path, cpu_chunks=4)
     rc = ReqContext(req_id="a")
     (key,) = _full_keys(rc, 1, 1)
-    _store(manager, worker, [key], rc, 1)
+    _store(manager, [worker], [key], rc, 1)
     h, g = ctx.split_key(key)
     assert manager.index.remove(h, g, "cpu")  # on disk only now
     manager._promoter.ranks[0].tiers["disk"].read = lambda *a, **k: False  # as an empty or corrupt slot reads
@@ -379,12 +370,12 @@ def test_host_only_hits_stay_in_host_memory_until_their_load_is_prepared(tmp_pat
     ctx, manager, worker = _promoting_pair(tmp_path, cpu_chunks=2, host_only=True)
     rc = ReqContext(req_id="a")
     k1, k2 = _full_keys(rc, 1, 2)
-    _store(manager, worker, [k1, k2], rc, 1)  # both chunks in cpu (full) and on disk
+    _store(manager, [worker], [k1, k2], rc, 1)  # both chunks in cpu (full) and on disk
     h2, g = ctx.split_key(k2)
     assert manager.index.remove(h2, g, "cpu")  # k2 on disk only
     rc3 = ReqContext(req_id="c")
     (k3,) = _full_keys(rc3, 9, 1)
-    _store(manager, worker, [k3], rc3, 2)  # the pool is full again: k1 (oldest) and k3
+    _store(manager, [worker], [k3], rc3, 2)  # the pool is full again: k1 (oldest) and k3
     rb = ReqContext(req_id="b")
     for i, k in enumerate((k1, k2)):
         rb.set_offload_key_position(k, (i + 1) * TPB * BPC)
@@ -423,7 +414,7 @@ def test_host_only_hits_are_checked_in_the_slot_table_not_only_the_index(tmp_pat
     ctx, manager, worker = _promoting_pair(tmp_path, cpu_chunks=4, host_only=True)
     rc = ReqContext(req_id="a")
     k1, k2 = _full_keys(rc, 1, 2)
-    _store(manager, worker, [k1, k2], rc, 1)
+    _store(manager, [worker], [k1, k2], rc, 1)
     h2, g = ctx.split_key(k2)
     (slot,) = [s for t, s in manager.index.where(h2, g) if t == "cpu"]
     worker.tiers["cpu"].free(g, slot)  # as a store job the worker failed: nothing in the slot
@@ -438,14 +429,16 @@ def test_host_only_hits_are_checked_in_the_slot_table_not_only_the_index(tmp_pat
     worker.shutdown()
 
 
-def _tp_group(tmp_path: Path, world: int = 2, host_only: bool = False, attach: bool = True):  # noqa: ANN202
+def _tp_group(tmp_path: Path, world: int = 2, host_only: bool = False, attach: bool = True,  # noqa: ANN202
+              cpu_chunks: int = 4):
     """Tensor parallel: one manager (the scheduler, rank 0's namespace) and `world` workers, each
     with its own shard of every block (different bytes), namespace (its rank), host region and
-    disk directory; the manager maps every rank's region, as the handshake joins them."""
+    disk directory, a cpu tier of `cpu_chunks` chunks a group before a disk tier; the manager
+    maps every rank's region, as the handshake joins them."""
     base = _ctx(tmp_path, "cpu,disk")
     chunk = base.plan.groups[0].chunk_bytes
     extra = {"kvtier.tiers": "cpu,disk", "kvtier.directory": str(tmp_path), "kvtier.disk_bytes": 1 << 20,
-             "kvtier.cpu_bytes": 4 * chunk * 2, "kvtier.host_region": str(tmp_path)}
+             "kvtier.cpu_bytes": cpu_chunks * chunk * 2, "kvtier.host_region": str(tmp_path)}
     if host_only:
         extra["sync_load_budget_bytes"] = 1 << 30
     config = parse_config(extra)
@@ -468,17 +461,6 @@ def _tp_group(tmp_path: Path, world: int = 2, host_only: bool = False, attach: b
     return manager, workers, shards
 
 
-def _tp_store(manager, workers, keys, rc, job: int) -> None:  # noqa: ANN001
-    out = manager.prepare_store(keys, rc)
-    n = len(out.keys_to_store)
-    for w in workers:  # every rank stores the same blocks of its own shard
-        src = GPULoadStoreSpec(list(range(1, 2 * n + 1)), group_sizes=[2 * n, 0], block_indices=[0, 0])
-        assert w.submit_store(job, src, out.store_spec)
-        assert [(r.job_id, r.success) for r in w.get_finished()] == [(job, True)]
-        assert w.drain()
-    manager.complete_store(out.keys_to_store, rc)
-
-
 @pytest.mark.parametrize("fail_rank", [None, 1])
 def test_tensor_parallel_promotion_fills_every_ranks_slot_with_its_own_shard(tmp_path: Path, fail_rank) -> None:  # noqa: ANN001
     """A chunk on disk only: the lookup promotes it into every rank's host region, each rank's
@@ -488,7 +470,7 @@ def test_tensor_parallel_promotion_fills_every_ranks_slot_with_its_own_shard(tmp
     manager, workers, shards = _tp_group(tmp_path)
     rc = ReqContext(req_id="a")
     k1, k2 = _full_keys(rc, 1, 2)
-    _tp_store(manager, workers, [k1, k2], rc, 1)
+    _store(manager, workers, [k1, k2], rc, 1)
     h2, g = manager.ctx.split_key(k2)
     assert manager.index.remove(h2, g, "cpu")  # k2 on disk only (every rank's)
     if fail_rank is not None:
@@ -533,7 +515,7 @@ def test_tensor_parallel_host_only_hits_need_every_ranks_slot(tmp_path: Path) ->
     manager, workers, _ = _tp_group(tmp_path, host_only=True)
     rc = ReqContext(req_id="a")
     k1, k2 = _full_keys(rc, 1, 2)
-    _tp_store(manager, workers, [k1, k2], rc, 1)
+    _store(manager, workers, [k1, k2], rc, 1)
     h2, g = manager.ctx.split_key(k2)
     (slot,) = [s for t, s in manager.index.where(h2, g) if t == "cpu"]
     workers[1].tiers["cpu"].free(g, slot)  # rank 1's store of k2 failed
@@ -583,7 +565,7 @@ def test_a_store_job_the_worker_failed_is_never_committed(tmp_path: Path) -> Non
     ctx, manager, worker = _promoting_pair(tmp_path, cpu_chunks=4)
     rc = ReqContext(req_id="a")
     good, bad = _full_keys(rc, 1, 1), _full_keys(rc, 5, 1)
-    _store(manager, worker, good, rc, 1)
+    _store(manager, [worker], good, rc, 1)
     out = manager.prepare_store(bad, rc)
     # a job whose blocks do not match its chunks (3 blocks, two chunks' worth, for one chunk):
     # the worker fails it, writing nothing

@@ -190,7 +190,7 @@ class KvtierManager(OffloadingManager):
         the spec's."""
         return self.relayout(page_bytes, fingerprint, kv_dtype) if self.relayout is not None else False
 
-    def adopt_region(self, names: str | list[str]) -> bool:
+    def adopt_region(self, names: list[str]) -> bool:
         """The workers' cpu tiers live in these host regions, one per rank in rank order
         (KvtierConnector's handshake, after `adopt_worker_pages`, whose relayout replaces the
         promoter, before any request): map them, for promotion at lookup."""

@@ -55,12 +55,11 @@ class LookupPromoter:
         """Whether promotion at lookup is possible: every worker's region is mapped."""
         return bool(self.ranks)
 
-    def attach(self, names: str | Sequence[str]) -> bool:
+    def attach(self, names: Sequence[str]) -> bool:
         """Map the cpu tier region of each worker, `names` in rank order (their handshakes say
         them, before any request), and open this side's readers of disk and Redis under each
         rank's namespace. Never raises: without them, chunks on disk or in Redis are promoted at
         load, as they are with `kvtier.host_region` "off"."""
-        names = [names] if isinstance(names, str) else list(names)
         base = self.ctx.config.host_region_dir
         if self.ranks or base is None or "cpu" not in self.ctx.config.tiers:
             return bool(self.ranks)
