@@ -354,13 +354,22 @@ class RedisSentinelServers:
             deadline = time.monotonic() + timeout_s
             while time.monotonic() < deadline:
                 if (_ping(self.sentinel_port) and "master_link_status:up"
-                        in self.replica.cli("info", "replication")):
+                        in self.replica.cli("info", "replication") and self._sentinel_knows_replica()):
                     return self
                 time.sleep(0.05)
             raise RuntimeError("sentinel or replica did not come up")
         except BaseException:
             self.stop()
             raise
+
+    def _sentinel_knows_replica(self) -> bool:
+        """Sentinel learns of replicas from the master's INFO, refreshed every 10 s: one that
+        asked before the replica registered has nothing to fail over to until then."""
+        try:
+            out = cli(self.sentinel_port, "sentinel", "replicas", self.SERVICE, timeout_s=2.0)
+        except (subprocess.SubprocessError, OSError):
+            return False
+        return str(self.replica.port) in out
 
     def stop(self) -> None:
         proc, self.sentinel = self.sentinel, None

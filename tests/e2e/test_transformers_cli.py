@@ -35,7 +35,7 @@ def test_demo_json_on_a_tiny_gemma3() -> None:
                 "identical"} <= set(t)
         assert t["identical"] is True
         assert 0 <= t["restored_tokens"] < t["prompt_tokens"]
-        assert t["speedup"] == pytest.approx(t["ttft_uncached_s"] / t["ttft_s"], rel=0.05)
+        assert t["speedup"] == pytest.approx(t["ttft_uncached_s"] / t["ttft_s"], rel=0.05, abs=0.006)  # printed to 2 places
     assert turns[0]["restored_tokens"] == 0  # nothing stored yet
     assert all(t["restored_tokens"] >= 1024 for t in turns[1:])  # the shared 1k+ document
     assert turns[-1]["restored_by_tier"] == {"disk": turns[-1]["restored_tokens"]}  # after restart

@@ -110,8 +110,18 @@ def test_vllm_serve_metrics_show_kvtier_per_tier_and_group(tmp_path: Path) -> No
         while not value(samples := scrape(base), "vllm:kvtier_evicted_total", tier="cpu"):
             assert time.monotonic() < deadline, sorted(k for k in samples if "kvtier" in k[0])
             time.sleep(0.5)
-        time.sleep(1.5)  # kvtier's counter files are at most a second behind
-        files = read_metrics(tmp_path)
+        # kvtier's counter files are at most a second behind the scrape (polled: a loaded
+        # machine's timer thread may be later); the comparison itself is below
+        def same(files: dict) -> bool:
+            return (all(value(samples, "vllm:kvtier_loaded_chunks_total", tier=t)
+                        == files.get(f"loaded_chunks_{t}", 0)
+                        and value(samples, "vllm:kvtier_evicted_total", tier=t)
+                        == files.get(f"evicted_{t}", 0) for t in ("cpu", "disk"))
+                    and value(samples, "vllm:kvtier_lookup_hit_keys_total")
+                    == files.get("lookup_hit_keys", 0))
+        deadline = time.monotonic() + 30
+        while not same(files := read_metrics(tmp_path)) and time.monotonic() < deadline:
+            time.sleep(0.5)
         chunk_bytes = read_info(tmp_path)["chunk_bytes_group0"]
     finally:
         proc.terminate()

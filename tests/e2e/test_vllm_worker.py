@@ -200,6 +200,7 @@ def test_redis_answers_serve_every_lookup_for_their_ttl_then_are_asked_again(tmp
     manager = KvtierManager(ctx, Metrics("scheduler", None))
     fake = _FakeRedis(set())
     manager._redis = fake
+    monkeypatch.setattr(mod, "REDIS_ANSWER_TTL_S", 60.0)  # no answer goes stale on a slow machine
     rc = ReqContext(req_id="a")
     key = make_offload_key(b"\x07" * 32, 0)
     rc.set_offload_key_position(key, TPB * BPC)
@@ -212,7 +213,7 @@ def test_redis_answers_serve_every_lookup_for_their_ttl_then_are_asked_again(tmp
     fake.held.add(ctx.split_key(key))  # another engine stored it meanwhile
     assert manager.lookup(key, rc) == LookupResult.RETRY  # stale: asked again
     manager._lane.drain(10)
-    monkeypatch.setattr(mod, "REDIS_ANSWER_TTL_S", 1.0)
+    monkeypatch.setattr(mod, "REDIS_ANSWER_TTL_S", 60.0)
     assert manager.lookup(key, rc) == LookupResult.HIT and fake.calls == 2
     manager.shutdown()
 

@@ -75,8 +75,10 @@ def server(tmp_path: Path):
 
 
 def make(url: str, clock: FakeClock, **opts: object) -> RedisTier:
-    opts.setdefault("socket_timeout_s", 0.3)
-    opts.setdefault("connect_timeout_s", 0.3)
+    # generous: one slow reply from a CPU-starved server would open the breaker for the rest of a
+    # test whose clock never advances by itself (the hung-server test sets its own 0.2 s)
+    opts.setdefault("socket_timeout_s", 5.0)
+    opts.setdefault("connect_timeout_s", 5.0)
     return RedisTier(RedisOptions(url=url, backoff_initial_s=1.0, backoff_max_s=8.0, **opts),
                      namespace_id=NS, clock=clock)
 

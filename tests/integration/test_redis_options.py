@@ -4,6 +4,7 @@ and `kvtier bench redis` runs end to end (own server, given server, dead server,
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -97,8 +98,12 @@ def test_bench_starts_and_stops_its_own_server() -> None:
     proc = _bench("--json", "--chunks", "8", "--chunk-bytes", "65536", "--rounds", "3")
     assert proc.returncode == 0, proc.stderr
     res = json.loads(proc.stdout)
-    for key in ("save_ratio", "load_ratio"):
-        assert isinstance(res[key], float) and 0.0 < res[key] < 10.0
+    # each ratio is the two medians measured side by side (kvtier's speed over raw SET/GET); its
+    # size is the machine's to decide (one in five runs on a loaded machine gave 2.5), not a test's
+    for way in ("save", "load"):
+        ratio = res[f"{way}_ratio"]
+        assert isinstance(ratio, float) and math.isfinite(ratio) and ratio > 0
+        assert ratio == pytest.approx(res[f"kvtier_{way}_gb_s"] / res[f"raw_{way}_gb_s"])
     assert res["chunks"] == 8 and res["chunk_bytes"] == 65536 and res["rounds"] == 3
     assert res["server"].startswith("own")
     assert not _servers_in("kvtier-bench-redis-")  # stopped

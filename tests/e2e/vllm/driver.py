@@ -44,6 +44,7 @@ def main() -> int:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(sc.get("kv_space_gib", 1)))
     from vllm import LLM, SamplingParams
 
+    from kvtier.commands.bench_serve import settled
     from kvtier.integrations.vllm.common import FLUSH_INTERVAL_S, read_info, read_metrics
 
     kw = dict(model=sc["model"], max_model_len=sc.get("max_model_len", 1024), enforce_eager=True,
@@ -69,10 +70,13 @@ def main() -> int:
         res = llm.generate(prompts, sp, use_tqdm=False)
         out["seconds"].append(time.perf_counter() - t0)
         out["outputs"].append([list(r.outputs[0].token_ids) for r in res])
-        # the last counts reach the metrics files: kvtier rewrites them at most once a second
-        time.sleep(FLUSH_INTERVAL_S + 0.3)
+        # the last counts reach the metrics files: kvtier rewrites them at most once a second,
+        # and disk writes end on the worker's I/O thread after generate() returns; read them
+        # once they have not changed for 2.5 s (a fixed sleep raced a loaded machine)
         if sc.get("directory"):
-            out["metrics"].append(read_metrics(sc["directory"]))
+            out["metrics"].append(settled(read_metrics, Path(sc["directory"])))
+        else:
+            time.sleep(FLUSH_INTERVAL_S + 0.3)
     if sc.get("directory"):
         out["info"] = read_info(sc["directory"])
     print("RESULT " + json.dumps(out), flush=True)

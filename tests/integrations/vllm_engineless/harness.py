@@ -42,6 +42,14 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+def _steps(limit_s: float = 60.0):  # type: ignore[no-untyped-def]
+    """Iterations of a step loop until `limit_s` has passed: a wall-clock bound, not a step count
+    (500 steps of 10 ms gave a loaded machine's I/O thread 5 s)."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        yield
+
+
 def write_config(directory: str, layers: list[str], window: int) -> str:
     """A Gemma 3-shaped config.json (no weights, no tokenizer): kvtier reads its geometry from
     it, vLLM its engine config."""
@@ -412,7 +420,7 @@ def run_two_requests(sc: dict) -> dict:
     req = h.add("b", prompt_b, max_tokens=3)
     external = 0
     result: dict = {}
-    for _ in range(500):  # a load from disk or Redis finishes on kvtier's I/O thread
+    for _ in _steps():  # a load from disk or Redis finishes on kvtier's I/O thread
         before = req.num_computed_tokens
         so = h.step()
         n_sched = so.num_scheduled_tokens.get("b", 0)
@@ -524,7 +532,7 @@ def _store_c(h: Harness, n: int) -> list[int]:
 
 def _run_to_end(h: Harness, req_id: str, prompt: list[int]) -> list[int]:
     h.add(req_id, prompt)
-    for _ in range(500):
+    for _ in _steps():
         so = h.step()
         if not h.sched.requests:
             break
@@ -562,7 +570,7 @@ def _hold_results(h: Harness) -> None:
 
 def _load_and_check(h: Harness, req_id: str, prompt: list[int]) -> dict:
     req = h.add(req_id, prompt, max_tokens=2)
-    for _ in range(500):
+    for _ in _steps():
         so = h.step()
         n = so.num_scheduled_tokens.get(req_id, 0)
         if n:
@@ -710,7 +718,7 @@ def run_slow_redis(sc: dict) -> dict:
 
     def held(headers):
         asked.set()
-        gate.wait(20)
+        gate.wait(60)
         return exists_many(headers)
 
     manager._redis.exists_many = held
@@ -720,10 +728,12 @@ def run_slow_redis(sc: dict) -> dict:
         h.step()
         steps += 1
         time.sleep(0.01)  # as a model step would take: the lookup thread gets to ask meanwhile
-    out = {"steps_while_held": steps, "asked": asked.is_set(), "b_waiting": "b" in h.sched.requests
+    # the lookup thread asked (waited for: on a loaded machine it may not have run in 0.2 s; while
+    # it is held, steps keep running and B stays unscheduled either way)
+    out = {"steps_while_held": steps, "asked": asked.wait(10), "b_waiting": "b" in h.sched.requests
            and not req.num_computed_tokens}
     gate.set()
-    for _ in range(500):
+    for _ in _steps():
         so = h.step()
         n = so.num_scheduled_tokens.get("b", 0)
         if n:
@@ -866,7 +876,7 @@ def run_promote(sc: dict) -> dict:
         # D (nothing in common with A or C, twice as long) stores into a disk tier that holds two
         # prompts: it evicts every entry of A's and C's it may, not a source a held read is reading
         h.add("d", [6000 + (i * 7919) % 900 for i in range(2 * len(prompt))])
-        for _ in range(500):
+        for _ in _steps():
             h.step()
             if "d" not in h.sched.requests:
                 break

@@ -22,8 +22,9 @@ Rules the worker keeps (worker.py):
   the worker never has two handlers touch one slot at once: a store's slot is not loaded before
   vLLM's `complete_store` (which follows this job's end), and a loaded slot is pinned by the
   manager until the load ends;
-- a job ends when every transfer it submitted here has ended (`finished`), and only then are its
-  disk and Redis writes queued (they read the slot).
+- a job ends when every transfer it submitted here has ended (`finished`); its disk and Redis
+  writes are queued at submit, and each waits on the I/O thread for the job's transfers
+  (`wait_polling`) and side-stream event before it reads the slot.
 
 The handler asserts CUDA tensors; the tests drive it on CPU tensors that claim `is_cuda`, with a
 memmove in place of `swap_blocks_batch` (tests/integrations/vllm_engineless/fake_cuda.py), through

@@ -372,16 +372,17 @@ class KvtierWorker(OffloadingWorker):
         return self._lane.drain(timeout) if self._lane is not None else True
 
     def shutdown(self) -> None:
-        if self._lane is not None and not self._lane.close():
-            # queued disk/Redis I/O did not finish in time: leave the tiers open to it
-            log.warning("kvtier: background tier I/O still running at shutdown; tiers left open")
-            self.metrics.flush(force=True)
-            return
+        lane_closed = self._lane is None or self._lane.close()
+        # the copies end before vLLM frees its KV tensors, whether or not the lane finished
         if self._stream is not None:
             self._stream.synchronize()
         if self._copier is not None:
             self._copier.shutdown()  # drains every transfer before the slabs go
         self.metrics.flush(force=True)
+        if not lane_closed:
+            # queued disk/Redis I/O did not finish in time: leave the tiers open to it
+            log.warning("kvtier: background tier I/O still running at shutdown; tiers left open")
+            return
         for tier in self.tiers.values():
             tier.close()
 

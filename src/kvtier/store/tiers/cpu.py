@@ -212,7 +212,12 @@ class CpuTier(SlotTier):
         return self.slabs[group][slot]
 
     def commit(self, group: int, slot: int, header: ChunkHeader) -> None:
-        """The slot, filled in place since `begin`, now holds the chunk `header` names."""
+        """The slot, filled in place since `begin`, now holds the chunk `header` names.
+
+        The vLLM worker's GPU path commits when it submits the copy, before the bytes land: every
+        reader is gated elsewhere (the index keeps the key pending until vLLM's `complete_store`,
+        which follows the job's end; the job's disk and Redis writes wait for its copies). A new
+        reader of the slot table must be gated the same way."""
         self._check(group, slot, header.payload_bytes)
         self._set_header(group, slot, header, bump=False)
         self.writes += 1
