@@ -14,7 +14,6 @@ import json
 import os
 import random
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -27,15 +26,10 @@ sys.path.insert(0, str(Path(__file__).parent / "vllm"))
 from vllm_e2e import ENGINE_TIMEOUT_S, kv_transfer_config, tiny_llama_dir  # noqa: E402
 
 from kvtier.integrations.vllm.common import read_info, read_metrics  # noqa: E402
+from kvtier.loadgen.servers import free_port  # noqa: E402
 
 pytestmark = pytest.mark.slow
 SAMPLE = re.compile(r'^(vllm:[a-z_:]+)\{([^}]*)\} ([0-9.e+-]+)$')
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _post(url: str, body: dict | None = None) -> dict:
@@ -66,7 +60,7 @@ def value(samples: dict, name: str, **labels: str) -> float:
 
 def test_vllm_serve_metrics_show_kvtier_per_tier_and_group(tmp_path: Path) -> None:
     model = tiny_llama_dir()
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     ktc = kv_transfer_config(tmp_path, tiers="cpu,disk", cpu_bytes="64KiB", disk_bytes="64MiB")
     argv = [sys.executable, "-m", "kvtier.integrations.vllm.launch", "serve", str(model),

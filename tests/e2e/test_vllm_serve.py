@@ -9,7 +9,6 @@ import json
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
 import textwrap
@@ -23,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).parent / "vllm"))
 from vllm_e2e import ENGINE_TIMEOUT_S, tiny_llama_dir  # noqa: E402
 
 from kvtier.integrations.vllm.common import read_metrics  # noqa: E402
+from kvtier.loadgen.servers import free_port  # noqa: E402
 
 pytestmark = pytest.mark.slow
 DOC = Path(__file__).parents[2] / "docs" / "vllm.md"
@@ -40,15 +40,9 @@ def _env() -> dict[str, str]:
                 TOKENIZERS_PARALLELISM="false")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_documented_vllm_serve_line(tmp_path: Path) -> None:
     model = tiny_llama_dir()
-    port = _free_port()
+    port = free_port()
     line = _block("bash", "vllm serve").strip()
     line = line.replace("MODEL_DIR", str(model)).replace("KVTIER_DIR", str(tmp_path))
     line = line.replace("--port 8000", f"--port {port} --host 127.0.0.1")

@@ -75,3 +75,12 @@ def test_free_port_is_bindable() -> None:
     port = free_port()
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
+
+
+def test_free_ports_lie_outside_the_ephemeral_range_and_are_not_handed_out_twice() -> None:
+    from kvtier.loadgen.servers import ephemeral_range
+
+    lo, hi = ephemeral_range()
+    ports = [free_port() for _ in range(50)]
+    assert len(set(ports)) == len(ports)
+    assert all(not lo <= p <= hi and 1024 <= p < 65536 for p in ports), (lo, hi, ports)

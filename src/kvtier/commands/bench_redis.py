@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Iterator
 
 from kvtier.errors import ConfigError, KvtierError
+from kvtier.loadgen.servers import free_port
 
 HELP = "redis tier save/load throughput against raw redis-py pipelined SET/GET, as ratios"
 
@@ -46,12 +47,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextlib.contextmanager
 def own_server() -> Iterator[str]:
     """A redis-server on a free loopback port, persistence off; always stopped."""
@@ -60,7 +55,7 @@ def own_server() -> Iterator[str]:
         raise KvtierError("redis-server not found; install it (apt-get install redis-server) "
                           "or pass --url")
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-redis-") as d:
-        port = _free_port()
+        port = free_port()
         proc = subprocess.Popen(
             [exe, "--port", str(port), "--bind", "127.0.0.1", "--dir", d, "--save", "",
              "--appendonly", "no", "--protected-mode", "no", "--logfile", f"{d}/redis.log"],

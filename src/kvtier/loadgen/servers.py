@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -29,8 +30,40 @@ class ServerFailed(KvtierError):
     """A server process exited or did not answer in time; the message ends with its log."""
 
 
+_GIVEN: set[int] = set()
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for outgoing connections' source ports."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
+    """A TCP port nobody listens on, for a server started next. It lies outside the kernel's
+    ephemeral range (a port from bind(0) is in it, and any connection made before the server
+    binds, a health poll for one, may take it as its source port: the server then fails with
+    EADDRINUSE): above it where there is room (the test suite's Redis servers take ports below
+    it), and is handed out once per process (servers set up together never draw the same port
+    before one has bound it)."""
+    lo, hi = ephemeral_range()
+    candidates = list(range(hi + 1, 65536)) if hi < 65536 - 256 else list(range(max(1024, lo - 16384), lo))
+    random.shuffle(candidates)
+    for port in candidates:
+        if port in _GIVEN:
+            continue
+        try:
+            with socket.socket() as s:
+                s.bind((host, port))
+        except OSError:
+            continue
+        _GIVEN.add(port)
+        return port
+    with socket.socket() as s:  # nothing free below the range: the kernel's choice
         s.bind((host, 0))
         return int(s.getsockname()[1])
 
