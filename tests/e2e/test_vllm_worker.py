@@ -609,3 +609,43 @@ def test_tensor_parallel_a_store_one_rank_failed_is_committed_nowhere(tmp_path: 
     manager.shutdown()
     for w in workers:
         w.shutdown()
+
+
+def test_shutdown_ends_the_copies_even_when_tier_io_is_still_running(tmp_path: Path) -> None:
+    """vLLM frees its KV tensors after `shutdown`: the side stream and every copy through vLLM's
+    handlers must have ended by then, whether or not the I/O thread finished its queue in time.
+    Only the tiers that queued I/O still uses stay open."""
+    import functools
+    import threading
+
+    ctx = _ctx(tmp_path, "cpu,disk")
+    kv, _ = _kv()
+    worker = KvtierWorker(ctx, kv, Metrics("worker0", None))
+    calls: list[str] = []
+
+    class _Recorder:  # the GPU path's stream and copier (None on CPU): what shutdown asks of them
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def synchronize(self) -> None:
+            calls.append(f"{self.name}.synchronize")
+
+        def shutdown(self) -> None:
+            calls.append(f"{self.name}.shutdown")
+
+    worker._stream, worker._copier = _Recorder("stream"), _Recorder("copier")  # type: ignore[assignment]
+    gate = threading.Event()
+    assert worker._lane.submit(lambda: gate.wait(30))  # a disk write that hangs
+    worker._lane.close = functools.partial(worker._lane.close, timeout=0.2)  # type: ignore[method-assign]
+    disk_closed = []
+    worker.tiers["disk"].close = lambda: disk_closed.append(True)  # type: ignore[method-assign]
+    try:
+        worker.shutdown()
+        assert calls == ["stream.synchronize", "copier.shutdown"], calls
+        assert not disk_closed  # the hung write may still use it
+    finally:
+        gate.set()
+    worker._stream = worker._copier = None
+    calls.clear()
+    worker.shutdown()  # the lane has stopped now: the tiers close
+    assert disk_closed == [True]
