@@ -649,3 +649,27 @@ def test_shutdown_ends_the_copies_even_when_tier_io_is_still_running(tmp_path: P
     calls.clear()
     worker.shutdown()  # the lane has stopped now: the tiers close
     assert disk_closed == [True]
+
+
+def test_tensor_parallel_restart_adopts_a_chunk_only_where_every_rank_holds_it(tmp_path: Path) -> None:
+    """At start the scheduler adopts what the disk tier holds. With tensor parallel a chunk is
+    every rank's shard at one slot: one that a rank lacks (its write failed, or was dropped at
+    exit) is not adopted, so no load is handed out that one rank must fail."""
+    manager, workers, _ = _tp_group(tmp_path)
+    rc = ReqContext(req_id="a")
+    k1, k2 = _full_keys(rc, 1, 2)
+    _store(manager, workers, [k1, k2], rc, 1)
+    (h1, g), (h2, _) = manager.ctx.split_key(k1), manager.ctx.split_key(k2)
+    (slot2,) = [s for t, s in manager.index.where(h2, g) if t == "disk"]
+    workers[1].tiers["disk"].free(g, slot2)  # rank 1 lost its shard of k2
+    ctx0 = manager.ctx
+    manager.shutdown()
+    for w in workers:
+        w.shutdown()
+    again = KvtierManager(ctx0, Metrics("scheduler", None))
+    try:
+        assert [t for t, _ in again.index.where(h1, g)] == ["disk"]
+        assert again.index.where(h2, g) == []
+        assert again.metrics.counts.get("rebuilt_chunks") == 1
+    finally:
+        again.shutdown()

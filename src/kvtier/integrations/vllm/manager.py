@@ -753,24 +753,34 @@ class KvtierManager(OffloadingManager):
     # -- restart -------------------------------------------------------------------------------
 
     def _rebuild(self) -> None:
-        """Adopt what a previous process left in the disk tier (same namespace and layout)."""
+        """Adopt what a previous process left in the disk tier (same namespace and layout).
+
+        With tensor parallel every rank writes its own shard of a chunk at the same slot, under
+        its own rank's namespace: a chunk is adopted only where every rank's file names it at that
+        slot (one a rank lacks would be a hit that rank's load must fail)."""
         root = self.ctx.disk_root
         if root is None or not root.is_dir():
             return
+        from dataclasses import replace
+
         from kvtier.store.tiers.disk_scan import scan_dir  # no torch
 
-        ns = self.ctx.namespace.id
+        ns = self.ctx.namespace
+        ranks = {replace(ns, rank=r).id: {} for r in range(ns.world_size)}  # (group, slot) -> hash
         found: list[tuple[int, bytes, int, int]] = []
         for rec in scan_dir(root):
             h = rec.header
-            if rec.namespace_id != ns or rec.problem is not None or isinstance(h, str):
+            if rec.namespace_id not in ranks or rec.problem is not None or isinstance(h, str):
                 continue
             g = rec.group
             if g >= len(self.ctx.plan.groups) or not self.ctx.plan.groups[g].cacheable:
                 continue
             if rec.slot_bytes != self.ctx.plan.groups[g].chunk_bytes:
                 continue  # another chunk size: another plan's slab
-            found.append((h.created_ns, h.chunk_hash, g, rec.slot))  # type: ignore[union-attr]
+            ranks[rec.namespace_id][(g, rec.slot)] = h.chunk_hash  # type: ignore[union-attr]
+            if rec.namespace_id == ns.id:
+                found.append((h.created_ns, h.chunk_hash, g, rec.slot))  # type: ignore[union-attr]
+        found = [f for f in found if all(held.get((f[2], f[3])) == f[1] for held in ranks.values())]
         found.sort()
         rejected = self.index.rebuild((h, g, "disk", s) for _, h, g, s in found)
         self.metrics.add("rebuilt_chunks", len(found) - len(rejected))
