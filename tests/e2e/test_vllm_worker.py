@@ -673,3 +673,48 @@ def test_tensor_parallel_restart_adopts_a_chunk_only_where_every_rank_holds_it(t
         assert again.metrics.counts.get("rebuilt_chunks") == 1
     finally:
         again.shutdown()
+
+
+def test_tensor_parallel_a_redis_hit_needs_every_ranks_shard(tmp_path: Path) -> None:
+    """Every rank writes its own shard of a chunk to Redis under its own namespace, and Redis
+    evicts keys one by one: the scheduler counts a chunk as in Redis only when every rank's key
+    exists (rank 0's alone would be a hit that another rank's load must fail). Real redis-server."""
+    import sys
+    from dataclasses import replace
+
+    sys.path.insert(0, str(Path(__file__).parents[1]))
+    from redis_servers import have_redis, redis_server
+
+    from kvtier.store.payload import make_header
+    from kvtier.store.tiers.redis import RedisTier
+
+    if not have_redis():
+        pytest.skip("redis-server is not installed (make test installs it)")
+    base = _ctx(tmp_path, "cpu")
+    ns = Namespace("m", base.namespace.geometry_fingerprint, "float16", rank=0, world_size=2)
+    with redis_server() as srv:
+        extra = {"kvtier.tiers": "cpu,redis", "kvtier.directory": str(tmp_path), "kvtier.cpu_bytes": 1 << 20,
+                 "kvtier.redis_bytes": 1 << 20, "kvtier.redis_url": srv.url}
+        ctx = SpecContext(plan=base.plan, namespace=ns, config=parse_config(extra), group_of=base.group_of,
+                          blocks_per_chunk=BPC)
+        manager = KvtierManager(ctx, Metrics("scheduler", None))
+        writers = [RedisTier.from_url(srv.url, namespace_id=replace(ns, rank=r).id) for r in (0, 1)]
+        try:
+            rc = ReqContext(req_id="a")
+            k1, k2 = _full_keys(rc, 1, 2)
+            (h1, g), (h2, _) = ctx.split_key(k1), ctx.split_key(k2)
+            n = ctx.plan.groups[g].chunk_bytes
+            data = torch.zeros(n, dtype=torch.uint8)
+            shards = [(h1, 0), (h1, 1), (h2, 0)]  # rank 1's shard of k2 was evicted
+            for h, r in shards:  # each rank its own tier, as each worker has
+                header = make_header(replace(ns, rank=r).id, h, g, 0, 0, n)
+                assert writers[r].write_many([(g, -1, header, data)]) == [True]
+            for k in (k1, k2):
+                assert manager.lookup(k, rc) == LookupResult.RETRY
+            manager._lane.drain(10)
+            assert manager.lookup(k1, rc) == LookupResult.HIT
+            assert manager.lookup(k2, rc) == LookupResult.MISS
+        finally:
+            for w in writers:
+                w.close()
+            manager.shutdown()

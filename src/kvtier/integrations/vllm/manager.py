@@ -470,7 +470,11 @@ class KvtierManager(OffloadingManager):
             return None
 
     def _check_redis(self) -> None:
-        """On the lane: one pipelined EXISTS for every key queued since the last check."""
+        """On the lane: one pipelined EXISTS for every key queued since the last check. With
+        tensor parallel a chunk is in Redis only when every rank's shard (its key under that
+        rank's namespace) exists: Redis evicts keys one by one."""
+        from dataclasses import replace
+
         from kvtier.store.payload import make_header
 
         with self._rlock:
@@ -479,8 +483,11 @@ class KvtierManager(OffloadingManager):
             ctx, redis = self.ctx, self._redis
         if not want or redis is None:
             return
-        headers = [make_header(ctx.namespace.id, h, g, 0, 0, ctx.plan.groups[g].chunk_bytes) for h, g in want]
-        found = redis.exists_many(headers)
+        ns = ctx.namespace
+        ids = [ns.id] + [replace(ns, rank=r).id for r in range(ns.world_size) if r != ns.rank]
+        headers = [make_header(i, h, g, 0, 0, ctx.plan.groups[g].chunk_bytes) for h, g in want for i in ids]
+        each = redis.exists_many(headers)
+        found = [all(each[k * len(ids):(k + 1) * len(ids)]) for k in range(len(want))]
         with self._rlock:
             if len(self._answers) >= SPLIT_MEMO_KEYS:
                 self._answers.clear()
