@@ -718,3 +718,42 @@ def test_tensor_parallel_a_redis_hit_needs_every_ranks_shard(tmp_path: Path) -> 
             for w in writers:
                 w.close()
             manager.shutdown()
+
+
+def test_a_store_write_waits_for_its_copy_without_calling_the_handler_off_the_engine_thread() -> None:
+    """`wait_polling` runs on kvtier's I/O thread. Where vLLM's handler exposes no per-transfer
+    event, it must not call the handler there (not thread-safe, and its wait busy-spins): it
+    waits until the engine thread's `poll` saw the transfer end. Shutdown ends such a wait."""
+    import threading
+    from types import SimpleNamespace
+
+    from kvtier.integrations.vllm.copier import SlabCopier
+
+    class _Handler:  # a vLLM handler without `_transfer_events`: any call here fails the test
+        def __init__(self) -> None:
+            self.done: list = []
+
+        def get_finished(self):  # noqa: ANN202 - only the engine thread's poll calls it
+            assert threading.current_thread() is threading.main_thread()
+            out, self.done = self.done, []
+            return out
+
+        def shutdown(self) -> None:
+            pass
+
+    h = _Handler()
+    copier = SlabCopier.__new__(SlabCopier)
+    copier._handlers, copier._owner, copier._ended = [(h, h, h)], {7: h, 8: h}, set()
+    waited = threading.Event()
+    t = threading.Thread(target=lambda: (copier.wait_polling([7]), waited.set()))
+    t.start()
+    assert not waited.wait(0.2)  # transfer 7 has not ended
+    h.done = [SimpleNamespace(job_id=7)]  # what poll reads of vLLM's result
+    copier.poll()  # the engine thread's step
+    assert waited.wait(10)
+    t.join(10)
+    t = threading.Thread(target=lambda: copier.wait_polling([8]))
+    t.start()
+    copier.shutdown()  # every transfer drained: nobody waits on 8 any longer
+    t.join(10)
+    assert not t.is_alive()

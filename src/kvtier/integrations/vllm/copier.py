@@ -128,13 +128,16 @@ class SlabCopier:
         store's disk or Redis write), without spinning a core: vLLM's events are not
         blocking-sync events, so their `synchronize()` would busy-wait for up to a forward pass.
         A transfer this object no longer knows has ended. (If the engine thread recycles an
-        event meanwhile, this waits for a later transfer: longer, never too short.)"""
+        event meanwhile, this waits for a later transfer: longer, never too short.) Where the
+        handler keeps no per-transfer event (a vLLM other than 0.32/0.33), nothing of the handler
+        is called from this thread: it waits until the engine thread's `poll` saw the transfer
+        end, at most a step later."""
         for t in tids:
             h = self._owner.get(t)
             event = getattr(h, "_transfer_events", {}).get(t) if h is not None else None
             if event is None:
-                if h is not None and not hasattr(h, "_transfer_events"):  # another vLLM: its wait
-                    h.wait({t})
+                while t in self._owner:
+                    time.sleep(interval_s)
                 continue
             while not event.query():
                 time.sleep(interval_s)
@@ -142,8 +145,9 @@ class SlabCopier:
     def shutdown(self) -> None:
         for hs in self._handlers:
             for h in hs or ():
-                h.shutdown()
+                h.shutdown()  # waits for every transfer
         self._handlers = []
+        self._owner.clear()  # so no `wait_polling` waits on for a `poll` that will not come
 
 
 class SideStream:
