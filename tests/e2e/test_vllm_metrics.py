@@ -116,6 +116,7 @@ def test_vllm_serve_metrics_show_kvtier_per_tier_and_group(tmp_path: Path) -> No
         deadline = time.monotonic() + 30
         while not same(files := read_metrics(tmp_path)) and time.monotonic() < deadline:
             time.sleep(0.5)
+            samples = scrape(base)  # whichever side lags catches up
         chunk_bytes = read_info(tmp_path)["chunk_bytes_group0"]
     finally:
         proc.terminate()

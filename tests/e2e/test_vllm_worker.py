@@ -757,3 +757,63 @@ def test_a_store_write_waits_for_its_copy_without_calling_the_handler_off_the_en
     copier.shutdown()  # every transfer drained: nobody waits on 8 any longer
     t.join(10)
     assert not t.is_alive()
+
+
+def test_a_scheduler_of_another_rank_stands_for_its_own_rank_only(tmp_path: Path) -> None:
+    """vLLM's scheduler has rank 0 and hashes for every rank. One of rank 1 (each rank its own
+    scheduler: external_launcher) hashes under rank 1's namespace, so it checks its own records
+    only: it adopts what its worker stored, whatever rank 0's files hold."""
+    manager, workers, _ = _tp_group(tmp_path)
+    manager.shutdown()
+    workers[0].shutdown()
+    base = workers[1].ctx
+    ctx1 = SpecContext(plan=base.plan, namespace=base.namespace, config=base.config,
+                       group_of=base.group_of, blocks_per_chunk=BPC, one_scheduler=False)
+    assert ctx1.rank_namespace_ids() == [base.namespace.id]
+    own = KvtierManager(ctx1, Metrics("scheduler", None))
+    rc = ReqContext(req_id="a")
+    (k1,) = _full_keys(rc, 1, 1)
+    _store(own, [workers[1]], [k1], rc, 1)  # rank 1's scheduler and worker only
+    own.shutdown()
+    workers[1].shutdown()
+    again = KvtierManager(ctx1, Metrics("scheduler", None))
+    try:
+        h1, g = ctx1.split_key(k1)
+        assert [t for t, _ in again.index.where(h1, g)] == ["disk"]
+    finally:
+        again.shutdown()
+
+
+def test_waiting_for_a_tier_load_keeps_polling_the_copies_a_store_write_waits_for(tmp_path: Path) -> None:
+    """vLLM's `wait` on a disk/Redis load drains kvtier's I/O lane on the engine thread; a store
+    write queued before the load may wait (without a per-transfer event) for the engine thread's
+    poll to see its copy end. The drain keeps polling, so the two never wait on each other."""
+    import threading
+    from types import SimpleNamespace
+
+    from kvtier.integrations.vllm.copier import SlabCopier
+
+    class _Handler:  # vLLM's handler without `_transfer_events`; its copy 7 has ended on the GPU
+        def get_finished(self):  # noqa: ANN202
+            return [SimpleNamespace(job_id=7)]
+
+        def shutdown(self) -> None:
+            pass
+
+    worker = KvtierWorker(_ctx(tmp_path, "cpu,disk"), _kv()[0], Metrics("worker0", None))
+    h = _Handler()
+    copier = SlabCopier.__new__(SlabCopier)
+    copier._handlers, copier._owner, copier._ended = [(h, h, h)], {7: h}, set()
+    worker._copier = copier  # type: ignore[assignment]
+    assert worker._lane.submit(lambda: copier.wait_polling([7]))  # the store write
+    worker._reading.add(99)  # the load vLLM waits for, read after it on the lane
+    assert worker._lane.submit(lambda: worker._reading.discard(99))
+    t = threading.Thread(target=worker.wait, args=({99},), daemon=True)
+    t.start()
+    t.join(10)
+    try:
+        assert not t.is_alive(), "wait() and the store write waited on each other"
+    finally:
+        copier._owner.clear()  # (frees a stuck lane either way)
+        worker._copier = None
+        worker.shutdown()

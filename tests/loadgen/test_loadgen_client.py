@@ -81,7 +81,7 @@ def test_ttft_gaps_and_tokens_come_from_the_stream(server: str, make) -> None:  
         # of one token only shortens the gap after it, so single gaps are not bounded below).
         arrivals = [s.ttft_s + sum(s.gaps_s[:i]) for i in range(TOKENS)]
         assert all(t >= FIRST_S + i * GAP_S for i, t in enumerate(arrivals)), arrivals
-        # and they are read as they come, not all at the end of the stream
+        # and they are read as they come, not all at the end of the stream (a third of the schedule)
         assert sum(s.gaps_s) >= GAP_S, s.gaps_s  # a client that reads at the end sees ~0
         assert s.output_tokens == TOKENS and s.prompt_tokens == 3
         assert s.latency_s >= s.ttft_s + sum(s.gaps_s) * 0.99

@@ -51,7 +51,8 @@ def free_port(host: str = "127.0.0.1") -> int:
     it), and is handed out once per process (servers set up together never draw the same port
     before one has bound it)."""
     lo, hi = ephemeral_range()
-    candidates = list(range(hi + 1, 65536)) if hi < 65536 - 256 else list(range(max(1024, lo - 16384), lo))
+    # below it, clear of the suite's Redis ports [lo-20000, lo-10000) and their bus ports (+10000)
+    candidates = list(range(hi + 1, 65536)) if hi < 65536 - 256 else list(range(max(1024, lo - 36384), max(1024, lo - 20000)))
     random.shuffle(candidates)
     for port in candidates:
         if port in _GIVEN:

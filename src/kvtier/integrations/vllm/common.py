@@ -83,6 +83,23 @@ class SpecContext:
     off_reason: str = ""
     # vLLM's bytes per block of each group (its KV-cache specs), when the spec saw them
     page_bytes: tuple[int, ...] | None = None
+    # one scheduler hashes for every tensor-parallel rank: vLLM's scheduler has rank 0. A scheduler
+    # of another rank (vLLM's external_launcher: every rank runs its own, with its own rank's
+    # namespace and chunk hashes) stands for its own rank only. (Rank 0's scheduler there cannot
+    # tell that mode apart, and counts the other ranks' records, hashed otherwise, as missing:
+    # misses at restart and in Redis, never wrong KV; that mode is not tested.)
+    one_scheduler: bool = True
+
+    def rank_namespace_ids(self) -> list[str]:
+        """The namespaces whose shards one chunk of this scheduler stands for, its own first:
+        every rank's under tensor parallel (each worker stores its own shard of the scheduler's
+        chunk under its rank's namespace), only its own otherwise."""
+        from dataclasses import replace
+
+        ns = self.namespace
+        if not self.one_scheduler:
+            return [ns.id]
+        return [ns.id] + [replace(ns, rank=r).id for r in range(ns.world_size) if r != ns.rank]
 
     def new_index(self) -> Index:
         """The index both sides size their slots from. Where the groups' chunks span different

@@ -473,8 +473,6 @@ class KvtierManager(OffloadingManager):
         """On the lane: one pipelined EXISTS for every key queued since the last check. With
         tensor parallel a chunk is in Redis only when every rank's shard (its key under that
         rank's namespace) exists: Redis evicts keys one by one."""
-        from dataclasses import replace
-
         from kvtier.store.payload import make_header
 
         with self._rlock:
@@ -483,8 +481,7 @@ class KvtierManager(OffloadingManager):
             ctx, redis = self.ctx, self._redis
         if not want or redis is None:
             return
-        ns = ctx.namespace
-        ids = [ns.id] + [replace(ns, rank=r).id for r in range(ns.world_size) if r != ns.rank]
+        ids = ctx.rank_namespace_ids()
         headers = [make_header(i, h, g, 0, 0, ctx.plan.groups[g].chunk_bytes) for h, g in want for i in ids]
         each = redis.exists_many(headers)
         found = [all(each[k * len(ids):(k + 1) * len(ids)]) for k in range(len(want))]
@@ -768,12 +765,10 @@ class KvtierManager(OffloadingManager):
         root = self.ctx.disk_root
         if root is None or not root.is_dir():
             return
-        from dataclasses import replace
-
         from kvtier.store.tiers.disk_scan import scan_dir  # no torch
 
         ns = self.ctx.namespace
-        ranks = {replace(ns, rank=r).id: {} for r in range(ns.world_size)}  # (group, slot) -> hash
+        ranks: dict[str, dict] = {i: {} for i in self.ctx.rank_namespace_ids()}  # (group, slot) -> hash
         found: list[tuple[int, bytes, int, int]] = []
         for rec in scan_dir(root):
             h = rec.header

@@ -103,7 +103,7 @@ class KvtierOffloadingSpec(OffloadingSpec):
         return SpecContext(plan=plan, namespace=namespace, config=p["config"],
                            group_of={g.group_id: i for i, g in enumerate(p["groups"])},
                            blocks_per_chunk=p["bpc"], span_tokens=spans, off_reason=p["off_reason"],
-                           page_bytes=page_bytes)
+                           page_bytes=page_bytes, one_scheduler=rank == 0)
 
     def adopt_worker_pages(self, page_bytes: tuple[int, ...], fingerprint: str = "",
                            kv_dtype: str = "") -> bool:

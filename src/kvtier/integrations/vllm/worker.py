@@ -358,7 +358,11 @@ class KvtierWorker(OffloadingWorker):
 
     def wait(self, job_ids: set[int]) -> None:
         if self._lane is not None and self._reading & set(job_ids):
-            self._lane.drain()  # only when vLLM asks to wait for a load on disk or Redis
+            # only when vLLM asks to wait for a load on disk or Redis. A store write queued before
+            # it may wait for the copier's poll (copier.wait_polling): keep polling meanwhile
+            while not self._lane.drain(0.005):
+                if self._copier is not None:
+                    self._copier.poll()
             self._finish_reads()
         for job in self._in_flight:
             if job.job_id in job_ids:
@@ -372,12 +376,13 @@ class KvtierWorker(OffloadingWorker):
         return self._lane.drain(timeout) if self._lane is not None else True
 
     def shutdown(self) -> None:
-        lane_closed = self._lane is None or self._lane.close()
-        # the copies end before vLLM frees its KV tensors, whether or not the lane finished
+        # the copies end before vLLM frees its KV tensors, whether or not the lane will finish;
+        # first, so that no queued store write still waits for one
         if self._stream is not None:
             self._stream.synchronize()
         if self._copier is not None:
             self._copier.shutdown()  # drains every transfer before the slabs go
+        lane_closed = self._lane is None or self._lane.close()
         self.metrics.flush(force=True)
         if not lane_closed:
             # queued disk/Redis I/O did not finish in time: leave the tiers open to it
