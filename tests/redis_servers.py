@@ -34,6 +34,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvtier.loadgen.servers import ephemeral_range
+
 # The binaries: Redis by default; KVTIER_REDIS_SERVER / KVTIER_REDIS_CLI run the same tests
 # against another server speaking the protocol (valkey-server / valkey-cli).
 SERVER = os.environ.get("KVTIER_REDIS_SERVER", "redis-server")
@@ -62,14 +64,6 @@ def have_redis() -> bool:
 _GIVEN: set[int] = set()  # ports this process handed out: never twice
 
 
-def _ephemeral_range() -> tuple[int, int]:
-    try:
-        lo, hi = (int(x) for x in open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
-        return lo, hi
-    except (OSError, ValueError):
-        return 32768, 60999
-
-
 def free_port() -> int:
     """A loopback TCP port nobody listens on (bound once and released; Redis binds it next).
 
@@ -79,7 +73,7 @@ def free_port() -> int:
     self-connect), reading its own commands back as replies. A port is handed out once per
     process, so servers set up together never draw the same one before any has bound it.
     """
-    lo, _ = _ephemeral_range()
+    lo, _ = ephemeral_range()
     top = min(lo, 65536) - 10000  # the bus port too stays below the ephemeral range
     candidates = list(range(max(1024, top - 10000), top))
     random.shuffle(candidates)

@@ -720,6 +720,16 @@ def test_tensor_parallel_a_redis_hit_needs_every_ranks_shard(tmp_path: Path) -> 
             manager.shutdown()
 
 
+def _copier_over(handler, tids: list[int]):  # noqa: ANN001, ANN202 - a SlabCopier
+    """A SlabCopier whose one group's three handlers are `handler`, with transfers `tids` in
+    flight (no vLLM handler built: no CUDA tensors here)."""
+    from kvtier.integrations.vllm.copier import SlabCopier
+
+    copier = SlabCopier.__new__(SlabCopier)
+    copier._handlers, copier._owner, copier._ended = [(handler,) * 3], dict.fromkeys(tids, handler), set()
+    return copier
+
+
 def test_a_store_write_waits_for_its_copy_without_calling_the_handler_off_the_engine_thread() -> None:
     """`wait_polling` runs on kvtier's I/O thread. Where vLLM's handler exposes no per-transfer
     event, it must not call the handler there (not thread-safe, and its wait busy-spins): it
@@ -727,7 +737,6 @@ def test_a_store_write_waits_for_its_copy_without_calling_the_handler_off_the_en
     import threading
     from types import SimpleNamespace
 
-    from kvtier.integrations.vllm.copier import SlabCopier
 
     class _Handler:  # a vLLM handler without `_transfer_events`: any call here fails the test
         def __init__(self) -> None:
@@ -742,8 +751,7 @@ def test_a_store_write_waits_for_its_copy_without_calling_the_handler_off_the_en
             pass
 
     h = _Handler()
-    copier = SlabCopier.__new__(SlabCopier)
-    copier._handlers, copier._owner, copier._ended = [(h, h, h)], {7: h, 8: h}, set()
+    copier = _copier_over(h, [7, 8])
     waited = threading.Event()
     t = threading.Thread(target=lambda: (copier.wait_polling([7]), waited.set()))
     t.start()
@@ -791,7 +799,6 @@ def test_waiting_for_a_tier_load_keeps_polling_the_copies_a_store_write_waits_fo
     import threading
     from types import SimpleNamespace
 
-    from kvtier.integrations.vllm.copier import SlabCopier
 
     class _Handler:  # vLLM's handler without `_transfer_events`; its copy 7 has ended on the GPU
         def get_finished(self):  # noqa: ANN202
@@ -802,8 +809,7 @@ def test_waiting_for_a_tier_load_keeps_polling_the_copies_a_store_write_waits_fo
 
     worker = KvtierWorker(_ctx(tmp_path, "cpu,disk"), _kv()[0], Metrics("worker0", None))
     h = _Handler()
-    copier = SlabCopier.__new__(SlabCopier)
-    copier._handlers, copier._owner, copier._ended = [(h, h, h)], {7: h}, set()
+    copier = _copier_over(h, [7])
     worker._copier = copier  # type: ignore[assignment]
     assert worker._lane.submit(lambda: copier.wait_polling([7]))  # the store write
     worker._reading.add(99)  # the load vLLM waits for, read after it on the lane

@@ -639,22 +639,16 @@ class KvtierWorker(OffloadingWorker):
         chunk row: for each layer ref, its pages at the positions they hold. One copy a layer on
         CPU (index_select into the row); on a GPU an async gather + device->host copy on the side
         stream, into pinned memory (the cpu tier's slabs are pinned where CUDA is present)."""
-        lo, n = blocks[0][1], len(blocks)
-        # pinned on a GPU: a non_blocking copy from pageable memory may wait for the side stream
-        bids = torch.tensor([b for b, _ in blocks], pin_memory=self._pin)
+        bids, pages = self._row_pages(g, blocks, row)
         if self._stream is not None:
             def enqueue() -> None:
                 ids = bids.to(self.device, non_blocking=True)
-                for ref in self.refs[g]:
-                    page = ref.page_bytes
-                    dst = row[ref.offset + lo * page:ref.offset + (lo + n) * page].view(n, page)
+                for ref, page, dst in pages:
                     dst.copy_(ref.tensor.index_select(0, ids)[:, :page], non_blocking=True)
 
             self._stream.run(enqueue)
             return
-        for ref in self.refs[g]:
-            page = ref.page_bytes
-            dst = row[ref.offset + lo * page:ref.offset + (lo + n) * page].view(n, page)
+        for ref, page, dst in pages:
             if ref.tensor.shape[1] == page:
                 torch.index_select(ref.tensor, 0, bids, out=dst)
             else:
@@ -662,23 +656,28 @@ class KvtierWorker(OffloadingWorker):
 
     def _copy_in(self, g: int, blocks: list[tuple[int, int]], row: torch.Tensor) -> None:
         """Copy a chunk row's pages at the blocks' positions into the blocks (the reverse)."""
-        lo, n = blocks[0][1], len(blocks)
-        # pinned on a GPU: a non_blocking copy from pageable memory may wait for the side stream
-        bids = torch.tensor([b for b, _ in blocks], pin_memory=self._pin)
+        bids, pages = self._row_pages(g, blocks, row)
         if self._stream is not None:
             def enqueue() -> None:
                 ids = bids.to(self.device, non_blocking=True)
-                for ref in self.refs[g]:
-                    page = ref.page_bytes
-                    src = row[ref.offset + lo * page:ref.offset + (lo + n) * page].view(n, page)
+                for ref, page, src in pages:
                     ref.tensor[ids, :page] = src.to(self.device, non_blocking=True)
 
             self._stream.run(enqueue)
             return
-        for ref in self.refs[g]:
-            page = ref.page_bytes
-            src = row[ref.offset + lo * page:ref.offset + (lo + n) * page].view(n, page)
+        for ref, page, src in pages:
             ref.tensor[bids, :page] = src
+
+    def _row_pages(self, g: int, blocks: list[tuple[int, int]], row: torch.Tensor) -> tuple[torch.Tensor, list]:
+        """The blocks' ids (pinned on a GPU: a non_blocking copy from pageable memory may wait
+        for the side stream) and, per layer ref of group g, (ref, page bytes, the row's
+        (n, page) view of that ref's pages at the blocks' positions)."""
+        lo, n = blocks[0][1], len(blocks)
+        bids = torch.tensor([b for b, _ in blocks], pin_memory=self._pin)
+        pages = [(ref, ref.page_bytes,
+                  row[ref.offset + lo * ref.page_bytes:ref.offset + (lo + n) * ref.page_bytes].view(n, ref.page_bytes))
+                 for ref in self.refs[g]]
+        return bids, pages
 
 
 class SyncLoadError(RuntimeError):
