@@ -19,6 +19,7 @@ from kvtier.core.keys import Namespace
 from kvtier.store.payload import HEADER_BYTES, make_header
 from kvtier.core.plan import make_plan
 from kvtier.store.store import Store
+from kvtier.store.tiers.base import LogOnce, log
 from kvtier.store.tiers.disk_files import DATA_OFFSET, slab_name, slot_stride
 from kvtier.store.tiers.disk_scan import scan_dir
 
@@ -242,6 +243,7 @@ def test_pipelined_read_of_a_truncated_payload_is_a_counted_miss(tmp_path, caplo
     data = _big_payload(3)
     h = make_header(NS.id, b"\x07" * 32, 0, 0, C, BIG)
     t = _pipelined(tmp_path)
+    t._warnings = LogOnce(log, interval_s=0.0)  # every drop's reason logged (a tier logs one a minute)
     assert t.write(0, 0, h, data)
     path = tmp_path / NS.id / slab_name(0, BIG)
     for cut in (3 * PIECE + 5, PIECE // 2):  # ends in a helper piece; ends inside the first piece

@@ -124,3 +124,63 @@ def test_failing_writes_log_one_line_a_minute(tmp_path: Path, caplog: pytest.Log
     assert tier.failed_writes == 200
     lines = [r for r in caplog.records if "failed" in r.getMessage()]
     assert len(lines) == 1, [r.getMessage() for r in lines[:5]]
+
+
+# -- issue 28, item 13: 500 corrupt drops were 500 log lines --------------------------------------
+MANY = TierLayout(slot_bytes=(1024,), num_slots=(500,))
+
+
+def _many_written(root: Path) -> DiskTier:
+    import torch
+
+    from kvtier.store.payload import make_header
+
+    tier = DiskTier(root, MANY, NS, mapped_reads=False)
+    data = torch.arange(1024, dtype=torch.int32).to(torch.uint8)
+    for s in range(500):
+        assert tier.write(0, s, make_header(NS, s.to_bytes(2, "big") * 8, 0, 0, 16, 1024), data)
+    return tier
+
+
+def _flip_every_slot(root: Path, at: int) -> None:
+    from kvtier.store.tiers.disk_files import slot_stride
+
+    path = root / NS / slab_name(0, 1024)
+    buf = bytearray(path.read_bytes())
+    for s in range(500):
+        buf[s * slot_stride(1024) + at] ^= 0xFF
+    path.write_bytes(bytes(buf))
+
+
+def test_corrupt_drops_on_read_log_one_line_a_minute(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    import torch
+
+    from kvtier.store.payload import make_header
+    from kvtier.store.tiers.disk_files import DATA_OFFSET
+
+    tier = _many_written(tmp_path)
+    try:
+        _flip_every_slot(tmp_path, DATA_OFFSET + 3)  # every payload's checksum now mismatches
+        out = torch.zeros(1024, dtype=torch.uint8)
+        with caplog.at_level("WARNING", logger="kvtier.tiers"):
+            for s in range(500):
+                assert not tier.read(0, s, make_header(NS, s.to_bytes(2, "big") * 8, 0, 0, 16, 1024), out)
+        assert tier.corrupt_dropped == 500
+        lines = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
+        assert len(lines) == 1, (len(lines), lines[:3])
+    finally:
+        tier.close()
+
+
+def test_corrupt_drops_at_scan_log_one_line_a_minute(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    _many_written(tmp_path).close()
+    _flip_every_slot(tmp_path, 40)  # a header byte: every header's CRC now mismatches
+    tier = DiskTier(tmp_path, MANY, NS)
+    try:
+        with caplog.at_level("WARNING", logger="kvtier.tiers"):
+            assert list(tier.list()) == []
+        assert tier.corrupt_dropped == 500
+        lines = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
+        assert len(lines) == 1, (len(lines), lines[:3])
+    finally:
+        tier.close()

@@ -10,23 +10,53 @@ Two kinds of tier share one contract:
 Expected outcomes are values: `write` returns False when it could not store (disk full,
 read-only, server down: counted in `failed_writes`), `read` returns False on a miss, and a
 payload that is present but bad (foreign header, checksum mismatch, truncated) is a miss that
-the tier counts in `corrupt_dropped`, logs and frees, so it is never restored and never read
-again. Only caller mistakes (a slot out of range, a buffer of the wrong size) raise.
+the tier counts in `corrupt_dropped`, logs (one line a minute per tier, `LogOnce`: 500 bad slots
+after a crash are one line and a count) and frees, so it is never restored and never read again.
+Only caller mistakes (a slot out of range, a buffer of the wrong size) raise.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from kvtier.errors import ConfigError
 from kvtier.store.payload import ChunkHeader
 
 log = logging.getLogger("kvtier.tiers")
-WARN_EVERY_S = 60.0  # a tier logs a failing write at most this often (the rest are counted)
+WARN_EVERY_S = 60.0  # a tier logs a failing write or a corrupt drop at most this often (the rest are counted)
+
+
+class LogOnce:
+    """At most one warning per kind per `interval_s`, with how many were held back: what a tier
+    logs for an outcome that can repeat for every chunk (a full disk, 500 corrupt slots after a
+    crash: 500 lines said nothing the counter and one line do not). Thread-safe; `clock` is a
+    fixture in tests. Shared by the disk and Redis tiers so both log alike."""
+
+    def __init__(self, log: logging.Logger, clock: Callable[[], float] = time.monotonic,
+                 interval_s: float = WARN_EVERY_S) -> None:
+        self._log = log
+        self._clock = clock
+        self._interval_s = interval_s
+        self._last: dict[str, float] = {}
+        self._held: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def warn(self, kind: str, message: str) -> None:
+        with self._lock:
+            now = self._clock()
+            last = self._last.get(kind)
+            if last is not None and now - last < self._interval_s:
+                self._held[kind] = self._held.get(kind, 0) + 1
+                return
+            held = self._held.pop(kind, 0)
+            self._last[kind] = now
+        suffix = f" ({held} more like it since the last line)" if held else ""
+        self._log.warning("%s%s", message, suffix)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +120,7 @@ class Tier(ABC):
         self.bytes_written = 0
         self.bytes_read = 0
         self.last_error = ""
+        self._warnings = LogOnce(log)  # corrupt drops: one line a minute per tier
 
     # -- the contract --------------------------------------------------------------------
     @abstractmethod
@@ -137,10 +168,11 @@ class Tier(ABC):
         )
 
     def _drop_corrupt(self, group: int, slot: int, reason: str) -> bool:
-        """Count, log and free a bad payload; returns False so `read` can `return self._drop...`."""
+        """Count, log (at most once a minute, `LogOnce`) and free a bad payload; returns False so
+        `read` can `return self._drop...`."""
         self.corrupt_dropped += 1
         self.misses += 1
-        log.warning("tier %s: dropped group %d slot %d: %s", self.name, group, slot, reason)
+        self._warnings.warn("corrupt", f"tier {self.name}: dropped group {group} slot {slot}: {reason}")
         self.free(group, slot)
         return False
 

@@ -72,7 +72,7 @@ from kvtier.store.payload import (
     verify,
 )
 from kvtier.store.integrity import NO_SECRET_FOR_MAC, Keyed, integrity
-from kvtier.store.tiers.base import SlotTier, TierLayout, log
+from kvtier.store.tiers.base import SlotTier, TierLayout
 from kvtier.store.tiers.disk_files import (
     DATA_OFFSET,
     PAD,
@@ -427,7 +427,7 @@ class DiskTier(SlotTier):
                     why = None
                 if why is not None:
                     self.corrupt_dropped += 1
-                    log.warning("tier disk: dropped group %d slot %d at scan: %s", g, s, why)
+                    self._warnings.warn("corrupt", f"tier disk: dropped group {g} slot {s} at scan: {why}")
                     self.free(g, s)
                     continue
                 found.append((h.created_ns, g, s, h))

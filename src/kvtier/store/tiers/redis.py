@@ -40,11 +40,10 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from kvtier.errors import ConfigError
 from kvtier.store.integrity import NO_SECRET_FOR_MAC, Keyed
 from kvtier.store.payload import HASH_BYTES, HEADER_BYTES, ChunkHeader, decode_header, span_not_held
-from kvtier.store.tiers.base import Tier
+from kvtier.store.tiers.base import LogOnce, Tier
 from kvtier.store.tiers.redis_codec import Arena, check_payload, u8_view, unknown_command
 from kvtier.store.tiers.redis_conn import (
     Breaker,
-    LogOnce,
     RedisOptions,
     WriteBudget,
     build_client,
