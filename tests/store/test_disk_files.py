@@ -126,6 +126,120 @@ def test_failing_writes_log_one_line_a_minute(tmp_path: Path, caplog: pytest.Log
     assert len(lines) == 1, [r.getMessage() for r in lines[:5]]
 
 
+# -- issue 28, item 1: directories made by earlier versions were left readable -----------------
+def _old_version_dir(root: Path) -> Path:
+    """A namespace directory as kvtier before the hardening left it: 0755, its slabs 0644."""
+    import torch
+
+    from kvtier.store.payload import make_header
+
+    tier = DiskTier(root, LAYOUT, NS)
+    assert tier.write(0, 1, make_header(NS, b"\x07" * 16, 0, 0, 16, 4096), torch.ones(4096, dtype=torch.uint8))
+    tier.close()
+    nsdir = root / NS
+    for p in nsdir.iterdir():
+        os.chmod(p, 0o644)
+    os.chmod(nsdir, 0o755)
+    return nsdir
+
+
+@pytest.mark.parametrize("reader", [False, True])
+def test_an_earlier_versions_readable_directory_is_tightened(
+        tmp_path: Path, reader: bool, caplog: pytest.LogCaptureFixture) -> None:
+    """Another user could read the KV of a 0755 directory's 0644 slabs (prompts can be
+    reconstructed from it); kvtier's own directory and slabs are made private on open."""
+    import torch
+
+    from kvtier.store.payload import make_header
+
+    nsdir = _old_version_dir(tmp_path)
+    with caplog.at_level("WARNING", logger="kvtier.tiers"):
+        tier = DiskTier(tmp_path, LAYOUT, NS, reader=reader)
+    try:
+        assert mode(nsdir) == 0o700
+        assert mode(nsdir / slab_name(0, 4096)) == 0o600 and mode(nsdir / slab_name(1, 1024)) == 0o600
+        lines = [r.getMessage() for r in caplog.records if "tightened" in r.getMessage()]
+        assert len(lines) == 1 and "755" in lines[0], lines
+        out = torch.zeros(4096, dtype=torch.uint8)  # the KV it held is still there
+        assert tier.read(0, 1, make_header(NS, b"\x07" * 16, 0, 0, 16, 4096), out) and int(out.sum()) == 4096
+    finally:
+        tier.close()
+
+
+def test_a_readable_slab_in_a_private_directory_is_tightened(tmp_path: Path) -> None:
+    nsdir = _old_version_dir(tmp_path)
+    os.chmod(nsdir, 0o700)  # someone ran `chmod 700` on the directory only
+    DiskTier(tmp_path, LAYOUT, NS).close()
+    assert mode(nsdir / slab_name(0, 4096)) == 0o600
+
+
+@pytest.mark.parametrize("reader", [False, True])
+def test_a_readable_directory_that_is_not_kvtiers_is_refused(tmp_path: Path, reader: bool) -> None:
+    """Nothing of kvtier's in it (no `.lock`, no slab): not ours to chmod, and never written into."""
+    nsdir = tmp_path / NS
+    nsdir.mkdir()
+    os.chmod(nsdir, 0o755)
+    (nsdir / "notes.txt").write_text("mine")
+    with pytest.raises(TierError, match=r"readable by group or others \(mode 755\).*run `chmod 700") as err:
+        DiskTier(tmp_path, LAYOUT, NS, reader=reader)
+    assert "\n" not in str(err.value)
+    assert mode(nsdir) == 0o755 and sorted(p.name for p in nsdir.iterdir()) == ["notes.txt"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another user needs root")
+def test_a_readable_slab_of_another_user_is_refused_not_tightened(tmp_path: Path) -> None:
+    nsdir = _old_version_dir(tmp_path)
+    os.chmod(nsdir, 0o700)
+    os.chown(nsdir / slab_name(0, 4096), 65534, 65534)
+    with pytest.raises(TierError, match="not a private regular file"):
+        DiskTier(tmp_path, LAYOUT, NS)
+    assert mode(nsdir / slab_name(0, 4096)) == 0o644
+
+
+# -- issue 28, item 7: a FIFO named like a slab hung the scheduler's read-only reader ------------
+def _open_with_timeout(fn, timeout_s: float, fifo: Path):  # type: ignore[no-untyped-def]
+    import threading
+
+    result: list[object] = []
+
+    def run() -> None:
+        try:
+            result.append(fn())
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            result.append(exc)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():  # hung in open(): let it go (a writer end unblocks it) and fail
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        t.join(5)
+        pytest.fail(f"opening the disk tier hung for {timeout_s}s on the FIFO {fifo.name}")
+    return result[0]
+
+
+@pytest.mark.parametrize("reader", [False, True])
+def test_a_fifo_named_like_a_slab_is_refused_without_hanging(tmp_path: Path, reader: bool) -> None:
+    nsdir = tmp_path / NS
+    nsdir.mkdir(mode=0o700)
+    (nsdir / ".lock").touch(mode=0o600)
+    fifo = nsdir / slab_name(0, 4096)
+    os.mkfifo(fifo, 0o600)
+    got = _open_with_timeout(lambda: DiskTier(tmp_path, LAYOUT, NS, reader=reader), 5.0, fifo)
+    if isinstance(got, DiskTier):
+        got.close()
+    assert isinstance(got, TierError) and "a FIFO" in str(got), got
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)  # left alone
+
+
+def test_a_fifo_named_lock_is_refused_in_one_line(tmp_path: Path) -> None:
+    nsdir = tmp_path / NS
+    nsdir.mkdir(mode=0o700)
+    os.mkfifo(nsdir / ".lock", 0o600)
+    got = _open_with_timeout(lambda: DiskTier(tmp_path, LAYOUT, NS), 5.0, nsdir / ".lock")
+    assert isinstance(got, TierError) and "a FIFO" in str(got) and "\n" not in str(got), repr(got)
+
+
 # -- issue 28, item 13: 500 corrupt drops were 500 log lines --------------------------------------
 MANY = TierLayout(slot_bytes=(1024,), num_slots=(500,))
 

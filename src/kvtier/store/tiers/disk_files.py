@@ -13,9 +13,16 @@ another tier in this process) has it. The kernel drops the lock when its process
 SIGKILL. A directory that cannot be written (read-only file system) opens read-only.
 
 Private by default: namespace directories are created 0700 and files 0600; every open is
-`O_NOFOLLOW | O_CLOEXEC`, relative to the directory's fd; an existing namespace directory that is
-not a real directory, not this user's, or writable by group or others is refused with one line;
-a slab that is not a private regular file with one link is refused.
+`O_NOFOLLOW | O_CLOEXEC`, relative to the directory's fd, and `O_NONBLOCK` wherever the file may
+already exist (a FIFO named like a slab never blocks an open; it is refused after `lstat`/`fstat`
+says it is not a regular file); an existing namespace directory that is not a real directory, not
+this user's, or writable by group or others is refused with one line; a slab that is not a
+private regular file with one link is refused. A directory of this user that is only readable
+by others (kvtier before the private-by-default change left 0755 directories and 0644 slabs, so
+another user could read the KV, and prompts can be reconstructed from KV) is made private on
+open when it is kvtier's (it holds `.lock` or slab files): 0700, and its slabs 0600, with one
+warning line; one that holds nothing of kvtier's is refused with the `chmod` to run (kvtier never
+changes the mode of a directory that is not its own, and never writes into a readable one).
 
 Split out of `disk.py` (which keeps the read and write paths) because managing files is its own
 job; `disk_scan.py` is the third (directory scans for the tools).
@@ -72,6 +79,17 @@ def slab_name(group: int, slot_bytes: int) -> str:
 
 
 OPEN_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC  # every open: never through a symlink, never inherited
+# slab files of the layout before payloads were page-aligned: never read, but they hold KV too
+OLD_SLAB_RE = re.compile(r"^g(\d+)-(\d+)\.slab$")
+
+
+def kind_of(mode: int) -> str:
+    """What a directory entry that should be a regular file is, for a one-line message."""
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISLNK, "a symlink"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device")):
+        if test(mode):
+            return name
+    return "not a regular file"
 
 
 def _refuse_unsafe(path: Path, st: os.stat_result) -> None:
@@ -89,28 +107,84 @@ def _refuse_unsafe(path: Path, st: os.stat_result) -> None:
             f"{stat.S_IMODE(st.st_mode):o}); run `chmod 700 {str(path)!r}` or choose another directory")
 
 
-def open_reader_dir(path: Path) -> int:
-    """Open an existing namespace directory to read beside its writer (another process): no
-    lock, nothing created; checked as `open_namespace_dir` checks it. Raises TierError."""
+def _make_private(dfd: int, path: Path, st: os.stat_result) -> None:
+    """Tighten a namespace directory that `_refuse_unsafe` accepted (a real directory of this user
+    that nobody else may write) to 0700 and its slab files to 0600, where kvtier before the
+    private-by-default change left them readable by everyone (0755 / 0644). Only kvtier's own: the
+    directory must hold `.lock` or slab files, else it is refused with the `chmod` to run
+    (rejected: tightening any directory of ours, which could be one the user shares on purpose);
+    only regular slab files of this user with one link are changed, through an fd opened without
+    following a link. One warning line when anything was changed. Raises TierError."""
+    names = os.listdir(dfd)
+    kvtiers = [n for n in names if n == ".lock" or SLAB_RE.match(n) or OLD_SLAB_RE.match(n)]
+    loose = []
+    for name in kvtiers:
+        if name == ".lock":  # holds a pid only
+            continue
+        try:
+            est = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        except OSError:
+            continue
+        if (stat.S_ISREG(est.st_mode) and est.st_uid == os.geteuid() and est.st_nlink == 1
+                and est.st_mode & 0o077):
+            loose.append((name, est))
+    dir_mode = stat.S_IMODE(st.st_mode)
+    if not dir_mode & 0o077 and not loose:
+        return
+    if dir_mode & 0o077 and not kvtiers:
+        raise TierError(
+            f"disk tier directory {str(path)!r} is readable by group or others (mode {dir_mode:o}) and "
+            f"holds nothing of kvtier's; run `chmod 700 {str(path)!r}` or choose another directory")
     try:
-        dfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | OPEN_FLAGS)
+        if dir_mode & 0o077:
+            os.fchmod(dfd, 0o700)
+        for name, est in loose:
+            fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | OPEN_FLAGS, dir_fd=dfd)
+            try:
+                now = os.fstat(fd)
+                if (now.st_dev, now.st_ino) == (est.st_dev, est.st_ino) and stat.S_ISREG(now.st_mode):
+                    os.fchmod(fd, 0o600)
+            finally:
+                os.close(fd)
+    except OSError as exc:
+        raise TierError(
+            f"disk tier directory {str(path)!r} (mode {dir_mode:o}) and its slabs are readable by other "
+            f"users and cannot be made private ({exc.strerror}); run `chmod -R go= {str(path)!r}`") from None
+    log.warning("tier disk: tightened %s to mode 700 (was %o) and %d slab file(s) to 600: an earlier "
+                "kvtier left them readable by other users, who could read the KV", path, dir_mode, len(loose))
+
+
+def _checked_dir(path: Path) -> int:
+    """The namespace directory's fd, opened without following a link, refused when unsafe and
+    made private when it is kvtier's (`_refuse_unsafe`, `_make_private`). Raises TierError."""
+    try:
+        dfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NONBLOCK | OPEN_FLAGS)
     except OSError as exc:
         raise TierError(f"disk tier cannot open directory {str(path)!r} ({exc.strerror}); "
                         "it must be a real directory, not a symlink") from None
     try:
-        _refuse_unsafe(path, os.fstat(dfd))
-    except TierError:
+        st = os.fstat(dfd)
+        _refuse_unsafe(path, st)
+        _make_private(dfd, path, st)
+    except BaseException:
         os.close(dfd)
         raise
     return dfd
+
+
+def open_reader_dir(path: Path) -> int:
+    """Open an existing namespace directory to read beside its writer (another process): no
+    lock, nothing created; checked (and made private) as `open_namespace_dir` does it. Raises
+    TierError."""
+    return _checked_dir(path)
 
 
 def open_namespace_dir(path: Path) -> tuple[int, str | None]:
     """Open (create 0700 if missing) a namespace directory and take its writer lock.
 
     Returns (directory fd, None) when locked, or (directory fd, why it is read-only) when it could
-    not be written (then unlocked). The directory is opened without following a symlink and
-    checked (`_refuse_unsafe`); every file in it is opened relative to its fd, so a directory
+    not be written (then unlocked). The directory is opened without following a symlink, checked
+    and made private (`_checked_dir`); every file in it is opened relative to its fd, so a directory
     renamed or replaced after the check is never written through. The writer
     lock is an `flock` on the directory itself, which no cleaner can delete out from under a
     writer (a `.lock` file could be); `.lock` only tells the next writer who holds it.
@@ -126,23 +200,20 @@ def open_namespace_dir(path: Path) -> tuple[int, str | None]:
             raise TierError(f"disk tier cannot use {str(path)!r}: {exc.strerror}") from None
         if not path.is_dir():
             raise TierError(f"disk tier directory {str(path)!r} does not exist and cannot be created: {exc.strerror}") from None
+    dfd = _checked_dir(path)
     try:
-        dfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | OPEN_FLAGS)
-    except OSError as exc:
-        raise TierError(f"disk tier cannot open directory {str(path)!r} ({exc.strerror}); "
-                        "it must be a real directory, not a symlink") from None
-    try:
-        _refuse_unsafe(path, os.fstat(dfd))
-    except TierError:
-        os.close(dfd)
-        raise
-    try:
-        lock_fd = os.open(".lock", os.O_RDWR | os.O_CREAT | OPEN_FLAGS, 0o600, dir_fd=dfd)
+        lock_fd = os.open(".lock", os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | OPEN_FLAGS, 0o600, dir_fd=dfd)
     except OSError as exc:
         if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
             os.close(dfd)
             raise TierError(f"disk tier cannot use {str(path / '.lock')!r}: {exc.strerror}") from None
         return dfd, f"{path} is read-only ({exc.strerror}); saves will fail"
+    lock_mode = os.fstat(lock_fd).st_mode
+    if not stat.S_ISREG(lock_mode):
+        os.close(lock_fd)
+        os.close(dfd)
+        raise TierError(f"disk tier lock file {str(path / '.lock')!r} is {kind_of(lock_mode)}, not a regular "
+                        "file; remove it and restart")
     try:
         try:
             fcntl.flock(dfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -164,7 +235,7 @@ def open_namespace_dir(path: Path) -> tuple[int, str | None]:
 def lock_for_tools(path: Path) -> int | None:
     """Take a namespace directory's writer lock for `kvtier check --fix`: the directory fd, or
     None when another process holds it (never blocks)."""
-    dfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | OPEN_FLAGS)
+    dfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NONBLOCK | OPEN_FLAGS)
     try:
         fcntl.flock(dfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -176,7 +247,7 @@ def lock_for_tools(path: Path) -> int | None:
 def lock_holder(path: Path) -> str | None:
     """The pid holding a namespace directory's writer lock ("?" when unknown), or None."""
     try:
-        dfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | OPEN_FLAGS)
+        dfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NONBLOCK | OPEN_FLAGS)
     except OSError:
         return None
     try:
@@ -189,6 +260,8 @@ def lock_holder(path: Path) -> str | None:
                 return "?"
             try:
                 return os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            except OSError:  # not a regular file (a FIFO cannot pread)
+                return "?"
             finally:
                 os.close(fd)
         fcntl.flock(dfd, fcntl.LOCK_UN)
@@ -200,13 +273,26 @@ def lock_holder(path: Path) -> str | None:
 def open_slab(dfd: int, name: str, flags: int) -> int:
     """Open one slab file inside the namespace directory `dfd`: created 0600, never through a
     symlink, and refused unless it is a regular file of this user with one link (a hard link to
-    another file would write into that file)."""
-    fd = os.open(name, flags | OPEN_FLAGS, 0o600, dir_fd=dfd)
+    another file would write into that file) that nobody else may read. `lstat` first and
+    `O_NONBLOCK`: a FIFO named like a slab is refused, never opened in a way that blocks (a
+    read-only open of one waited for a writer forever: the vLLM scheduler's start-up hung)."""
+    try:
+        st: os.stat_result | None = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+    except FileNotFoundError:
+        st = None  # created below, or FileNotFoundError from the open where it may not be
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        raise TierError(f"disk tier slab {name!r} is {kind_of(st.st_mode)}, not a private regular file; "
+                        "remove it and restart")
+    fd = os.open(name, flags | os.O_NONBLOCK | OPEN_FLAGS, 0o600, dir_fd=dfd)
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_nlink != 1:
         os.close(fd)
-        raise TierError(f"disk tier slab {name!r} is not a private regular file (a link, or another "
-                        "user's file); remove it and restart")
+        what = kind_of(st.st_mode) if not stat.S_ISREG(st.st_mode) else "a link, or another user's file"
+        raise TierError(f"disk tier slab {name!r} is not a private regular file ({what}); remove it and restart")
+    if st.st_mode & 0o077:  # `_make_private` tightened every slab it could: never write a readable one
+        os.close(fd)
+        raise TierError(f"disk tier slab {name!r} is readable by group or others (mode "
+                        f"{stat.S_IMODE(st.st_mode):o}); run `chmod 600` on it or remove it")
     return fd
 
 
