@@ -91,10 +91,11 @@ SCENARIOS = [
                "kvtier.redis_url": "@redis"}},
     # kvtier's counters through vLLM's own stats path (each step's worker and scheduler connector
     # stats, the payload as EngineCore encodes it, vLLM's PrometheusStatLogger and log line); a
-    # 96 KiB cpu tier (three chunks a group) before disk, so B loads from both tiers and a third
-    # prompt's store evicts from cpu
+    # 512 KiB cpu tier (16 chunks a group) before disk: A's 12 chunks of the full group fit, then
+    # another prompt C's store evicts A's first 8 from cpu (a tier takes a store call whole or not
+    # at all), so B loads from both tiers
     {"name": "stats", "stats": True,
-     "extra": {"kvtier.host_region": "off", "kvtier.tiers": "cpu,disk", "kvtier.cpu_bytes": "96KiB", "kvtier.disk_bytes": "16MiB"}},
+     "extra": {"kvtier.host_region": "off", "kvtier.tiers": "cpu,disk", "kvtier.cpu_bytes": "512KiB", "kvtier.disk_bytes": "16MiB"}},
     # promotion: a cpu tier that holds one 200-token prompt (12 chunks a group) before disk;
     # A stored, C evicts it from cpu, B loads A from disk, B2 from cpu
     {"name": "promote", "promote": True,
@@ -537,12 +538,12 @@ def test_kvtier_counters_reach_vllms_prometheus_metrics(results: dict, name: str
     for g in range(4):  # the group label: the file's per-group count of loaded chunks
         assert sum(_samples(r, "vllm:kvtier_loaded_chunks_total", group=str(g))) == counters[f"loaded_chunks_group{g}"]
         assert _samples(r, "vllm:kvtier_lookup_hit_keys_total", group=str(g)) == [counters[f"loaded_chunks_group{g}"]]
-    # B loads from both tiers (the cpu tier holds three chunks a group), C's store evicts from cpu
+    # C's store evicted A's first 8 full-group chunks from cpu: B loads them from disk, the rest from cpu
     for tier in ("cpu", "disk"):
         assert sum(_samples(r, "vllm:kvtier_loaded_chunks_total", tier=tier)) > 0, tier
         assert sum(_samples(r, "vllm:kvtier_loaded_bytes_total", tier=tier)) > 0, tier
         assert sum(_samples(r, "vllm:kvtier_stored_bytes_total", tier=tier)) > 0, tier
-    assert _samples(r, "vllm:kvtier_loaded_chunks_total", tier="disk", group="3") == [9.0]
+    assert _samples(r, "vllm:kvtier_loaded_chunks_total", tier="disk", group="3") == [8.0]
     assert sum(_samples(r, "vllm:kvtier_evicted_total", tier="cpu")) > 0
     # vLLM's own transfer metric still comes through, and counts what kvtier read
     loaded = sum(_samples(r, "vllm:kvtier_loaded_bytes_total"))
@@ -551,7 +552,7 @@ def test_kvtier_counters_reach_vllms_prometheus_metrics(results: dict, name: str
     for source in ("host", "disk"):
         assert sum(_samples(r, "vllm:prompt_tokens_cached_by_source_total", source=source)) > 0, source
     # vLLM's periodic log line names kvtier's series by their labels
-    assert any("vllm:kvtier_loaded_chunks{tier=disk,group=3}=9" in line for line in r["log"]), r["log"]
+    assert any("vllm:kvtier_loaded_chunks{tier=disk,group=3}=8" in line for line in r["log"]), r["log"]
     if results["vllm_version"].startswith("0.33"):  # the manager's config_info, still published
         info = r["samples"].get("vllm:kv_offload_config_info")
         assert info and info[0][0]["kvtier_tiers"] == "cpu,disk" and info[0][1] == 1.0, info

@@ -295,6 +295,27 @@ class Index:
             self._maybe_revive(chunk_hash)
         return Reservation(slot, "reserved", evicted)
 
+    def has_record(self, chunk_hash: ChunkHash, group: int, tier: str) -> bool:
+        """Whether `tier` has any record of the chunk: committed, reserved (a write in flight) or
+        removed but still pinned by a load. `reserve` gives such a chunk no slot."""
+        return chunk_hash in self._pool(group, tier).recs
+
+    def can_take(self, group: int, tier: str, count: int) -> bool:
+        """Whether `count` reservations in (tier, group) would all get a slot now: free slots
+        plus unpinned committed entries (the only ones `reserve` may evict). Pin what must not be
+        evicted first. Stops counting once enough are found: a full pool with few pins answers
+        after a few entries, not a scan of every slot."""
+        pool = self._pool(group, tier)
+        need = count - (pool.num_slots - pool.used)
+        if need <= 0:
+            return True
+        for rec in pool.recs.values():
+            if rec.pins == 0 and rec.state == _COMMITTED:
+                need -= 1
+                if need <= 0:
+                    return True
+        return False
+
     def _free_slot(self, pool: _Pool) -> tuple[int | None, tuple[Entry, ...]]:
         slot = pool.alloc()
         if slot is not None:

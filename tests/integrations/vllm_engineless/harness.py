@@ -765,9 +765,10 @@ def run_stats(sc: dict) -> dict:
     worker = h.wconn.connector_worker.worker
     worker.drain()  # A's disk writes landed (counted on the I/O thread)
     assert _fresh_gpu_cache(h)
-    c = _load_and_check(h, "b", prompt + [1, 2, 3])
-    _store_c(h, len(prompt))  # another prompt's chunks evict A's from the small cpu tier
+    _store_c(h, len(prompt))  # another prompt's chunks evict A's first ones from the small cpu tier
     worker.drain()  # C's disk writes landed
+    assert _fresh_gpu_cache(h)
+    c = _load_and_check(h, "b", prompt + [1, 2, 3])
     h.drain()  # the steps after them report what was counted since the last one
     enc, dec = MsgpackEncoder(), MsgpackDecoder(EngineCoreOutputs)
     prom = PrometheusStatLogger(h.vconf, [0])

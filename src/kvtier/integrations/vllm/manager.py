@@ -293,6 +293,9 @@ class KvtierManager(OffloadingManager):
             self.metrics.add("lookup_pending_keys", group=group)
             return LookupResult.HIT_PENDING  # being promoted: vLLM asks again next step
         if not self.index.contains(*split):
+            if key in self._pending:  # its store is in flight: vLLM waits for it, never recomputes
+                self.metrics.add("lookup_pending_keys", group=group)
+                return LookupResult.HIT_PENDING
             if self._redis is None:
                 return LookupResult.MISS
             answer = self._redis_answer(split)
@@ -614,34 +617,85 @@ class KvtierManager(OffloadingManager):
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
-        items: list[ChunkItem] = []
-        to_store: list[OffloadKey] = []
-        stored: dict[int, int] = {}  # chunks reserved, by group
-        evicted, self._evicted_later = self._evicted_later, []
+        """vLLM's contract, kept to the letter (its own CPU manager does the same):
+        - every given key is protected from eviction for the whole call: a chunk already held is
+          never the victim that makes room for the others (pinned in each tier that holds it, and
+          unpinned before returning; a key being stored stays reserved until complete_store);
+        - all or nothing per tier: a tier that cannot take every new key of the call (per group:
+          free slots + unpinned entries not given) takes none of them and evicts nothing. Storing a
+          part would evict chunks a lookup just answered HIT for and keep a prefix with holes;
+        - None when some key is new and no tier can take the call's new keys: vLLM counts an
+          allocation failure and offers the keys again at a later step (when pins are released),
+          instead of marking them stored. Evictions reported later are kept for the next call.
+        Write-through: a key is reserved in every tier that takes the call's keys."""
         if self.ctx.off_reason:  # never a store no hit can read
+            evicted, self._evicted_later = self._evicted_later, []
             self.metrics.add("store_keys_offload_off", len(keys))
             return PrepareStoreOutput(keys_to_store=[], store_spec=KvtierLoadStoreSpec([]),
                                       evicted_keys=evicted)
+        todo: list[tuple[OffloadKey, tuple[bytes, int]]] = []
+        seen: set[tuple[bytes, int]] = set()
         for key in keys:
             split = self._key(key)
-            if split is None or key in self._pending:
+            if split is None or key in self._pending or split in seen:
+                continue
+            seen.add(split)
+            todo.append((key, split))
+        # protect every given chunk a tier holds (committed entries; reserved ones are pinned)
+        protected = [(h, g, tier) for h, g in seen for tier, _ in self.index.where(h, g)
+                     if self.index.pin(h, g, tier)]
+        try:
+            return self._store_all_or_nothing(todo, req_context)
+        finally:
+            for h, g, tier in protected:
+                self.index.unpin(h, g, tier)
+
+    def _store_all_or_nothing(self, todo: list[tuple[OffloadKey, tuple[bytes, int]]],
+                              req_context: ReqContext) -> PrepareStoreOutput | None:
+        tiers = self.ctx.config.tiers
+        # per tier: the keys it lacks, counted per group, and whether it can take them all
+        new: dict[str, list[tuple[OffloadKey, tuple[bytes, int]]]] = {t: [] for t in tiers}
+        for key, split in todo:
+            for tier in tiers:
+                if not self.index.has_record(*split, tier):
+                    new[tier].append((key, split))
+        taking: list[str] = []
+        for tier in tiers:
+            if not new[tier]:
+                continue
+            per_group: dict[int, int] = {}
+            for _, (_, g) in new[tier]:
+                per_group[g] = per_group.get(g, 0) + 1
+            if all(self.index.can_take(g, tier, n) for g, n in per_group.items()):
+                taking.append(tier)
+            else:
+                for g, n in per_group.items():
+                    self.metrics.add(f"store_skipped_full_{tier}", n, group=g)
+        if any(new.values()) and not taking:
+            self.metrics.add("store_calls_refused")
+            return None  # vLLM offers these keys again later; _evicted_later kept for then
+        evicted, self._evicted_later = self._evicted_later, []
+        places_of: dict[OffloadKey, list[tuple[str, int]]] = {}
+        for tier in taking:
+            for key, (h, g) in new[tier]:
+                r = self.index.reserve(h, g, tier)
+                self._evictions(r.evicted, tier, evicted)
+                assert r.slot is not None, f"can_take promised {tier} room for every key ({r.status})"
+                places_of.setdefault(key, []).append((tier, r.slot))
+        items: list[ChunkItem] = []
+        to_store: list[OffloadKey] = []
+        stored: dict[int, int] = {}  # chunks reserved, by group
+        for key, split in todo:
+            places = places_of.get(key)
+            if not places:
                 continue
             h, g = split
-            places: list[tuple[str, int]] = []
-            for tier in self.ctx.config.tiers:
-                r = self.index.reserve(h, g, tier)
-                if r.slot is not None:
-                    places.append((tier, r.slot))
-                elif r.status in ("full", "busy"):
-                    self.metrics.add(f"store_skipped_full_{tier}", group=g)
-                self._evictions(r.evicted, tier, evicted)
-            if places:
-                self._okey[split] = key
-                start, end = self._span(key, g, req_context)
-                items.append(ChunkItem(g, h, start, end, tuple(places)))
-                to_store.append(key)
-                self._pending[key] = places
-                stored[g] = stored.get(g, 0) + 1
+            self._okey[split] = key
+            start, end = self._span(key, g, req_context)
+            items.append(ChunkItem(g, h, start, end, tuple(places)))
+            to_store.append(key)
+            self._pending[key] = places
+            stored[g] = stored.get(g, 0) + 1
         if evicted and to_store:  # evicted earlier and stored again now: not an eviction
             storing = set(to_store)
             evicted = [k for k in evicted if k not in storing]

@@ -121,6 +121,7 @@ class KvtierWorker(OffloadingWorker):
                     f"kvtier planned {want} ({ctx.plan.geometry.source}); kvtier refuses a layout it did not plan"
                 )
             self.refs.append(out)
+        self._block_bytes = [sum(r.page_bytes for r in refs) for refs in self.refs]  # every layer's page
         index = ctx.new_index()
         from .config import redis_password, tier_secret
 
@@ -231,7 +232,7 @@ class KvtierWorker(OffloadingWorker):
         """On the engine thread: check the chunks the cpu tier holds (their slots are read in
         place, right now, so no store can take a slot in between) and copy them and the chunks
         read from disk or Redis into their blocks. Nothing is copied unless every chunk is there."""
-        ok, staged, nbytes = read
+        ok, staged, _ = read
         # (g, index of the chunk in its group, blocks, row, tier, cpu slot or None)
         sources: list[tuple[int, int, list[tuple[int, int]], torch.Tensor, str, int | None]] = []
         held: list[torch.Tensor] = []  # staging buffers the copies read (given back after them)
@@ -246,7 +247,6 @@ class KvtierWorker(OffloadingWorker):
                     ok = False
                     break
                 sources.append((g, i, blocks, cpu.slabs[g][slot], "cpu", slot))
-                nbytes += self.ctx.plan.groups[g].chunk_bytes
             if not ok:
                 break
         if not ok:
@@ -270,6 +270,7 @@ class KvtierWorker(OffloadingWorker):
             self._stream.wait_compute()
         for g, _, blocks, row, _, _ in copied:
             self._copy_in(g, blocks, row)
+        nbytes = sum(self._moved_bytes(g, blocks) for g, _, blocks, _, _, _ in sources)
         for g, _, blocks, _, tier, _ in sources:  # counted here, once the whole job restores
             self.metrics.add("loaded_blocks", len(blocks), group=g)
             self.metrics.add(f"loaded_chunks_{tier}", group=g)
@@ -285,6 +286,13 @@ class KvtierWorker(OffloadingWorker):
             return
         # the slot rows stay valid: the manager keeps them pinned until this load ends
         self._in_flight.append(_Job(job_id, event, tids, held, nbytes, t0, "load"))
+
+    def _moved_bytes(self, g: int, blocks: list[tuple[int, int]]) -> int:
+        """The bytes a transfer moves for these blocks of group g: what vLLM's transfer_size
+        counts (its offload byte and throughput metrics), every layer's page of each block. Not
+        the chunk's bytes: a group's first chunk may be moved in part (a load starting mid-chunk,
+        a sliding group's store from a block mid-chunk)."""
+        return len(blocks) * self._block_bytes[g]
 
     def _by_copier(self, g: int, slot: int | None) -> bool:
         """Whether a chunk of group g in cpu slot `slot` (None: no slot) moves through vLLM's
@@ -500,6 +508,7 @@ class KvtierWorker(OffloadingWorker):
             nbytes = self.ctx.plan.groups[g].chunk_bytes
             for i, (item, blocks) in enumerate(placed):
                 header = self._header(item, blocks)
+                total += self._moved_bytes(g, blocks)
                 slow = [(t, slot) for t, slot in item.places if t != "cpu"]
                 cpu_slot = next((slot for t, slot in item.places if t == "cpu"), None)
                 if cpu is not None and cpu_slot is not None:
@@ -514,7 +523,6 @@ class KvtierWorker(OffloadingWorker):
                     cpu.commit(g, cpu_slot, header)
                     self.metrics.add("stored_chunks_cpu", group=g)
                     self.metrics.add("stored_bytes_cpu", nbytes, group=g)
-                    total += nbytes
                     if slow:
                         gen = cpu.generation(g, cpu_slot)
                         later.append((g, slow, nbytes, ("cpu", cpu_slot, gen, header, blocks)))
