@@ -153,3 +153,54 @@ def test_either_mac_kind_verifies_and_an_unknown_kind_is_rejected() -> None:
     import zlib
     raw[124:128] = zlib.crc32(bytes(raw[:124])).to_bytes(4, "little")
     assert isinstance(decode_header(bytes(raw)), Rejected)
+
+
+def test_a_secret_file_is_opened_once_and_checked_on_its_descriptor(tmp_path: Path) -> None:
+    """The secret file (a tenant secret, a Redis password) is opened once with O_NOFOLLOW and
+    checked on that descriptor: a regular file, this user's, mode 0600 or 0400, at most 64 KiB.
+    Before: stat, then open (a gap), the mode checked after reading, a symlink followed, another
+    user's file accepted, /dev/zero read until memory ran out."""
+    import time
+
+    from kvtier.errors import ConfigError
+    from kvtier.store.integrity import SECRET_FILE_MAX_BYTES, read_private_file
+
+    def refused(path: str, match: str) -> str:
+        with pytest.raises(ConfigError, match=match) as err:
+            read_private_file(path, "KVTIER_SECRET_FILE")
+        msg = str(err.value)
+        assert "\n" not in msg and SECRET_A.decode() not in msg and path in msg
+        return msg
+
+    good = tmp_path / "secret"
+    good.write_bytes(SECRET_A + b"\n")
+    os.chmod(good, 0o600)
+    assert read_private_file(str(good), "KVTIER_SECRET_FILE") == SECRET_A
+    os.chmod(good, 0o400)  # read-only for the owner: accepted
+    assert read_private_file(str(good), "KVTIER_SECRET_FILE") == SECRET_A
+    os.chmod(good, 0o600)
+    link = tmp_path / "link"
+    link.symlink_to(good)  # a link to a good 0600 file: refused, it could point anywhere
+    refused(str(link), r"symbolic link")
+    other = tmp_path / "other"
+    other.write_bytes(SECRET_B)
+    os.chmod(other, 0o600)
+    os.chown(other, 12345, -1)  # another user's 0600 file (we are root here)
+    refused(str(other), r"owned by uid 12345.*chown")
+    t0 = time.monotonic()
+    refused("/dev/zero", r"not a regular file")  # a character device: refused, never read
+    assert time.monotonic() - t0 < 1.0
+    big = tmp_path / "big"
+    big.write_bytes(b"k" * (SECRET_FILE_MAX_BYTES + 1))
+    os.chmod(big, 0o600)
+    refused(str(big), r"at most 65536 bytes")
+    os.chmod(good, 0o644)
+    refused(str(good), r"readable by others \(mode 644\); run `chmod 600 ")
+    os.chmod(good, 0o640)
+    refused(str(good), r"`chmod 600 ")
+    refused(str(tmp_path / "absent"), r"cannot be read")
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo, 0o600)  # opening a FIFO for reading would block until a writer came
+    t0 = time.monotonic()
+    refused(str(fifo), r"not a regular file")
+    assert time.monotonic() - t0 < 1.0

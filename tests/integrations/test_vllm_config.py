@@ -276,3 +276,23 @@ def test_every_group_vllm_offloads_is_cacheable_in_its_plan() -> None:
     assert [gp.cacheable for gp in plan.groups] == [True, True, True]
     assert spans == (64, 64, 64)
     assert [gp.chunk_bytes for gp in plan.groups] == [64 * 512, 64 * 256, 4 * 3 * 4096]
+
+
+def test_the_redis_password_file_is_checked_on_its_descriptor(tmp_path: Path) -> None:
+    """The password file gets the secret file's checks (store/integrity.read_private_file): a
+    symlink to a good 0600 file, another user's file and a character device are refused at start."""
+    base = {"kvtier.tiers": "redis", "kvtier.redis_bytes": "1GiB", "kvtier.redis_url": "redis://10.0.0.5:6379/0"}
+    pw = tmp_path / "redis.pw"
+    pw.write_text("s3cret\n")
+    os.chmod(pw, 0o600)
+    link = tmp_path / "link.pw"
+    link.symlink_to(pw)
+    theirs = tmp_path / "theirs.pw"
+    theirs.write_text("s3cret\n")
+    os.chmod(theirs, 0o600)
+    os.chown(theirs, 12345, -1)  # we are root here
+    for path, match in ((link, "symbolic link"), (theirs, "owned by uid 12345"), ("/dev/zero", "not a regular file")):
+        with pytest.raises(ConfigError, match=match) as err:
+            parse_config({**base, "kvtier.redis_password_file": str(path)})
+        assert "kvtier.redis_password_file" in str(err.value) and "s3cret" not in str(err.value)
+    assert parse_config({**base, "kvtier.redis_password_file": str(pw)}).redis_password_file == str(pw)

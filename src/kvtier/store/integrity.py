@@ -20,6 +20,7 @@ from kvtier.store.payload import (HEADER_BODY_BYTES, MAC_BLAKE2B, MAC_BLAKE3, MA
 
 
 SECRET_MIN_BYTES = 16
+SECRET_FILE_MAX_BYTES = 64 << 10  # a secret or a password file is tiny; more is a mistake (or /dev/zero)
 _MAC_PERSON = b"kvtier-mac-v1"
 try:  # optional: keyed BLAKE3 is ~10x keyed BLAKE2b on this machine's cores
     import blake3 as _blake3
@@ -95,22 +96,70 @@ def integrity(keyed: Keyed | None, header: ChunkHeader, data: object) -> str | N
     return keyed.check(header, data)
 
 
-def read_private_file(path: str, what: str) -> bytes:
+def read_private_file(path: str, what: str, max_bytes: int = SECRET_FILE_MAX_BYTES) -> bytes:
     """The bytes of a secret's file (a tenant secret, a Redis password), refused with one line
-    naming `what` when it cannot be read or when group or others may read it."""
+    naming `what` and the fix unless it is a regular file of this user, mode 0600 or 0400, of at
+    most `max_bytes`.
+
+    The file is opened once (O_NOFOLLOW: a symlink is refused, it could name another user's
+    file; O_NONBLOCK: a FIFO cannot hang the open) and every check is made on that descriptor,
+    before a byte is read, so nothing can swap the file between the checks and the read.
+    Rejected: `stat(path)` then `open(path)` (the path can change in between, and a character
+    device such as /dev/zero was read until memory ran out)."""
+    import errno
     import os
     import stat
 
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOCTTY", 0)
     try:
-        st = os.stat(path)
-        with open(path, "rb") as f:
-            data = f.read()
+        fd = os.open(path, flags)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ConfigError(f"{what}={path!r} is a symbolic link; name the file itself "
+                              "(a regular file of this user, mode 0600)") from None
+        raise ConfigError(f"{what}={path!r} cannot be read ({exc.strerror}); create it (mode 0600)") from None
+    try:
+        st = os.fstat(fd)
+        mode = stat.S_IMODE(st.st_mode)
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(f"{what}={path!r} is not a regular file ({_file_kind(st.st_mode)}); "
+                              "put the secret in a file of this user with mode 0600")
+        if st.st_uid != os.geteuid():
+            raise ConfigError(f"{what}={path!r} is owned by uid {st.st_uid}, not by this user "
+                              f"(uid {os.geteuid()}); run `chown {os.geteuid()} {path}` or use a file of your own")
+        if mode & 0o077:
+            raise ConfigError(f"{what}={path!r} is readable by others (mode {mode:o}); run `chmod 600 {path}`")
+        if mode not in (0o600, 0o400):
+            raise ConfigError(f"{what}={path!r} has mode {mode:o}, not 600 or 400; run `chmod 600 {path}`")
+        if st.st_size > max_bytes:
+            raise ConfigError(f"{what}={path!r} is {st.st_size} bytes; a secret file holds at most "
+                              f"{max_bytes} bytes (e.g. `head -c 32 /dev/urandom > {path}`)")
+        chunks: list[bytes] = []
+        got = 0
+        while got <= max_bytes:  # the size can change under us: never read past the limit
+            part = os.read(fd, max_bytes + 1 - got)
+            if not part:
+                break
+            chunks.append(part)
+            got += len(part)
     except OSError as exc:
         raise ConfigError(f"{what}={path!r} cannot be read ({exc.strerror}); create it (mode 0600)") from None
-    if stat.S_IMODE(st.st_mode) & 0o077:
-        raise ConfigError(f"{what}={path!r} is readable by others (mode "
-                          f"{stat.S_IMODE(st.st_mode):o}); run `chmod 600 {path}`")
-    return data.rstrip(b"\r\n")
+    finally:
+        os.close(fd)
+    if got > max_bytes:
+        raise ConfigError(f"{what}={path!r} grew past {max_bytes} bytes while being read; "
+                          "a secret file holds at most that")
+    return b"".join(chunks).rstrip(b"\r\n")
+
+
+def _file_kind(mode: int) -> str:
+    import stat
+
+    for test, name in ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory")):
+        if test(mode):
+            return name
+    return "not a regular file"
 
 
 def keyed_from_file(path: str, what: str) -> Keyed:
