@@ -197,9 +197,9 @@ def _writes(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     times: list[float] = []
     real = common.os.replace
 
-    def replace(a, b):  # type: ignore[no-untyped-def]
+    def replace(a, b, **kw):  # type: ignore[no-untyped-def]  (relative to the directory's fd)
         times.append(time.monotonic())
-        return real(a, b)
+        return real(a, b, **kw)
 
     monkeypatch.setattr(common.os, "replace", replace)
     return times
