@@ -152,3 +152,55 @@ def test_importing_the_tier_loads_neither_torch_nor_redis_py() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["False", "False"]
+
+
+def test_a_password_in_the_url_query_is_used_and_never_shown(caplog: pytest.LogCaptureFixture) -> None:
+    """redis-py takes `?password=` (and `?ssl_password=`) from the URL's query; the tier used it
+    and printed it in its repr, its log lines and its errors (redaction looked at the userinfo
+    only). Every credential-bearing part is redacted now, wherever the URL is shown."""
+    import logging
+
+    import torch
+
+    from kvtier.store.payload import make_header
+
+    assert redact("redis://h:1/0?password=s3cret") == "redis://h:1/0?password=***"
+    assert redact("redis://h:1/0?db=2&ssl_password=s3cret&PassWord=x") == \
+        "redis://h:1/0?db=2&ssl_password=***&PassWord=***"
+    assert redact("redis://h:1/0?pass%77ord=s3cret") == "redis://h:1/0?pass%77ord=***"
+    assert redact("redis://u:pw@h:1/0?password=s3cret#frag") == "redis://u:***@h:1/0?password=***#***"
+    assert redact("app:s3cret@h:6379") == "***@h:6379"  # not a URL: still no password
+    assert redact("redis://[::1/0?password=s3cret") == "redis://***"  # unparseable: nothing shown
+    assert "s3cret" not in repr(RedisOptions(url="redis://h:1/0?password=s3cret"))
+    for url in ("http://h:1/0?password=s3cret", "redis+sentinel://h/svc?password=s3cret"):
+        with pytest.raises(ConfigError) as err:
+            RedisOptions(url=url)
+        assert "s3cret" not in str(err.value), err.value
+    ns = "00112233aabbccdd"
+    h = make_header(ns, b"\x07" * 16, 0, 0, 16, 64)
+    data = torch.arange(64, dtype=torch.uint8)
+    with redis_server(password="s3cret") as srv:
+        good = RedisTier.from_url(f"{srv.url}?password=s3cret", namespace_id=ns)
+        bad = RedisTier.from_url(f"{srv.url}?password=wrong-s3cret", namespace_id=ns,
+                                 socket_timeout_s=5.0)
+        try:
+            assert good.write(0, 0, h, data)  # the query's password is used
+            with caplog.at_level(logging.DEBUG, logger="kvtier"):
+                assert bad.read(0, 0, h, torch.zeros(64, dtype=torch.uint8)) is False
+            assert not bad.up and "AuthenticationError" in (bad.last_error or "")
+            shown = [caplog.text, bad.last_error or "", repr(bad.options), repr(good.options)]
+            assert "unreachable" in caplog.text and "password=***" in caplog.text
+            assert not any("s3cret" in s for s in shown), shown
+        finally:
+            good.close()
+            bad.close()
+
+
+def test_bench_serve_refuses_a_redis_url_with_a_password_without_echoing_it() -> None:
+    from kvtier.commands.bench_serve import redis_address
+
+    assert redis_address("redis://10.0.0.5:6380/2") == ("10.0.0.5", 6380, 2)
+    for url in ("redis://app:s3cret@10.0.0.5:6379/0", "redis://10.0.0.5:6379/0?password=s3cret"):
+        with pytest.raises(ConfigError, match="without a password") as err:
+            redis_address(url)
+        assert "s3cret" not in str(err.value), err.value

@@ -296,3 +296,26 @@ def test_the_redis_password_file_is_checked_on_its_descriptor(tmp_path: Path) ->
             parse_config({**base, "kvtier.redis_password_file": str(path)})
         assert "kvtier.redis_password_file" in str(err.value) and "s3cret" not in str(err.value)
     assert parse_config({**base, "kvtier.redis_password_file": str(pw)}).redis_password_file == str(pw)
+
+
+@pytest.mark.parametrize("url", [
+    "redis://10.0.0.5:6379/0?password=s3cret",
+    "redis://10.0.0.5:6379/0?db=0&ssl_password=s3cret",
+    "redis://10.0.0.5:6379/0?pass%77ord=s3cret",  # redis-py decodes the name: still a password
+    "redis+sentinel://10.0.0.7:26379/svc?password=s3cret",
+])
+def test_a_redis_url_with_a_password_in_its_query_is_refused_without_echoing_it(url: str) -> None:
+    """redis-py reads `?password=` as the password (over the userinfo's): it was accepted, used,
+    and logged by vLLM with its kv_transfer_config."""
+    with pytest.raises(ConfigError) as err:
+        parse_config({"kvtier.tiers": "redis", "kvtier.redis_bytes": "1GiB", "kvtier.redis_url": url})
+    msg = str(err.value)
+    assert "s3cret" not in msg and "\n" not in msg, msg
+    assert "kvtier.redis_password_file" in msg and "KVTIER_REDIS_PASSWORD" in msg
+
+
+def test_a_redis_url_that_is_no_url_is_not_echoed_with_its_credentials() -> None:
+    with pytest.raises(ConfigError, match="must be a URL") as err:
+        parse_config({"kvtier.tiers": "redis", "kvtier.redis_bytes": "1GiB",
+                      "kvtier.redis_url": "app:s3cret@10.0.0.5:6379"})
+    assert "s3cret" not in str(err.value)

@@ -191,8 +191,11 @@ def redis_address(url: str) -> tuple[str, int, int]:
         db = int(u.path.strip("/") or 0)
     except ValueError:
         port, db = -1, -1
-    if u.scheme != "redis" or not u.hostname or u.password or u.username or port < 0 or db < 0:
-        raise ConfigError(f"--redis-url {url!r} must be redis://host:port/db without a password "
+    from kvtier.store.tiers.redis_conn import redact, url_credentials
+
+    if (u.scheme != "redis" or not u.hostname or u.password or u.username or url_credentials(url)
+            or port < 0 or db < 0):
+        raise ConfigError(f"--redis-url {redact(url)!r} must be redis://host:port/db without a password "
                           "(the delaying proxy forwards plain TCP)")
     return u.hostname, port, db
 

@@ -17,7 +17,7 @@ vLLM's and are left to it.
 | `kvtier.share` | how a tier's bytes are shared by groups (`proportional`, `equal`) | `"proportional"` |
 | `kvtier.chunk_tokens` | tokens per chunk (a multiple of vLLM's block size) | vLLM's blocks_per_chunk |
 | `kvtier.redis_bytes` | bytes of this namespace the index tracks in Redis (Redis's maxmemory is the real bound) | required with redis |
-| `kvtier.redis_url` | `redis://host:port/db`, `rediss://`, `redis+cluster://`, `redis+sentinel://`; never with a password in it (vLLM logs this config) | required with redis |
+| `kvtier.redis_url` | `redis://host:port/db`, `rediss://`, `redis+cluster://`, `redis+sentinel://`; never with a password in it, in the userinfo or the query (`?password=`): vLLM logs this config | required with redis |
 | `kvtier.secret_file` | a file (mode 0600, at least 16 bytes) holding the tenant secret that MACs every disk and Redis payload; or set `KVTIER_SECRET_FILE` / `KVTIER_SECRET` in the engine's environment | none |
 | `kvtier.redis_password_file` | a file (mode 0600) holding the Redis password; or set `KVTIER_REDIS_PASSWORD` in the engine's environment | none |
 | `kvtier.io_queue_bytes` | disk and Redis writes that may wait for the worker's background I/O thread; a store past it skips those tiers (counted `store_dropped_<tier>`), never waits | `"256MiB"` |
@@ -103,15 +103,18 @@ def parse_config(extra_config: Mapping[str, object]) -> VllmTierConfig:
     tiers = _tiers(ours.get("tiers", "cpu"))
     redis_url = ours.get("redis_url")
     if redis_url is not None and (not isinstance(redis_url, str) or "://" not in redis_url):
-        raise ConfigError(f"kvtier.redis_url={redis_url!r} must be a URL like \"redis://host:6379/0\"")
+        from kvtier.store.tiers.redis_conn import redact
+
+        shown = repr(redact(redis_url)) if isinstance(redis_url, str) else f"a {type(redis_url).__name__}"
+        raise ConfigError(f"kvtier.redis_url={shown} must be a URL like \"redis://host:6379/0\"")
     if "redis" in tiers and redis_url is None:
         raise ConfigError("kvtier.redis_url is missing: the redis tier needs a server, e.g. "
                           "\"redis://127.0.0.1:6379/0\"")
-    if redis_url is not None and _has_password(redis_url):
+    if redis_url is not None and (where := _credentials(redis_url)):
         from kvtier.store.tiers.redis_conn import redact
 
         raise ConfigError(
-            f"kvtier.redis_url={redact(redis_url)!r} carries a password, and vLLM logs "
+            f"kvtier.redis_url={redact(redis_url)!r} carries a password ({', '.join(where)}), and vLLM logs "
             "kv_transfer_config at start; drop it from the URL and put it in a file named by "
             f"kvtier.redis_password_file (mode 0600) or in the environment variable {PASSWORD_ENV}")
     password_file = ours.get("redis_password_file")
@@ -212,13 +215,12 @@ def _sync_loads(extra: Mapping[str, object], tiers: tuple[str, ...]) -> bool:
     return True
 
 
-def _has_password(url: str) -> bool:
-    from urllib.parse import urlsplit
+def _credentials(url: str) -> list[str]:
+    """Where `url` carries a password: in its userinfo (`user:pass@`) or in its query
+    (`?password=`, which redis-py reads as the password too); names only, never the values."""
+    from kvtier.store.tiers.redis_conn import url_credentials  # no redis-py, no torch
 
-    try:
-        return bool(urlsplit(url).password)
-    except ValueError:
-        return "@" in url.split("://", 1)[-1].split("/", 1)[0]
+    return url_credentials(url)
 
 
 def _private_file(path: object, key: str) -> bytes:

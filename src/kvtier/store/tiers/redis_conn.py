@@ -12,7 +12,8 @@ import socket
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from urllib.parse import urlsplit, urlunsplit
+import re
+from urllib.parse import parse_qsl, unquote_plus, urlsplit, urlunsplit
 
 from kvtier.errors import ConfigError
 from kvtier.store.payload import HEADER_BYTES
@@ -294,16 +295,50 @@ class LogOnce:
         self._log.warning("%s%s", message, suffix)
 
 
+# A query parameter whose (decoded) name says it carries a credential: redis-py hands every
+# query parameter to its connection as a keyword, so `?password=` and `?ssl_password=` are
+# passwords there, taking precedence over the userinfo's. Matched loosely (any name with one of
+# these in it), because hiding a harmless value costs nothing and showing a secret is the bug.
+_SECRET_NAME = re.compile(r"pass|pwd|secret|token|auth|cred", re.IGNORECASE)
+
+
+def url_credentials(url: str) -> list[str]:
+    """The credential-bearing parts of a Redis URL, by name (`"userinfo password"`, `"?password"`),
+    without their values: what `redact` hides and what a logged config must not hold."""
+    found = []
+    netloc = url.split("://", 1)[-1].split("/", 1)[0].split("?", 1)[0].split("#", 1)[0]
+    userinfo, at, _ = netloc.rpartition("@")
+    if at and ":" in userinfo:
+        found.append("userinfo password")
+    try:
+        query = urlsplit(url).query
+    except ValueError:
+        query = url.split("?", 1)[1] if "?" in url else ""
+    found += [f"?{name}" for name, _ in parse_qsl(query, keep_blank_values=True)
+              if _SECRET_NAME.search(name)]
+    return found
+
+
 def redact(url: str) -> str:
-    """The url without its password, for log lines (string surgery on the userinfo, so a
-    sentinel url's `h1:p1,h2:p2` host list survives)."""
-    parts = urlsplit(url)
+    """The url for log lines and messages: the userinfo's password, every credential-bearing query
+    value (`?password=`, `?ssl_password=`; see `url_credentials`) and the fragment as `***`.
+    String surgery, so a sentinel url's `h1:p1,h2:p2` host list survives; a string that is no
+    URL keeps nothing before an `@`, and one that does not parse shows its scheme only."""
+    if "://" not in url:
+        return "***@" + url.rpartition("@")[2] if "@" in url else url
+    try:
+        parts = urlsplit(url)
+    except ValueError:  # e.g. an unclosed IPv6 bracket: show nothing that could be a secret
+        return url.split("://", 1)[0] + "://***"
     userinfo, at, hosts = parts.netloc.rpartition("@")
-    if not at or ":" not in userinfo:
-        return url
-    user = userinfo.split(":", 1)[0]
-    return urlunsplit((parts.scheme, f"{user}:***@{hosts}", parts.path, parts.query,
-                       parts.fragment))
+    netloc = f"{userinfo.split(':', 1)[0]}:***@{hosts}" if at and ":" in userinfo else parts.netloc
+    query = "&".join(_redact_pair(pair) for pair in parts.query.split("&")) if parts.query else ""
+    return urlunsplit((parts.scheme, netloc, parts.path, query, "***" if parts.fragment else ""))
+
+
+def _redact_pair(pair: str) -> str:
+    name, eq, _ = pair.partition("=")
+    return f"{name}=***" if _SECRET_NAME.search(unquote_plus(name)) else pair
 
 
 class WriteBudget:
