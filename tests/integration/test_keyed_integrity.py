@@ -69,8 +69,10 @@ def test_a_forged_redis_value_is_a_counted_miss_with_a_secret(server) -> None:
     r.set(key, _forge(r.get(key)))
     out = torch.zeros(N, dtype=torch.uint8)
     assert a.read(0, 0, _header(), out) is False
-    assert a.corrupt_dropped == 1 and not (out == 0x66).all()
-    assert r.get(key) is None  # the forgery is deleted, so no one else trips on it
+    assert a.metrics()["foreign_skipped"] == 1 and not (out == 0x66).all()
+    # kept: its checksum verifies, so it cannot be told from another tenant's value (deleting
+    # those made tenants evict each other); A's next save of the chunk overwrites it
+    assert r.get(key) is not None and a.corrupt_dropped == 0
     # without a secret the same forgery is restored: every writer of a shared tier is trusted
     plain = _tier(server.url, None)
     assert plain.write(0, 0, _header(), _good())
@@ -86,9 +88,10 @@ def test_another_secret_or_no_secret_never_restores(server) -> None:
     out = torch.zeros(N, dtype=torch.uint8)
     assert a.write(0, 0, _header(2), _good())
     assert plain.read(0, 0, _header(2), out) is False and plain.corrupt_dropped == 0  # kept: A's
-    assert b.read(0, 0, _header(2), out) is False and b.corrupt_dropped == 1  # B's secret: forged
+    assert b.read(0, 0, _header(2), out) is False and b.metrics()["foreign_skipped"] == 1  # A's
     assert plain.write(0, 0, _header(3), _good())
-    assert a.read(0, 0, _header(3), out) is False and a.corrupt_dropped == 1  # written without it
+    assert a.read(0, 0, _header(3), out) is False and a.metrics()["foreign_skipped"] == 1  # unkeyed
+    assert a.corrupt_dropped == b.corrupt_dropped == 0
     assert a.write(0, 0, _header(4), _good())
     assert a.read(0, 0, _header(4), out) is True and torch.equal(out, _good())
     for t in (a, b, plain):
@@ -204,3 +207,73 @@ def test_a_secret_file_is_opened_once_and_checked_on_its_descriptor(tmp_path: Pa
     t0 = time.monotonic()
     refused(str(fifo), r"not a regular file")
     assert time.monotonic() - t0 < 1.0
+
+
+def test_tenants_sharing_a_namespace_never_delete_each_others_values(server) -> None:
+    """Two tenants on one model without `kvtier.tenant` share a namespace, so each reads the
+    other's keys. A value whose checksum verifies and only the MAC fails (another tenant's, or an
+    unkeyed writer's) is a miss counted in `foreign_skipped` and stays in Redis; before, the
+    reader deleted it (counted corrupt), so the tenants evicted each other. A value that fails its
+    own checksum is still dropped."""
+    a, b, plain = _tier(server.url, SECRET_A), _tier(server.url, SECRET_B), _tier(server.url, None)
+    r = redis.Redis.from_url(server.url)
+    out = torch.zeros(N, dtype=torch.uint8)
+    for writer, readers, i in ((a, (b, plain), 5), (plain, (a, b), 6)):
+        assert writer.write(0, 0, _header(i), _good())
+        for reader in readers:
+            before = reader.metrics()
+            assert reader.read(0, 0, _header(i), out) is False
+            after = reader.metrics()
+            assert after["foreign_skipped"] - before.get("foreign_skipped", 0) == 1
+            assert after["corrupt_dropped"] == before["corrupt_dropped"]
+            assert after["misses"] - before["misses"] == 1
+        assert r.exists(writer.key(_header(i))) == 1  # still there: its writer reads it
+        out.zero_()
+        assert writer.read(0, 0, _header(i), out) is True and torch.equal(out, _good())
+    # a value that fails its own checksum is dropped by any reader, keyed or not
+    for reader, i in ((b, 7), (plain, 8)):
+        assert a.write(0, 0, _header(i), _good())
+        key = a.key(_header(i))
+        raw = bytearray(r.get(key))
+        raw[HEADER_BYTES + 10] ^= 0xFF  # a bit flip in the payload
+        r.set(key, bytes(raw))
+        before = reader.metrics()["corrupt_dropped"]
+        assert reader.read(0, 0, _header(i), out) is False
+        assert reader.metrics()["corrupt_dropped"] == before + 1 and r.exists(key) == 0
+    for t in (a, b, plain):
+        t.close()
+    r.close()
+
+
+def test_two_stores_with_different_secrets_keep_each_others_prefix(server) -> None:
+    """The store view of the rule above: store B (another secret, same namespace) looks a prefix
+    up, fails to load it (a counted foreign miss), and store A still restores all of it."""
+    from kvtier.core.geometry import Geometry, Group
+    from kvtier.core.keys import Namespace
+    from kvtier.core.plan import make_plan
+    from kvtier.store.store import Store
+
+    geometry = Geometry(groups=(Group("full", "full", 2, 16, bytes_per_token_per_layer=64),),
+                        tokens_per_hash=16, name="tenants")
+    plan = make_plan(geometry, chunk_tokens=32)
+    ns = Namespace(model="tenants", geometry_fingerprint=geometry.fingerprint(), dtype="bfloat16")
+    tokens = list(range(129))  # 4 chunks of 32, and one token more
+    payloads = {(0, i): torch.full((plan.groups[0].chunk_bytes,), i + 1, dtype=torch.uint8) for i in range(4)}
+
+    def store(secret: bytes) -> Store:
+        tier = RedisTier(RedisOptions(url=server.url), namespace_id=ns.id, keyed=Keyed(secret))
+        return Store(plan, ns, shared=[tier])  # no local tier: every load comes from Redis
+
+    sa, sb = store(SECRET_A), store(SECRET_B)
+    assert sa.save_tokens(tokens, payloads) == 4
+    buffers = {k: torch.zeros_like(v) for k, v in payloads.items()}
+    hit_b = sb.lookup_tokens(tokens)
+    assert hit_b.tokens == 128  # the keys exist ...
+    assert sb.load(hit_b, buffers) == 0  # ... but none is B's: nothing restored
+    assert sb.shared[0].metrics()["foreign_skipped"] >= 1
+    sa2 = store(SECRET_A)  # a second engine of tenant A
+    hit_a = sa2.lookup_tokens(tokens)
+    assert hit_a.tokens == 128 and sa2.load(hit_a, buffers) == 128
+    assert all(torch.equal(buffers[k], v) for k, v in payloads.items())
+    for s in (sa, sb, sa2):
+        s.close()

@@ -27,6 +27,12 @@ try:  # optional: keyed BLAKE3 is ~10x keyed BLAKE2b on this machine's cores
 except ImportError:  # pragma: no cover - exercised where blake3 is absent
     _blake3 = None
 NO_SECRET_FOR_MAC = "payload carries a MAC and this reader has no secret"
+NO_MAC = "payload written without the secret (no MAC)"
+MAC_MISMATCH = "payload MAC mismatch (forged, or written with another secret)"
+NO_BLAKE3 = "payload MAC is keyed BLAKE3 and the blake3 package is not installed"
+# What `integrity` says when the payload checksum verified and only the MAC did not: the value is
+# intact, just not this reader's to restore (another tenant's, or an unkeyed writer's).
+MAC_ONLY = (NO_SECRET_FOR_MAC, NO_MAC, MAC_MISMATCH, NO_BLAKE3)
 
 
 class Keyed:
@@ -69,11 +75,11 @@ class Keyed:
     def check(self, header: ChunkHeader, data: object) -> str | None:
         """Why `data` under `header` is not this secret's writing, or None when the MAC verifies."""
         if not header.mac:
-            return "payload written without the secret (no MAC)"
+            return NO_MAC
         if header.mac_kind == MAC_BLAKE3 and _blake3 is None:
-            return "payload MAC is keyed BLAKE3 and the blake3 package is not installed"
+            return NO_BLAKE3
         if not hmac.compare_digest(header.mac, self.mac(header, data, header.mac_kind)):
-            return "payload MAC mismatch (forged, or written with another secret)"
+            return MAC_MISMATCH
         return None
 
 
@@ -94,6 +100,15 @@ def integrity(keyed: Keyed | None, header: ChunkHeader, data: object) -> str | N
     if keyed is None:
         return NO_SECRET_FOR_MAC if header.mac else None
     return keyed.check(header, data)
+
+
+def mac_only(why: str | None) -> bool:
+    """Whether `why` (from `integrity`) says only that the MAC is not this reader's: the value is
+    intact, written by another tenant sharing the namespace or by a writer without a secret. A
+    shared tier (Redis) keeps such a value, a counted miss: deleting it would let tenants evict
+    each other. A forgery also lands here; it cannot be told from another tenant's value, and
+    deleting it would not stop a writer who can write it again."""
+    return why in MAC_ONLY
 
 
 def read_private_file(path: str, what: str, max_bytes: int = SECRET_FILE_MAX_BYTES) -> bytes:

@@ -27,6 +27,15 @@ payload evicted between lookup and load, or one that fails its header or checksu
 miss or skipped save, never an exception and never wrong bytes. After a connection failure a
 circuit breaker skips every call until a backoff deadline (doubling up to `backoff_max_s`), then
 lets one call through; one log line when the tier goes down, one when it is back.
+
+Tenants. A reader deletes a value only when it is broken for everyone: a bad header, another
+chunk's or namespace's header under the key, a checksum that fails. A value whose checksum
+verifies and only the MAC fails (written with another tenant's secret, or with none, by an
+engine sharing the namespace) is a miss counted in `foreign_skipped` and kept: deleting it made
+two tenants on one model (no `kvtier.tenant`) evict each other. Rejected: a digest of the secret
+in the namespace, which would hide the values from each other entirely but changes every key of a
+keyed deployment and what `kvtier inspect` and the ACL patterns of docs/redis.md name; tenants
+who want nothing shared set `kvtier.tenant` (a namespace salt) instead.
 """
 
 from __future__ import annotations
@@ -38,7 +47,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from kvtier.errors import ConfigError
-from kvtier.store.integrity import NO_SECRET_FOR_MAC, Keyed
+from kvtier.store.integrity import Keyed, mac_only
 from kvtier.store.payload import HASH_BYTES, HEADER_BYTES, ChunkHeader, decode_header, span_not_held
 from kvtier.store.tiers.base import LogOnce, Tier
 from kvtier.store.tiers.redis_codec import Arena, check_payload, u8_view, unknown_command
@@ -60,7 +69,8 @@ SLOT_MEMORY = 4096  # (group, slot) -> last header written, for free(group, slot
 
 
 # beyond the Tier base counters (reads, misses, writes, failed_writes, corrupt_dropped, bytes)
-_EXTRA = ("vanished", "skipped_reads", "skipped_saves", "budget_skipped", "errors", "deleted")
+_EXTRA = ("vanished", "skipped_reads", "skipped_saves", "budget_skipped", "errors", "deleted",
+          "foreign_skipped")
 
 
 class RedisTier(Tier):
@@ -224,7 +234,9 @@ class RedisTier(Tier):
         """Fill each caller buffer `out` (uint8, at least `header.payload_bytes` long) with the
         payload `header` names; True when filled. Absent, evicted since lookup, foreign,
         truncated or failing its checksum: False (counted; a bad payload is deleted), and the
-        buffer's bytes are then unspecified and must not be used."""
+        buffer's bytes are then unspecified and must not be used. A value whose checksum verifies
+        and only the MAC is not this reader's (another tenant's secret, or none) is a miss counted
+        in `foreign_skipped` and stays in Redis for its writer (the module docstring, "Tenants")."""
         items = list(items)
         for g, _, h, _ in items:
             _check_group(g, h)
@@ -399,7 +411,11 @@ class RedisTier(Tier):
                 self._log.warn("error", f"redis tier read failed: {self.last_error}")
                 continue
             reason = check_payload(header, raw, self.keyed)
-            if span_not_held(reason) or reason == NO_SECRET_FOR_MAC:  # valid for others: kept
+            if span_not_held(reason):  # valid for the blocks it holds: kept
+                self._count("misses")
+                continue
+            if mac_only(reason):  # intact, another tenant's or an unkeyed writer's: kept
+                self._count("foreign_skipped")
                 self._count("misses")
                 continue
             if reason is not None:
