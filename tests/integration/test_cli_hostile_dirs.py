@@ -84,3 +84,81 @@ def test_check_verifies_a_huge_claimed_payload_in_bounded_memory(tmp_path: Path)
     assert "Traceback" not in proc.stderr and "MemoryError" not in proc.stderr, proc.stderr[-2000:]
     report = json.loads(proc.stdout)
     assert [b["problem"] for b in report["bad"]] == ["payload checksum mismatch"]
+
+
+# -- issue 28, item 3: `check --fix` as root zeroed a header in a directory swapped in mid-run ----
+def _one_slot_tier(root: Path, corrupt: bool) -> Path:
+    """root/NS with one chunk in slot 0 of group 0 (its payload flipped when `corrupt`); the slab."""
+    import torch
+
+    from kvtier.store.tiers.base import TierLayout
+    from kvtier.store.tiers.disk import DiskTier
+    from kvtier.store.tiers.disk_files import DATA_OFFSET, slab_name
+
+    tier = DiskTier(root, TierLayout(slot_bytes=(4096,), num_slots=(2,)), NS)
+    assert tier.write(0, 0, make_header(NS, b"\x09" * 16, 0, 0, 16, 4096), torch.ones(4096, dtype=torch.uint8))
+    tier.close()
+    slab = root / NS / slab_name(0, 4096)
+    if corrupt:
+        buf = bytearray(slab.read_bytes())
+        buf[DATA_OFFSET + 7] ^= 0xFF
+        slab.write_bytes(bytes(buf))
+    return slab
+
+
+def _check_fix_with_swap(monkeypatch, capsys, root: Path, swap) -> dict:  # type: ignore[no-untyped-def]
+    """Run `kvtier check --fix` in this process; `swap()` runs once, after the scan and before the
+    first drop (the window a local user races for)."""
+    import kvtier.store.tiers.disk_scan as disk_scan
+    from kvtier.cli import main
+
+    real = disk_scan.drop_slot
+    swapped: list[bool] = []
+
+    def drop_after_swap(*args, **kwargs):  # type: ignore[no-untyped-def]
+        if not swapped:
+            swap()
+            swapped.append(True)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(disk_scan, "drop_slot", drop_after_swap)
+    main(["check", "--fix", "--json", str(root)])
+    assert swapped, "the scan found nothing to drop"
+    return json.loads(capsys.readouterr().out)
+
+
+def test_fix_never_zeroes_through_a_directory_swapped_in_after_the_scan(tmp_path: Path, monkeypatch, capsys) -> None:
+    """The cache's owner swaps its namespace directory for a symlink to another user's once the
+    scan is done: root's drop reopened the slab by path and followed the directory link
+    (`O_NOFOLLOW` guards the last component only), zeroing the victim's valid header."""
+    root, victim = tmp_path / "cache", tmp_path / "victim"
+    mine = _one_slot_tier(root, corrupt=True)
+    theirs = _one_slot_tier(victim, corrupt=False)
+    before = theirs.read_bytes()
+
+    def swap() -> None:
+        os.rename(root / NS, root / "scanned")
+        os.symlink(victim / NS, root / NS)
+
+    report = _check_fix_with_swap(monkeypatch, capsys, root, swap)
+    assert theirs.read_bytes() == before  # the victim's chunk is untouched
+    assert [b["problem"] for b in report["bad"]] == ["payload checksum mismatch"]
+    # what was scanned (now renamed) is what --fix dropped
+    assert (root / "scanned" / mine.name).read_bytes()[:4] == bytes(4) and report["fixed"] == 1
+
+
+def test_fix_never_zeroes_a_file_swapped_in_after_the_scan(tmp_path: Path, monkeypatch, capsys) -> None:
+    """The slab itself replaced by a hard link to another user's slab (root may link any file):
+    the drop compares the inode it opens with the one it scanned."""
+    root, victim = tmp_path / "cache", tmp_path / "victim"
+    mine = _one_slot_tier(root, corrupt=True)
+    theirs = _one_slot_tier(victim, corrupt=False)
+    before = theirs.read_bytes()
+
+    def swap() -> None:
+        os.unlink(mine)
+        os.link(theirs, mine)
+
+    report = _check_fix_with_swap(monkeypatch, capsys, root, swap)
+    assert theirs.read_bytes() == before
+    assert report["fixed"] == 0 and not report["bad"][0]["removed"]

@@ -2,7 +2,10 @@
 
 Exit 0 when every slot is good (or every bad one was removed with --fix), 1 when bad slots
 remain. --fix takes each namespace's writer lock, so it refuses to touch a directory a live
-process is writing (stop it first); without --fix nothing is written.
+process is writing (stop it first); without --fix nothing is written. It locks, scans and drops
+through the same namespace directory fds (`disk_scan.open_namespace_fds`), and a drop zeroes a
+header only in the inode the scan read: run as root over a cache another user owns, it never
+writes through a directory or file that user swapped in after the scan.
 """
 
 from __future__ import annotations
@@ -26,37 +29,37 @@ def run(args: argparse.Namespace) -> int:
 
     from kvtier.errors import ConfigError, KvtierError
     from kvtier.store.tiers.disk_files import lock_for_tools, lock_holder
-    from kvtier.store.tiers.disk_scan import drop_slot, namespace_dirs, scan_dir
+    from kvtier.store.tiers.disk_scan import drop_slot, open_namespace_fds, scan_dir
 
     root = Path(args.dir)
     if not root.is_dir():
         raise ConfigError(f"{args.dir!r} is not a directory; give a disk tier's root directory")
-    locks: dict[str, int] = {}
     checked = 0
     bad = []
     fixed = 0
     removed: set[int] = set()
+    # one fd per namespace directory, from the lock through the scan to the drop: a directory
+    # swapped for a symlink after the scan is never written through (reopening by path was)
+    dir_fds = open_namespace_fds(root)
     try:
         if args.fix:  # lock every namespace before scanning: no writer changes what --fix saw
-            for nsdir in namespace_dirs(root):
-                fd = lock_for_tools(nsdir)
-                if fd is None:
+            for ns, dfd in dir_fds.items():
+                if not lock_for_tools(dfd):
                     raise KvtierError(
-                        f"namespace {nsdir.name} in {args.dir} is in use by pid {lock_holder(nsdir) or '?'}; "
+                        f"namespace {ns} in {args.dir} is in use by pid {lock_holder(root / ns) or '?'}; "
                         "stop that process before `kvtier check --fix` (or run without --fix)")
-                locks[nsdir.name] = fd
-        for rec in scan_dir(root, verify_payloads=True):
+        for rec in scan_dir(root, verify_payloads=True, dir_fds=dir_fds):
             checked += 1
             if rec.problem is not None:
                 bad.append(rec)
         if args.fix:
             for rec in bad:  # entries that are not kvtier's slots are reported, never touched
-                if drop_slot(rec.path, rec.slot, rec.slot_bytes):
+                if drop_slot(dir_fds[rec.namespace_id], rec):
                     removed.add(id(rec))
             fixed = len(removed)
     finally:
-        for fd in locks.values():
-            os.close(fd)
+        for fd in dir_fds.values():
+            os.close(fd)  # releases the locks
     report = {
         "root": str(root),
         "checked": checked,

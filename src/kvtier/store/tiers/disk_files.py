@@ -232,16 +232,15 @@ def open_namespace_dir(path: Path) -> tuple[int, str | None]:
     return dfd, None
 
 
-def lock_for_tools(path: Path) -> int | None:
-    """Take a namespace directory's writer lock for `kvtier check --fix`: the directory fd, or
-    None when another process holds it (never blocks)."""
-    dfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NONBLOCK | OPEN_FLAGS)
+def lock_for_tools(dfd: int) -> bool:
+    """Take a namespace directory's writer lock for `kvtier check --fix` on its fd (the one the
+    tool then scans and drops through, `disk_scan.open_namespace_fds`); False when another
+    process holds it (never blocks). Closing the fd releases it."""
     try:
         fcntl.flock(dfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        os.close(dfd)
-        return None
-    return dfd
+        return False
+    return True
 
 
 def lock_holder(path: Path) -> str | None:

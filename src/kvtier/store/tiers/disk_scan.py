@@ -7,6 +7,14 @@ files named like slabs are opened (`lstat` first, then `O_NOFOLLOW | O_NONBLOCK`
 is never followed and a FIFO never blocks), anything else named like a slab is one line in the
 report (`slot` -1), payloads are verified in bounded pieces (a header claiming gigabytes
 allocates nothing), and `drop_slot` zeroes a header only where kvtier's magic is.
+
+A scan reads each namespace directory through an fd opened relative to the root's fd without
+following a link (`open_namespace_fds`), and records the `(st_dev, st_ino)` of every slab it
+read. `kvtier check --fix` keeps those fds from the lock through the scan to the drop: the drop
+opens the slab relative to the directory fd it scanned and zeroes nothing unless it is the same
+inode. Reopening by path after the scan (the first design) let the cache's owner swap the
+namespace directory for a symlink to another user's between scan and drop (`O_NOFOLLOW` guards
+the last component only): `check --fix` run as root then zeroed a header in that user's cache.
 """
 
 from __future__ import annotations
@@ -14,13 +22,21 @@ from __future__ import annotations
 import os
 import re
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.errors import ConfigError
 from kvtier.store.payload import MAGIC, ChunkHeader, Rejected, StreamingChecksum, unverifiable
-from kvtier.store.tiers.disk_files import DATA_OFFSET, OPEN_FLAGS, SLAB_RE, ZERO_HEADER, scan_fd, slot_stride
+from kvtier.store.tiers.disk_files import (
+    DATA_OFFSET,
+    OPEN_FLAGS,
+    SLAB_RE,
+    ZERO_HEADER,
+    kind_of,
+    scan_fd,
+    slot_stride,
+)
 
 NAMESPACE_RE = re.compile(r"^[0-9a-f]{16}$")
 VERIFY_PIECE = 1 << 20  # bytes read at a time when a tool verifies a payload
@@ -35,14 +51,7 @@ class SlotRecord:
     slot_bytes: int
     header: ChunkHeader | Rejected
     problem: str | None  # None: header valid (and payload verified when asked)
-
-
-def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISLNK, "a symlink"), (stat.S_ISFIFO, "a FIFO"),
-                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device")):
-        if test(mode):
-            return name
-    return "not a regular file"
+    file_id: tuple[int, int] = (0, 0)  # (st_dev, st_ino) of the slab read; `drop_slot` writes only it
 
 
 def namespace_dirs(root: Path) -> list[Path]:
@@ -58,49 +67,90 @@ def namespace_dirs(root: Path) -> list[Path]:
     return out
 
 
-def scan_dir(root: str | os.PathLike[str], *, verify_payloads: bool = False) -> Iterator[SlotRecord]:
-    """Every non-empty slot under ROOT (all namespaces), with what is wrong with it, if anything."""
+def open_namespace_fds(root: str | os.PathLike[str]) -> dict[str, int]:
+    """{namespace id: directory fd} of kvtier's namespace directories under a disk tier root, each
+    opened relative to the root's fd without following a link (a symlink or a non-directory is
+    skipped). The caller closes them. Raises ConfigError when ROOT is not a directory."""
+    try:
+        rfd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        raise ConfigError(f"{str(root)!r} is not a directory; give a disk tier's root directory") from None
+    out: dict[str, int] = {}
+    try:
+        for name in sorted(os.listdir(rfd)):
+            if not NAMESPACE_RE.match(name):
+                continue
+            try:
+                out[name] = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NONBLOCK | OPEN_FLAGS, dir_fd=rfd)
+            except OSError:  # ELOOP: a symlink; ENOTDIR: not a directory; not kvtier's
+                continue
+    except BaseException:
+        for fd in out.values():
+            os.close(fd)
+        raise
+    finally:
+        os.close(rfd)
+    return out
+
+
+def scan_dir(root: str | os.PathLike[str], *, verify_payloads: bool = False,
+             dir_fds: Mapping[str, int] | None = None) -> Iterator[SlotRecord]:
+    """Every non-empty slot under ROOT (all namespaces), with what is wrong with it, if anything.
+    `dir_fds` (from `open_namespace_fds`, kept by the caller, as `check --fix` does to drop
+    through them): scan those directories; else they are opened and closed here."""
     rootp = Path(root)
     if not rootp.is_dir():
         raise ConfigError(f"{str(root)!r} is not a directory; give a disk tier's root directory")
-    for nsdir in namespace_dirs(rootp):
-        try:
-            entries = sorted(nsdir.iterdir())
-        except OSError:
-            continue
-        for path in entries:
-            m = SLAB_RE.match(path.name)
-            if not m:
-                continue
-            group, slot_bytes = int(m.group(1)), int(m.group(2))
-            rejected = Rejected("not a slab")
-            try:
-                st = os.lstat(path)
-            except OSError as exc:
-                yield SlotRecord(path, nsdir.name, group, -1, slot_bytes, rejected, f"unreadable ({exc.strerror})")
-                continue
-            if not stat.S_ISREG(st.st_mode):
-                yield SlotRecord(path, nsdir.name, group, -1, slot_bytes, rejected,
-                                 f"{_kind(st.st_mode)} named like a slab file; not kvtier's, left alone")
-                continue
-            try:
-                fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | OPEN_FLAGS)
-            except OSError as exc:
-                yield SlotRecord(path, nsdir.name, group, -1, slot_bytes, rejected, f"unreadable ({exc.strerror})")
-                continue
-            try:
-                if not stat.S_ISREG(os.fstat(fd).st_mode):  # swapped after the lstat
-                    yield SlotRecord(path, nsdir.name, group, -1, slot_bytes, rejected, "not a regular file")
-                    continue
-                stride = slot_stride(slot_bytes)
-                size = os.fstat(fd).st_size
-                for s, h in scan_fd(fd, stride, None):
-                    problem = _problem(fd, s * stride, size, nsdir.name, group, slot_bytes, h, verify_payloads)
-                    yield SlotRecord(path, nsdir.name, group, s, slot_bytes, h, problem)
-            except OSError as exc:
-                yield SlotRecord(path, nsdir.name, group, -1, slot_bytes, rejected, f"read error ({exc.strerror})")
-            finally:
+    fds = open_namespace_fds(rootp) if dir_fds is None else dir_fds
+    try:
+        for ns in sorted(fds):
+            yield from _scan_namespace(rootp / ns, ns, fds[ns], verify_payloads)
+    finally:
+        if dir_fds is None:
+            for fd in fds.values():
                 os.close(fd)
+
+
+def _scan_namespace(nsdir: Path, ns: str, dfd: int, verify_payloads: bool) -> Iterator[SlotRecord]:
+    try:
+        names = sorted(os.listdir(dfd))
+    except OSError:
+        return
+    for name in names:
+        m = SLAB_RE.match(name)
+        if not m:
+            continue
+        path = nsdir / name
+        group, slot_bytes = int(m.group(1)), int(m.group(2))
+        rejected = Rejected("not a slab")
+        try:
+            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        except OSError as exc:
+            yield SlotRecord(path, ns, group, -1, slot_bytes, rejected, f"unreadable ({exc.strerror})")
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            yield SlotRecord(path, ns, group, -1, slot_bytes, rejected,
+                             f"{kind_of(st.st_mode)} named like a slab file; not kvtier's, left alone")
+            continue
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | OPEN_FLAGS, dir_fd=dfd)
+        except OSError as exc:
+            yield SlotRecord(path, ns, group, -1, slot_bytes, rejected, f"unreadable ({exc.strerror})")
+            continue
+        try:
+            fst = os.fstat(fd)
+            if not stat.S_ISREG(fst.st_mode):  # swapped after the lstat
+                yield SlotRecord(path, ns, group, -1, slot_bytes, rejected, "not a regular file")
+                continue
+            file_id = (fst.st_dev, fst.st_ino)
+            stride = slot_stride(slot_bytes)
+            for s, h in scan_fd(fd, stride, None):
+                problem = _problem(fd, s * stride, fst.st_size, ns, group, slot_bytes, h, verify_payloads)
+                yield SlotRecord(path, ns, group, s, slot_bytes, h, problem, file_id)
+        except OSError as exc:
+            yield SlotRecord(path, ns, group, -1, slot_bytes, rejected, f"read error ({exc.strerror})")
+        finally:
+            os.close(fd)
 
 
 def _problem(fd: int, off: int, size: int, ns: str, group: int, slot_bytes: int,
@@ -137,16 +187,22 @@ def _verify_in_pieces(fd: int, start: int, h: ChunkHeader) -> str | None:
     return None if summer.value() == h.checksum else "payload checksum mismatch"
 
 
-def drop_slot(path: Path, slot: int, slot_bytes: int) -> bool:
-    """Zero one slot's header (`kvtier check --fix`), only where kvtier's magic is: a file kvtier
-    did not write is never changed. Whether it zeroed anything."""
-    if slot < 0:
+def drop_slot(dir_fd: int, rec: SlotRecord) -> bool:
+    """Zero the header of the slot `rec` names (`kvtier check --fix`): in the file opened relative
+    to `dir_fd`, the namespace directory fd the scan read it through, only when that file is the
+    inode the scan read (`rec.file_id`), and only where kvtier's magic is: a file kvtier did not
+    write, or one swapped in since the scan, is never changed. Whether it zeroed anything."""
+    if rec.slot < 0:
         return False
-    fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | OPEN_FLAGS)
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        fd = os.open(rec.path.name, os.O_RDWR | os.O_NONBLOCK | OPEN_FLAGS, dir_fd=dir_fd)
+    except OSError:  # gone, or a symlink now: nothing of what was scanned to drop
+        return False
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != rec.file_id:
             return False
-        off = slot * slot_stride(slot_bytes)
+        off = rec.slot * slot_stride(rec.slot_bytes)
         if os.pread(fd, len(MAGIC), off) != MAGIC:
             return False
         os.pwrite(fd, ZERO_HEADER, off)
