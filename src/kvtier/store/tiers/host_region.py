@@ -5,24 +5,47 @@ executor; tensor parallel). For the scheduler to promote a chunk from disk or Re
 tier before the load (manager.py), it must write the same host slots the worker reads. This
 module lays the cpu tier out in one file both processes map `MAP_SHARED`:
 
-    page 0        a record: MAGIC, the creator's pid and PID namespace, the layout (JSON: slot bytes and slots per
-                  group, the owner's name for it)
+    page 0        a record: MAGIC, then JSON: the creator's pid (for log lines only) and the
+                  layout (slot bytes and slots per group)
     per group g   its slot table (`SLOT_RECORD` bytes a slot: an 8-byte sequence number, then
                   the 128-byte chunk header, zero when empty), then its slab (slots x slot
                   bytes); each part starts on a page
 
-The file lives in a private directory (`<dir>/kvtier-<uid>`, 0700, refused when it is a symlink,
-another user's, or writable by others), is created 0600 with `O_EXCL | O_NOFOLLOW`, and its space
-is reserved at creation (`posix_fallocate`): a full tmpfs (Docker's 64 MiB /dev/shm) fails there,
-with one line naming the fix, instead of killing the engine with SIGBUS at the first store.
+Where: every region has a directory of its own, `<dir>/kvtier-<uid>-<random>`, made by `mkdtemp`
+(0700; `mkdir` never reuses a name: one somebody took already makes it draw another), holding
+the one file `<name>.host`, created 0600 with `O_EXCL | O_NOFOLLOW`. Its space is reserved at
+creation (`posix_fallocate`): a full tmpfs (Docker's 64 MiB /dev/shm) fails there, with one line
+naming the fix, instead of killing the engine with SIGBUS at the first store.
+Rejected (issue 28): one directory per user, `<dir>/kvtier-<uid>`: another user who created
+that name first (a directory of theirs, a file, a symlink) kept every region of this user from
+being made. Such an entry is not looked at now.
 
 Identity: the creator picks a random name per start (the vLLM worker) and tells the other process
-(its handshake), which maps exactly that file; no process guesses another's region.
+the region's `name`, `kvtier-<uid>-<random>/<name>` (its handshake); that process maps exactly
+that file, after checking that directory and file are private to this user; no process guesses
+another's region.
 
-Lifetime: the creator (the worker) removes the file when it closes or exits; the other process
-(the scheduler, at the handshake, before any request) removes it right after it mapped it, so once both have mapped it nothing is left
-behind even if both are killed; a creator also removes files of creators that are no longer
-alive. Memory is freed when the last mapping goes.
+Liveness: the creator holds an exclusive `flock` on the region's directory for as long as the
+region lives; the kernel releases it when the process ends, however it ends. A creator sweeps
+(removes) every `kvtier-<uid>-*` directory of this user whose lock it can take: a creator killed
+before another process mapped its file. Rejected: the creator's pid (and its PID namespace) in
+the record: containers that share /dev/shm but not a PID namespace could not tell a crashed
+worker's region from a live one, and kept every crashed worker's cpu tier in tmpfs for good. A
+creator takes its lock right after `mkdtemp`; a sweep that removed the directory in between is
+seen (the name no longer is that directory) and the creator draws another.
+The sweep `lstat`s every entry first and opens only regular files and directories of this user,
+always `O_NONBLOCK`: a FIFO put there (opened to read, it would wait for a writer) never hangs it.
+
+Lifetime: the creator (the worker) removes file and directory when it closes or exits; the other
+process (the scheduler, at the handshake, before any request) removes them right after it mapped
+the file, so once both have mapped it nothing is left behind even if both are killed. Memory is
+freed when the last mapping goes.
+
+Trust: a process of the same user can open the file (through /proc, or before the scheduler
+removed its name) and rewrite slot headers or bytes: like the process's own memory, which such a
+process can also reach (ptrace), it is trusted. Containers that share /dev/shm under one uid are
+one tenant. The cpu tier carries no checksum and no MAC, a tenant secret or not (docs/store.md,
+"Threat model").
 
 Rejected alternative: `multiprocessing.shared_memory` (a name anyone may guess, no O_NOFOLLOW,
 its resource tracker unlinks it when the first process exits).
@@ -30,14 +53,14 @@ its resource tracker unlinks it when the first process exits).
 
 from __future__ import annotations
 
-import errno
+import fcntl
 import json
 import mmap
 import os
 import re
 import stat
+import tempfile
 import weakref
-from pathlib import Path
 
 import torch
 
@@ -51,6 +74,7 @@ SLOT_RECORD = SEQ_BYTES + HEADER_BYTES  # a slot's sequence number, then its hea
 DEFAULT_DIR = "/dev/shm"
 OPEN_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,160}$")
+_DIR_RE = re.compile(r"^kvtier-[0-9]+-[A-Za-z0-9_]{1,64}$")  # mkdtemp's characters
 
 
 class RegionError(Exception):
@@ -72,57 +96,38 @@ def _offsets(layout: TierLayout) -> tuple[list[tuple[int, int]], int]:
     return out, off
 
 
-def _private_dir(base: str | os.PathLike[str]) -> int:
-    """The fd of `<base>/kvtier-<uid>`, created 0700; refused unless a real directory of this
-    user that nobody else may write."""
-    path = Path(base) / f"kvtier-{os.geteuid()}"
+def _prefix() -> str:
+    return f"kvtier-{os.geteuid()}-"
+
+
+def _open_private_dir(path: str) -> int:
+    """The fd of region directory `path`; refused unless a real directory of this user that
+    nobody else may read or write."""
     try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass
+        dfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NONBLOCK | OPEN_FLAGS)
+    except FileNotFoundError:
+        raise
     except OSError as exc:
-        raise RegionError(f"cannot create {str(path)!r} ({exc.strerror})") from None
-    try:
-        dfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | OPEN_FLAGS)
-    except OSError as exc:
-        raise RegionError(f"cannot open {str(path)!r} ({exc.strerror}); it must be a real directory, "
+        raise RegionError(f"cannot open {path!r} ({exc.strerror}); it must be a real directory, "
                           "not a symlink: remove it") from None
     st = os.fstat(dfd)
     if st.st_uid != os.geteuid() or st.st_mode & 0o077:
         os.close(dfd)
-        raise RegionError(f"{str(path)!r} is not private to this user (uid {st.st_uid}, mode "
+        raise RegionError(f"{path!r} is not private to this user (uid {st.st_uid}, mode "
                           f"{stat.S_IMODE(st.st_mode):o}); remove it and restart")
     return dfd
 
 
-def _path(base: str | os.PathLike[str], fname: str) -> str:
-    return os.path.join(base, f"kvtier-{os.geteuid()}", fname)
-
-
-def _pidns() -> int | None:
-    """This process's PID namespace (its inode): a pid means something only inside it."""
+def _held(dfd: int) -> bool:
+    """Whether a live process holds the lock of a region directory (its creator). Probed with a
+    shared lock, so two probes never take each other for a creator; a directory that cannot be
+    locked at all counts as held (left alone)."""
     try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return None
-
-
-def _gone(rec: dict) -> bool:
-    """Whether a record's creator is known to be dead: its pid is not alive in this PID
-    namespace. A creator in another namespace (containers sharing /dev/shm through --ipc=host)
-    cannot be checked and counts as alive."""
-    pid = rec.get("pid")
-    return isinstance(pid, int) and rec.get("pidns") == _pidns() and not _alive(pid)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
+        fcntl.flock(dfd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:  # EWOULDBLOCK: held
         return True
-    return True
+    fcntl.flock(dfd, fcntl.LOCK_UN)  # our own probe's lock, on our own open of the directory
+    return False
 
 
 def _read_record(fd: int) -> dict | None:
@@ -130,39 +135,120 @@ def _read_record(fd: int) -> dict | None:
     if len(raw) < PAGE or raw[:8] != MAGIC:
         return None
     try:
-        return json.loads(raw[8:].rstrip(b"\0").decode())
+        rec = json.loads(raw[8:].rstrip(b"\0").decode())
     except ValueError:
         return None
+    return rec if isinstance(rec, dict) else None
 
 
-def _sweep(dfd: int) -> None:
-    """Remove region files whose creator is no longer alive (a worker killed before any other
-    process mapped its file)."""
-    for name in os.listdir(dfd):
-        if not name.endswith(".host"):
+def _record_pid(dfd: int, name: str, st: os.stat_result) -> object:
+    """The pid a region file's record names (for a log line), or None; opened only as the
+    regular file `st` (lstat) showed, never blocking."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | OPEN_FLAGS, dir_fd=dfd)
+    except OSError:
+        return None
+    try:
+        now = os.fstat(fd)
+        if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino) or not stat.S_ISREG(now.st_mode):
+            return None
+        rec = _read_record(fd)
+        return rec.get("pid") if rec is not None else None
+    finally:
+        os.close(fd)
+
+
+def _sweep(base: str) -> None:
+    """Remove the region directories of this user whose creator is gone (its lock is free): a
+    worker killed before any other process mapped its file. Entries are `lstat`ed before any
+    open; only directories of this user, private, are opened, and in them only regular files."""
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return
+    for dname in names:
+        if not dname.startswith(_prefix()) or not _DIR_RE.match(dname):
             continue
+        path = os.path.join(base, dname)
         try:
-            fd = os.open(name, os.O_RDONLY | OPEN_FLAGS, dir_fd=dfd)
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+            continue  # another user's, a symlink, a FIFO: not ours to touch
+        try:
+            dfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NONBLOCK | OPEN_FLAGS)
         except OSError:
             continue
         try:
-            rec = _read_record(fd)
-        finally:
-            os.close(fd)
-        if rec is not None and _gone(rec):
+            now = os.fstat(dfd)
+            if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+                continue
+            # the creator's lock free: gone. Held (shared) while removing: a creator that made
+            # this directory a moment ago and did not lock it yet waits, then sees it gone
             try:
-                os.unlink(name, dir_fd=dfd)
-                log.info("host region: removed %s, left by process %d", name, rec["pid"])
+                fcntl.flock(dfd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except OSError:  # EWOULDBLOCK: its creator runs
+                continue
+            pids = []
+            for name in os.listdir(dfd):
+                try:
+                    est = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                    if stat.S_ISDIR(est.st_mode):
+                        continue  # kvtier makes none: left, and so is the directory
+                    if stat.S_ISREG(est.st_mode) and name.endswith(".host"):
+                        pids.append(_record_pid(dfd, name, est))
+                    os.unlink(name, dir_fd=dfd)
+                except OSError:
+                    pass
+            try:
+                os.rmdir(path)
+                log.info("host region: removed %s, left by process %s", path,
+                         ", ".join(str(p) for p in pids) or "unknown")
             except OSError:
                 pass
+        finally:
+            os.close(dfd)
+
+
+def _make_dir(base: str) -> tuple[str, int]:
+    """A new region directory in `base` and its fd, locked by this process."""
+    for _ in range(8):
+        try:
+            path = tempfile.mkdtemp(prefix=_prefix(), dir=base)
+        except OSError as exc:
+            raise RegionError(f"cannot create a directory in {base!r} ({exc.strerror}); set "
+                              "kvtier.host_region to a directory this user may write") from None
+        try:
+            dfd = _open_private_dir(path)
+        except FileNotFoundError:  # swept before it was locked: draw another
+            continue
+        try:
+            fcntl.flock(dfd, fcntl.LOCK_EX)  # a sweep's probe holds it for a moment at most
+        except OSError as exc:
+            _remove(dfd, path, "", os.getpid())
+            raise RegionError(f"cannot lock {path!r} ({exc.strerror}); set kvtier.host_region to a "
+                              "directory on tmpfs (/dev/shm)") from None
+        try:  # still the directory at that name (a sweep may have taken it before the lock)
+            now = os.stat(path, follow_symlinks=False)
+            mine = os.fstat(dfd)
+            if (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino):
+                return path, dfd
+        except OSError:
+            pass
+        os.close(dfd)
+    raise RegionError(f"cannot keep a directory in {base!r}: another process removes each one "
+                      "made; stop it, or set kvtier.host_region to another directory")
 
 
 class HostRegion:
     """A mapped region: `slabs[g]` a uint8 tensor (slots, slot bytes), `tables[g]` a writable
-    memoryview of the group's slot records. Use `create` (owner) or `attach` (other process)."""
+    memoryview of the group's slot records. Use `create` (owner) or `attach` (other process).
+    `name` is what `attach` takes: `kvtier-<uid>-<random>/<name>`."""
 
-    def __init__(self, mm: mmap.mmap, layout: TierLayout, path: str, *, populate: bool) -> None:
+    def __init__(self, mm: mmap.mmap, fd: int, layout: TierLayout, path: str, *, populate: bool) -> None:
         self._mm = mm
+        self._fd = fd
         if populate:  # page tables filled now: a store into a slot never touched pays no faults in a step
             try:
                 mm.madvise(getattr(mmap, "MADV_POPULATE_WRITE", 23))
@@ -170,8 +256,8 @@ class HostRegion:
                 pass
         self.layout = layout
         self.path = path
-        self.name = os.path.basename(path)[:-len(".host")]
-        offsets, _ = _offsets(layout)
+        self.name = f"{os.path.basename(os.path.dirname(path))}/{os.path.basename(path)[:-len('.host')]}"
+        offsets, self.size = _offsets(layout)
         self.slabs: list[torch.Tensor] = []
         self.tables: list[memoryview] = []
         buf = memoryview(mm)
@@ -181,105 +267,117 @@ class HostRegion:
                 self.slabs.append(torch.empty((0, 0), dtype=torch.uint8))
                 continue
             self.slabs.append(torch.frombuffer(mm, dtype=torch.uint8, count=n * b, offset=s_off).view(n, b))
+        self._close_fd = weakref.finalize(self, os.close, fd)  # last: a failed __init__ leaves it the caller's
 
     @classmethod
     def create(cls, base: str | os.PathLike[str], name: str, layout: TierLayout) -> HostRegion:
-        """Make and map a new region file `<base>/kvtier-<uid>/<name>.host` for `layout`, every
-        page allocated and mapped now; it is removed when this region is collected or the process
-        exits. Raises RegionError (and leaves no file of its own, and any other's alone)."""
+        """Make and map a new region file `<base>/kvtier-<uid>-<random>/<name>.host` for `layout`,
+        every page allocated and mapped now; file and directory are removed when this region is
+        collected or the process exits. Sweeps first what crashed creators left. Raises
+        RegionError (and leaves no file of its own, and any other's alone)."""
         if not _NAME_RE.match(name):
             raise RegionError(f"host region name {name!r} must be letters, digits, '.', '_' or '-'")
-        dfd = _private_dir(base)
+        base = os.fspath(base)
+        _sweep(base)
+        dpath, dfd = _make_dir(base)
         fname = f"{name}.host"
-        path = _path(base, fname)
-        created = False
+        path = os.path.join(dpath, fname)
+        fd = -1
         try:
-            _sweep(dfd)
             _, size = _offsets(layout)
+            fd = os.open(fname, os.O_RDWR | os.O_CREAT | os.O_EXCL | OPEN_FLAGS, 0o600, dir_fd=dfd)
+            record = json.dumps({"pid": os.getpid(), "slot_bytes": list(layout.slot_bytes),
+                                 "num_slots": list(layout.num_slots)}).encode()
+            if len(record) + len(MAGIC) > PAGE:
+                raise RegionError(f"host region layout of {len(layout.slot_bytes)} groups does not fit a page")
             try:
-                fd = os.open(fname, os.O_RDWR | os.O_CREAT | os.O_EXCL | OPEN_FLAGS, 0o600, dir_fd=dfd)
-            except FileExistsError:  # never ours to remove
-                raise RegionError(f"{path!r} exists already; host region names are random per "
-                                  "engine start: remove the file") from None
-            created = True
-            try:
-                try:
-                    os.posix_fallocate(fd, 0, size)
-                except OSError as exc:
-                    raise RegionError(
-                        f"cannot reserve {size} bytes in {str(base)!r} ({exc.strerror}); give the "
-                        "container more shared memory (docker --shm-size or --ipc=host) or lower "
-                        "kvtier.cpu_bytes") from None
-                record = json.dumps({"pid": os.getpid(), "pidns": _pidns(), "slot_bytes": list(layout.slot_bytes),
-                                     "num_slots": list(layout.num_slots)}).encode()
-                if len(record) + len(MAGIC) > PAGE:
-                    raise RegionError(f"host region layout of {len(layout.slot_bytes)} groups does not fit a page")
-                os.pwrite(fd, MAGIC + record, 0)
-                mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            finally:
-                os.close(fd)
-            region = cls(mm, layout, path, populate=True)
+                os.posix_fallocate(fd, 0, size)
+            except OSError as exc:
+                raise RegionError(
+                    f"cannot reserve {size} bytes in {base!r} ({exc.strerror}); give the "
+                    "container more shared memory (docker --shm-size or --ipc=host) or lower "
+                    "kvtier.cpu_bytes") from None
+            os.pwrite(fd, MAGIC + record, 0)
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            region = cls(mm, fd, layout, path, populate=True)
         except BaseException:
-            if created:
-                try:
-                    os.unlink(fname, dir_fd=dfd)
-                except OSError:
-                    pass
-            os.close(dfd)
+            if fd >= 0:
+                os.close(fd)
+            _remove(dfd, dpath, fname, os.getpid())
             raise
-        region._remove = weakref.finalize(region, _unlink_at, dfd, fname, os.getpid())
+        region._remove = weakref.finalize(region, _remove, dfd, dpath, fname, os.getpid())
         return region
 
     @classmethod
     def attach(cls, base: str | os.PathLike[str], name: str, layout: TierLayout) -> HostRegion | None:
-        """Map the region another process created for `layout` (named by it: the vLLM worker's
-        handshake), then remove its file (both processes hold it now). Page tables are filled at
-        first touch, not now (the creator allocated every page; filling 4 GiB of page tables here
-        took 1.5 s). None when there is none, its creator is gone, or its layout is another.
-        Raises RegionError for an unsafe directory or file."""
-        if not _NAME_RE.match(name):
+        """Map the region another process created for `layout` (`name` its region's `name`, as
+        the vLLM worker's handshake says it), then remove its file and directory (both processes
+        hold it now). Page tables are filled at first touch, not now (the creator allocated every
+        page; filling 4 GiB of page tables here took 1.5 s). None when there is none, its
+        creator is gone (its lock is free), or its layout is another. Raises RegionError for an
+        unsafe directory or file."""
+        dname, _, stem = name.partition("/")
+        if not _DIR_RE.match(dname) or not dname.startswith(_prefix()) or not _NAME_RE.match(stem):
             return None
-        dfd = _private_dir(base)
-        fname = f"{name}.host"
+        base = os.fspath(base)
+        dpath = os.path.join(base, dname)
+        fname = f"{stem}.host"
+        try:
+            dfd = _open_private_dir(dpath)
+        except FileNotFoundError:
+            return None
         try:
             try:
-                fd = os.open(fname, os.O_RDWR | OPEN_FLAGS, dir_fd=dfd)
+                st = os.stat(fname, dir_fd=dfd, follow_symlinks=False)
             except FileNotFoundError:
                 return None
-            except OSError as exc:
-                if exc.errno == errno.ELOOP:
-                    raise RegionError(f"host region {fname!r} is a symlink; remove it") from None
-                raise
+            if stat.S_ISLNK(st.st_mode):
+                raise RegionError(f"host region {fname!r} is a symlink; remove it")
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_nlink != 1 \
+                    or st.st_mode & 0o077:
+                raise RegionError(f"host region {fname!r} is not a private regular file; remove it")
             try:
-                st = os.fstat(fd)
-                if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_nlink != 1 \
-                        or st.st_mode & 0o077:
-                    raise RegionError(f"host region {fname!r} is not a private regular file; remove it")
+                fd = os.open(fname, os.O_RDWR | os.O_NONBLOCK | OPEN_FLAGS, dir_fd=dfd)
+            except OSError as exc:  # replaced since the lstat
+                raise RegionError(f"cannot open host region {fname!r} ({exc.strerror}); remove it") from None
+            try:
+                now = os.fstat(fd)
                 rec = _read_record(fd)
                 _, size = _offsets(layout)
-                if (rec is None or rec.get("slot_bytes") != list(layout.slot_bytes)
-                        or rec.get("num_slots") != list(layout.num_slots) or st.st_size != size
-                        or not isinstance(rec.get("pid"), int) or _gone(rec)):
+                if ((now.st_dev, now.st_ino) != (st.st_dev, st.st_ino) or rec is None
+                        or rec.get("slot_bytes") != list(layout.slot_bytes)
+                        or rec.get("num_slots") != list(layout.num_slots) or now.st_size != size
+                        or not _held(dfd)):
+                    os.close(fd)
                     return None
                 mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            finally:
+                region = cls(mm, fd, layout, os.path.join(dpath, fname), populate=False)
+            except BaseException:
                 os.close(fd)
+                raise
             try:  # the name still the file this mapped (not one made since): remove it
-                now = os.stat(fname, dir_fd=dfd, follow_symlinks=False)
-                if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
+                again = os.stat(fname, dir_fd=dfd, follow_symlinks=False)
+                if (again.st_dev, again.st_ino) == (st.st_dev, st.st_ino):
                     os.unlink(fname, dir_fd=dfd)
+                    os.rmdir(dpath)
             except OSError:
                 pass
-            return cls(mm, layout, _path(base, fname), populate=False)
+            return region
         finally:
             os.close(dfd)
 
 
-def _unlink_at(dfd: int, fname: str, pid: int) -> None:
-    if os.getpid() != pid:  # a forked child collecting the parent's region leaves the file alone
+def _remove(dfd: int, dpath: str, fname: str, pid: int) -> None:
+    """Remove a region's file and directory, then close the directory (its lock goes with it)."""
+    if os.getpid() != pid:  # a forked child collecting the parent's region leaves it alone
         return
     try:
-        os.unlink(fname, dir_fd=dfd)
+        if fname:
+            os.unlink(fname, dir_fd=dfd)
+    except OSError:
+        pass
+    try:
+        os.rmdir(dpath)
     except OSError:
         pass
     try:
