@@ -204,3 +204,40 @@ def test_bench_serve_refuses_a_redis_url_with_a_password_without_echoing_it() ->
         with pytest.raises(ConfigError, match="without a password") as err:
             redis_address(url)
         assert "s3cret" not in str(err.value), err.value
+
+
+def test_the_bench_own_server_takes_no_command_without_its_random_password() -> None:
+    """`kvtier bench redis` without --url started redis-server with `--protected-mode no` and no
+    password: any local user could read and write it during the run. Now it has a random
+    password, set in a config file of a private directory (never on a command line)."""
+    import socket
+    import stat
+    from urllib.parse import urlsplit
+
+    import redis
+
+    from kvtier.commands.bench_redis import own_server
+
+    with own_server() as url:
+        port = urlsplit(url).port
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:  # another local user
+            s.sendall(b"*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$1\r\nv\r\n*2\r\n$3\r\nGET\r\n$1\r\nk\r\n")
+            reply = b""
+            while reply.count(b"\r\n") < 2:
+                reply += s.recv(256)
+        assert reply.startswith(b"-NOAUTH") and b"+OK" not in reply, reply
+        password = urlsplit(url).password
+        assert password is not None and len(password) >= 32
+        r = redis.Redis.from_url(url)  # the bench's own clients get in
+        assert r.ping() and r.set("k", "v")
+        r.close()
+        pids = [p for p in _servers_in("kvtier-bench-redis-")
+                if f":{port}".encode() in Path(f"/proc/{p}/cmdline").read_bytes()]
+        assert len(pids) == 1
+        assert password.encode() not in Path(f"/proc/{pids[0]}/cmdline").read_bytes()
+        d = Path(os.readlink(f"/proc/{pids[0]}/cwd"))
+        assert stat.S_IMODE(d.stat().st_mode) == 0o700  # no other user reaches its files
+        held = [f for f in d.iterdir() if password.encode() in f.read_bytes()]
+        assert [f.name for f in held] == ["redis.conf"] and stat.S_IMODE(held[0].stat().st_mode) == 0o600
+    assert not [p for p in _servers_in("kvtier-bench-redis-")
+                if f":{port}".encode() in Path(f"/proc/{p}/cmdline").read_bytes()]

@@ -7,7 +7,8 @@ Both sides move the same chunk payloads (seeded random bytes) in one pipeline pe
   copy into the buffer) against a raw pipelined `GET` that returns bytes and stops there.
 The two alternate within each round (which goes first flips every round) and the figures are
 medians over rounds; ratios are kvtier's throughput over raw's (1.0 = as fast). Without --url
-a redis-server is started on a free loopback port in a temp dir and stopped afterwards.
+a redis-server is started on a free loopback port in a temp dir, with a random password (any
+local user can reach a loopback port), and stopped afterwards.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
+import secrets
 import shutil
 import socket
 import statistics
@@ -49,17 +52,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 @contextlib.contextmanager
 def own_server() -> Iterator[str]:
-    """A redis-server on a free loopback port, persistence off; always stopped."""
+    """A redis-server on a free loopback port, persistence off, always stopped; yields its URL,
+    which carries the server's random password (`redis://:PASSWORD@127.0.0.1:PORT/0`; every
+    message shows it through `redact`).
+
+    Any local user can connect to a loopback port, so the server takes no command without that
+    password (`requirepass`). The password is written to a config file (0600) in the temporary
+    directory (0700) and never put on the command line, which /proc shows to every user.
+    Rejected: a Unix socket in the private directory (as private, but the bench would then
+    measure another transport than the TCP that `--url` and real deployments use)."""
     exe = shutil.which("redis-server")
     if exe is None:
         raise KvtierError("redis-server not found; install it (apt-get install redis-server) "
                           "or pass --url")
-    with tempfile.TemporaryDirectory(prefix="kvtier-bench-redis-") as d:
+    with tempfile.TemporaryDirectory(prefix="kvtier-bench-redis-") as d:  # mode 0700
+        password = secrets.token_hex(32)
+        conf = os.path.join(d, "redis.conf")
+        fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(f"requirepass {password}\n")
         port = free_port()
         proc = subprocess.Popen(
-            [exe, "--port", str(port), "--bind", "127.0.0.1", "--dir", d, "--save", "",
-             "--appendonly", "no", "--protected-mode", "no", "--logfile", f"{d}/redis.log"],
+            [exe, conf, "--port", str(port), "--bind", "127.0.0.1", "--dir", d, "--save", "",
+             "--appendonly", "no", "--logfile", f"{d}/redis.log"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        auth = f"*2\r\n$4\r\nAUTH\r\n${len(password)}\r\n{password}\r\n*1\r\n$4\r\nPING\r\n".encode()
         try:
             deadline = time.monotonic() + 10
             while True:
@@ -67,15 +84,15 @@ def own_server() -> Iterator[str]:
                     raise KvtierError(f"redis-server exited at start (port {port})")
                 try:
                     with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
-                        s.sendall(b"*1\r\n$4\r\nPING\r\n")
-                        if s.recv(16).startswith(b"+PONG"):
+                        s.sendall(auth)
+                        if s.recv(64).startswith(b"+OK\r\n+PONG"):
                             break
                 except OSError:
                     pass
                 if time.monotonic() > deadline:
                     raise KvtierError(f"redis-server on port {port} did not answer in 10 s")
                 time.sleep(0.02)
-            yield f"redis://127.0.0.1:{port}/0"
+            yield f"redis://:{password}@127.0.0.1:{port}/0"
         finally:
             proc.terminate()
             try:
@@ -137,8 +154,6 @@ def measure(url: str, chunk_bytes: int, chunks: int, rounds: int, secret: bool =
         raw.ping()  # type: ignore[attr-defined]
     except Exception as exc:  # noqa: BLE001
         raise KvtierError(f"cannot reach Redis at {redact(url)}: {exc}") from None
-    import os
-
     from kvtier.store.integrity import Keyed
 
     tier = RedisTier(opts, namespace_id=BENCH_NS, keyed=Keyed(os.urandom(32)) if secret else None)
