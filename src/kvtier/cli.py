@@ -17,7 +17,7 @@ from kvtier.errors import ConfigError, KvtierError
 
 # Order is the order `kvtier --help` lists them. A name whose module does not exist is skipped,
 # so a command lands with its module and nothing else has to change.
-COMMANDS = ("plan", "demo", "replay", "inspect", "check", "bench")
+COMMANDS = ("plan", "demo", "replay", "inspect", "check", "bench", "events")
 
 
 def build_parser() -> argparse.ArgumentParser:

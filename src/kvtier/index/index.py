@@ -148,6 +148,10 @@ class Index:
             tuple(gp.index for gp in cacheable if gp.index not in self.anchors) if self.anchors else ()
         )
         self.counts = dict.fromkeys(("lookups", "hit_lookups", "hit_tokens"), 0)
+        # told of every entry that becomes visible (stored=True: commit, put, rebuild) or stops
+        # being visible (stored=False: evicted, removed, dropped); reserved entries that never
+        # committed are never told. For KV events (the vLLM manager); None costs nothing.
+        self.listener: Callable[[str, int, ChunkHash, bool], None] | None = None
 
     # -- queries -------------------------------------------------------------------------------
 
@@ -350,6 +354,8 @@ class Index:
             pool.cold[chunk_hash] = None
         if self._dependents and group not in self._anchor_set and not self._anchored(chunk_hash):
             pool.dead[chunk_hash] = None
+        if self.listener is not None:
+            self.listener(tier, group, chunk_hash, True)
 
     def abort(self, chunk_hash: ChunkHash, group: int, tier: str) -> None:
         """The write failed or was cancelled: free the reserved slot."""
@@ -387,6 +393,8 @@ class Index:
                 self._maybe_revive(chunk_hash)
             elif not self._anchored(chunk_hash):
                 pool.dead[chunk_hash] = None
+        if self.listener is not None:
+            self.listener(tier, group, chunk_hash, True)
         return Reservation(slot, "reserved", evicted)
 
     def touch_all(self, chunk_hash: ChunkHash, group: int) -> bool:
@@ -410,6 +418,8 @@ class Index:
         pool.counts["removes"] += 1
         if rec.pins:
             rec.state = _DOOMED
+            if self.listener is not None:
+                self.listener(tier, group, chunk_hash, False)
             pool.policy.remove(chunk_hash)
             pool.dead.pop(chunk_hash, None)
             pool.cold.pop(chunk_hash, None)
@@ -442,6 +452,8 @@ class Index:
             pool.recs[chunk_hash] = _Rec(slot, 0, _COMMITTED)
             pool.policy.insert(chunk_hash)
             touched.add(pool)
+            if self.listener is not None:
+                self.listener(tier, group, chunk_hash, True)
         for pool in touched:
             # every slot not held is free again; a fresh-slot counter cannot express holes
             held = {r.slot for r in pool.recs.values()}
@@ -460,6 +472,8 @@ class Index:
         del pool.recs[chunk_hash]
         if rec.state == _COMMITTED:
             pool.policy.remove(chunk_hash)
+            if self.listener is not None:
+                self.listener(pool.tier, pool.group, chunk_hash, False)
         pool.dead.pop(chunk_hash, None)
         pool.cold.pop(chunk_hash, None)
         pool.freed.append(rec.slot)

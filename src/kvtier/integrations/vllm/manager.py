@@ -90,6 +90,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvtier.index.index import Index
 
 from .common import ChunkItem, KvtierLoadStoreSpec, Metrics, SpecContext
+from .events import KvEvents
 from .lane import Lane
 from .promoter import LookupPromoter
 
@@ -116,7 +117,10 @@ class _Fetch:
 
 
 class KvtierManager(OffloadingManager):
-    def __init__(self, ctx: SpecContext, metrics: Metrics, relayout=None) -> None:  # noqa: ANN001
+    def __init__(self, ctx: SpecContext, metrics: Metrics, relayout=None,  # noqa: ANN001
+                 events: bool = False) -> None:
+        """`events`: vLLM's KV events are on (`enable_kv_cache_events`): what each tier holds is
+        announced through `take_events` (events.py)."""
         self.ctx = ctx
         self.relayout = relayout  # the spec's adopt_worker_pages
         self.metrics = metrics
@@ -126,6 +130,8 @@ class KvtierManager(OffloadingManager):
         # vLLM's key of every chunk the index holds, for eviction events: entries live exactly as
         # long as the chunk is in some tier (a map of every key ever looked up grew without bound)
         self._okey: dict[tuple[bytes, int], OffloadKey] = {}
+        self.events = KvEvents(self._okey.get, lambda name, n: self.metrics.add(name, n), events)
+        self.index.listener = self.events.on_index
         self._evicted_later: list[OffloadKey] = []  # evicted outside prepare_store, reported next
         self._pins: dict[OffloadKey, list[str]] = {}  # tier of each pin, oldest first
         self._pending: dict[OffloadKey, list[tuple[str, int]]] = {}  # places reserved by a store in flight
@@ -202,7 +208,9 @@ class KvtierManager(OffloadingManager):
         if self._pins or self._pending or self._loads or self._promoting or self._loading or self._fetches:
             raise RuntimeError("kvtier: the workers' layout arrived after transfers began")
         self.ctx = ctx
+        self.events.reset(self._okey)
         self.index = ctx.new_index()
+        self.index.listener = self.events.on_index
         self._step_pins.clear()
         self._promoter.close()
         self._promoter = LookupPromoter(ctx, self.index)
@@ -304,6 +312,8 @@ class KvtierManager(OffloadingManager):
             if not (answer and self._adopt_from_redis(*split)):
                 return LookupResult.MISS
         self._okey[split] = key  # held: its eviction is reported under this key
+        if self.events.enabled:  # a chunk adopted at start is announced once a lookup names it
+            self.events.named(split, key, [t for t, _ in self.index.where(*split)])
         if self._start_fetch(key, split, req_context):
             self.metrics.add("lookup_pending_keys", group=group)
             return LookupResult.HIT_PENDING
@@ -762,8 +772,11 @@ class KvtierManager(OffloadingManager):
         versions defer stores one step), and vLLM drops their completions; so an old job's write
         into a slot the new index hands out lands first and is overwritten, and a load never reads
         a slot of the new index before the store that filled it. Worst case a stale payload sits in
-        a slot whose header names another chunk: a counted miss, never wrong KV."""
+        a slot whose header names another chunk: a counted miss, never wrong KV. Every chunk
+        announced in a KV event is announced removed (vLLM's own manager says nothing here)."""
+        self.events.reset(self._okey)
         self.index = self.ctx.new_index()
+        self.index.listener = self.events.on_index
         self._pins.clear()
         self._pending.clear()
         self._loads.clear()
@@ -781,6 +794,11 @@ class KvtierManager(OffloadingManager):
             self._answers.clear()
             self._asked.clear()
         self.metrics.add("resets")
+
+    def take_events(self):  # noqa: ANN201 - Iterable[OffloadingEvent]
+        """vLLM's KV events for what kvtier's tiers gained and lost since the last call
+        (events.py); vLLM's connector publishes them as BlockStored / BlockRemoved."""
+        return self.events.take()
 
     def on_reset_flushed(self) -> None:
         """vLLM 0.33: the workers reported every job in flight at the last reset; promotion at

@@ -43,6 +43,13 @@ log = logging.getLogger("kvtier.vllm")
 class KvtierOffloadingSpec(OffloadingSpec):
     def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(config)
+        if "self_describing_kv_events" not in config.extra_config:
+            # on by default: with vLLM's KV events on, every event names its group's kind and
+            # window (the residency rule) and full-attention chunks carry their tokens, which a
+            # router needs to match a prompt (events.py); inert while KV events are off
+            from dataclasses import replace
+
+            self.kv_events_config = replace(self.kv_events_config, self_describing_kv_events=True)
         tier_config = parse_config(config.extra_config)
         _refuse_parallel(config.parallel)
         groups = [EngineGroup(g.group_id, g.tokens_per_block, tuple(g.layer_names))
@@ -144,7 +151,8 @@ class KvtierOffloadingSpec(OffloadingSpec):
             for gp in self.ctx.plan.groups:
                 metrics.info[f"chunk_bytes_group{gp.index}"] = gp.chunk_bytes
             metrics.info["offload_off"] = int(bool(self.ctx.off_reason))
-            self._manager = KvtierManager(self.ctx, metrics, relayout=self.adopt_worker_pages)
+            self._manager = KvtierManager(self.ctx, metrics, relayout=self.adopt_worker_pages,
+                                          events=self.kv_events_config.enable_kv_cache_events)
             log.info("kvtier: manager on %s, plan chunk_tokens=%d, namespace %s",
                      dict(self.ctx.config.capacities_bytes), self.ctx.plan.chunk_tokens,
                      self.ctx.namespace.id)
