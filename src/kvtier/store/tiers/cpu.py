@@ -20,7 +20,14 @@ checksum; a checksum here would halve cpu throughput for no gain).
 
 Given a `HostRegion` (host_region.py), slabs and table live in a file two processes map, so the
 vLLM scheduler's process can fill a slot the worker's process reads (promotion at lookup); every
-header then lives in the table, never only in a process's memory.
+header then lives in the table, never only in a process's memory. Another process of this user
+may truncate that file, and a page past its end is SIGBUS: every operation here first asks the
+region whether its file still spans the mapping (`HostRegion.intact`, one fstat). Once it does
+not (for good): a header reads as empty (a counted miss), `begin` hands out a stand-in row and
+counts a failed write, `commit` and `free` touch nothing, `generation` is a new odd number every
+call (no copy taken before compares equal), and `view` raises. Rejected: a SIGBUS handler (a
+fault inside a copy cannot be resumed from Python) and mapping the file privately (a truncation
+drops private pages too).
 Rejected alternative: one slab with rows sized for all groups (vLLM's layout); with unequal
 groups it wastes every byte between a group's chunk size and the largest one.
 """
@@ -46,7 +53,7 @@ from kvtier.store.payload import (
     span_not_held,
 )
 from kvtier.store.tiers.base import SlotTier, TierLayout
-from kvtier.store.tiers.host_region import SEQ_BYTES, SLOT_RECORD, HostRegion
+from kvtier.store.tiers.host_region import SEQ_BYTES, SLOT_RECORD, HostRegion, RegionError
 
 ZERO_HEADER = bytes(HEADER_BYTES)
 
@@ -133,6 +140,8 @@ class CpuTier(SlotTier):
         pin = _pin_default() if pin_memory is None else pin_memory
         self.pinned = pin
         self.region = region
+        self._lost_seq = 1  # generation's answers once the region is lost: odd, never repeated
+        self._stand_ins: dict[int, torch.Tensor] = {}  # begin's rows once the region is lost
         if region is not None:  # slabs and table in a file another process maps too
             if region.layout != layout:
                 raise ValueError(f"host region laid out for {region.layout}, not {layout}")
@@ -153,8 +162,16 @@ class CpuTier(SlotTier):
 
     # -- the slot table ------------------------------------------------------------------------
 
+    def _lost(self) -> bool:
+        """Whether the host region's file no longer spans its mapping (host_region.py): no page
+        of it may be touched then."""
+        return self.region is not None and not self.region.intact()
+
     def generation(self, group: int, slot: int) -> int:
         """The slot's sequence number: odd while it is being written, changed by every `begin`."""
+        if self._lost():  # as if being written, and never the number a committed chunk had
+            self._lost_seq += 2
+            return self._lost_seq
         return _SEQ.unpack_from(self._tables[group], slot * SLOT_RECORD)[0]
 
     def _set_header(self, group: int, slot: int, header: ChunkHeader | None, bump: bool) -> None:
@@ -171,10 +188,15 @@ class CpuTier(SlotTier):
     def view(self, group: int, slot: int, nbytes: int) -> torch.Tensor:
         """Zero-copy view of the first `nbytes` bytes of a slot."""
         self._check(group, slot, nbytes)
+        if self._lost():  # a view could only fault later, where no check runs
+            raise RegionError(f"host region {self.region.path!r} was truncated under its mapping, so its "  # type: ignore[union-attr]
+                              "slots cannot be viewed; restart the engine and stop whatever truncates it")
         return self.slabs[group][slot, :nbytes]
 
     def header(self, group: int, slot: int) -> ChunkHeader | None:
         self._check(group, slot)
+        if self._lost():
+            return None
         off = slot * SLOT_RECORD + SEQ_BYTES
         # copied out first: another process may rewrite the record while this decodes it
         raw = bytes(self._tables[group][off:off + HEADER_BYTES])
@@ -186,18 +208,20 @@ class CpuTier(SlotTier):
     def write(self, group: int, slot: int, header: ChunkHeader, data: object) -> bool:
         n = header.payload_bytes
         self._check(group, slot, n)
-        if isinstance(data, torch.Tensor):
-            src_t = as_u8(data)
-            if src_t.numel() != n:
-                raise ValueError(f"data has {src_t.numel()} bytes, header says {n}")
-            self.begin(group, slot)[:n].copy_(src_t)
+        src_t = as_u8(data) if isinstance(data, torch.Tensor) else None
+        src = as_bytes_view(data) if src_t is None else None
+        got = src_t.numel() if src_t is not None else len(src)  # type: ignore[arg-type]
+        if got != n:
+            raise ValueError(f"data has {got} bytes, header says {n}")
+        if self._lost():
+            return self._failed_write(group, slot, "its host region file was truncated")
+        row = self.begin(group, slot)  # a stand-in, counted, if the region was lost since
+        if src_t is not None:
+            row[:n].copy_(src_t)
         else:
-            src = as_bytes_view(data)
-            if len(src) != n:
-                raise ValueError(f"data has {len(src)} bytes, header says {n}")
-            as_bytes_view(self.begin(group, slot)[:n])[:] = src
+            as_bytes_view(row[:n])[:] = src
         self.commit(group, slot, header)
-        return True
+        return self.region is None or not self.region.lost
 
     def begin(self, group: int, slot: int) -> torch.Tensor:
         """Start writing a slot in place: its sequence number turns odd and its header is dropped
@@ -206,8 +230,15 @@ class CpuTier(SlotTier):
         caller to fill. `commit` makes it readable. Bytes outside the span the header will name
         are whatever the slot held before: a caller of `holds` copies only the span (the vLLM
         worker does), and `read` copies the whole row, so a slot filled this way is read with
-        `holds`. Every write goes through here (`write` too)."""
+        `holds`. Every write goes through here (`write` too). With the region lost, the row is a
+        stand-in of this process's own memory (the caller's fill goes nowhere) and the write is
+        counted failed."""
         self._check(group, slot)
+        if self._lost():
+            self._failed_write(group, slot, "its host region file was truncated")
+            if group not in self._stand_ins:
+                self._stand_ins[group] = torch.empty(self.layout.slot_bytes[group], dtype=torch.uint8)
+            return self._stand_ins[group]
         self._set_header(group, slot, None, bump=True)
         return self.slabs[group][slot]
 
@@ -219,6 +250,8 @@ class CpuTier(SlotTier):
         which follows the job's end; the job's disk and Redis writes wait for its copies). A new
         reader of the slot table must be gated the same way."""
         self._check(group, slot, header.payload_bytes)
+        if self._lost():  # nothing is published (begin, or the region's warning, said why)
+            return
         self._set_header(group, slot, header, bump=False)
         self.writes += 1
         self.bytes_written += header.payload_bytes
@@ -253,6 +286,8 @@ class CpuTier(SlotTier):
 
     def free(self, group: int, slot: int) -> None:
         self._check(group, slot)
+        if self._lost():
+            return
         self._set_header(group, slot, None, bump=False)
 
     def close(self) -> None:

@@ -45,7 +45,15 @@ Trust: a process of the same user can open the file (through /proc, or before th
 removed its name) and rewrite slot headers or bytes: like the process's own memory, which such a
 process can also reach (ptrace), it is trusted. Containers that share /dev/shm under one uid are
 one tenant. The cpu tier carries no checksum and no MAC, a tenant secret or not (docs/store.md,
-"Threat model").
+"Threat model"). What the region does not trust is its size: a file truncated under a mapping
+kills whoever touches a page past the new end with SIGBUS. Each `CpuTier` operation on a region
+first checks, with one `fstat` (about 1 us), that the file still spans the mapping (`intact`);
+once it does not, the region is lost for good in this process: reads are counted misses, writes
+counted failed writes, and the mapping is replaced in place by private zero pages (`mmap`
+MAP_FIXED, same addresses: every tensor and view stays valid), so a caller that copies from
+`slabs` directly (the vLLM worker's write-behind) reads zeros, which the slot's generation then
+disowns, instead of faulting. What is left: a truncation that races an operation already past
+its check, or a direct copy before any check saw the cut, can still fault.
 
 Rejected alternative: `multiprocessing.shared_memory` (a name anyone may guess, no O_NOFOLLOW,
 its resource tracker unlinks it when the first process exits).
@@ -54,6 +62,7 @@ its resource tracker unlinks it when the first process exits).
 from __future__ import annotations
 
 import fcntl
+import ctypes
 import json
 import mmap
 import os
@@ -74,6 +83,7 @@ SLOT_RECORD = SEQ_BYTES + HEADER_BYTES  # a slot's sequence number, then its hea
 DEFAULT_DIR = "/dev/shm"
 OPEN_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,160}$")
+_MAP_FIXED = 0x10  # Linux's value on every architecture; Python's mmap module does not name it
 _DIR_RE = re.compile(r"^kvtier-[0-9]+-[A-Za-z0-9_]{1,64}$")  # mkdtemp's characters
 
 
@@ -248,7 +258,7 @@ class HostRegion:
 
     def __init__(self, mm: mmap.mmap, fd: int, layout: TierLayout, path: str, *, populate: bool) -> None:
         self._mm = mm
-        self._fd = fd
+        self._fd = fd  # the file: its size is checked against the mapping (intact)
         if populate:  # page tables filled now: a store into a slot never touched pays no faults in a step
             try:
                 mm.madvise(getattr(mmap, "MADV_POPULATE_WRITE", 23))
@@ -258,6 +268,7 @@ class HostRegion:
         self.path = path
         self.name = f"{os.path.basename(os.path.dirname(path))}/{os.path.basename(path)[:-len('.host')]}"
         offsets, self.size = _offsets(layout)
+        self.lost = False  # the file shrank below the mapping once (intact)
         self.slabs: list[torch.Tensor] = []
         self.tables: list[memoryview] = []
         buf = memoryview(mm)
@@ -268,6 +279,44 @@ class HostRegion:
                 continue
             self.slabs.append(torch.frombuffer(mm, dtype=torch.uint8, count=n * b, offset=s_off).view(n, b))
         self._close_fd = weakref.finalize(self, os.close, fd)  # last: a failed __init__ leaves it the caller's
+
+    def intact(self) -> bool:
+        """Whether every page of the mapping is still backed by the file (one fstat): a process
+        of this user may have truncated it, and touching a page past the file's end is SIGBUS.
+        Once False, False for good in this process: the bytes past the cut are gone (regrown,
+        they read as zeros), and a slot filled from a stand-in row while lost must never be
+        committed later as if its bytes had landed."""
+        if self.lost:
+            return False
+        try:
+            now = os.fstat(self._fd).st_size
+        except OSError:  # not on a file kvtier keeps open; never seen
+            now = -1
+        if now >= self.size:
+            return True
+        self.lost = True
+        self._unback()
+        log.warning("host region %s: its file has %d of the %d bytes mapped (truncated by another "
+                    "process of this user?); its slots read as empty and take no writes until restart",
+                    self.path, now, self.size)
+        return False
+
+    def _unback(self) -> None:
+        """Put private zero pages in place of the file's, at the same addresses (a fault past the
+        file's end becomes a read of zeros). Rejected: munmap (a stray access would segfault)."""
+        try:
+            addr = ctypes.addressof(ctypes.c_char.from_buffer(self._mm))
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.mmap.restype = ctypes.c_void_p
+            libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                                  ctypes.c_int, ctypes.c_long]
+            got = libc.mmap(addr, self.size, mmap.PROT_READ | mmap.PROT_WRITE,
+                            mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED, -1, 0)
+            if got != addr:
+                log.warning("host region %s: cannot replace its lost mapping (errno %d)", self.path,
+                            ctypes.get_errno())
+        except (OSError, AttributeError, TypeError, ValueError) as exc:  # no libc mmap here
+            log.warning("host region %s: cannot replace its lost mapping (%s)", self.path, exc)
 
     @classmethod
     def create(cls, base: str | os.PathLike[str], name: str, layout: TierLayout) -> HostRegion:
