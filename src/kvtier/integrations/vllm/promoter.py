@@ -16,18 +16,29 @@ index gave all ranks alike. The scheduler maps every rank's region (each rank's 
 its own), and a promotion reads the chunk of every rank, each verified under that rank's
 namespace, and fills every rank's slot; one rank's failed read fails the whole promotion (a
 chunk is a hit only where every rank holds it).
+
+Bounded by `kvtier.io_queue_bytes`: a promotion's buffers (every rank's shard) are out from the
+moment its read is queued until the scheduler's thread fills them into their slot or gives them
+back (`fill`, `give`), so the budget counts them for that whole time (the lane's own byte count
+ends when a read has run, while its buffers wait for the next lookup pass or step end). A
+promotion that would pass it is not queued: `fetch` answers False, as for a tier it cannot read,
+and the manager serves the chunk as before (a hit its load reads from the slower tier, a miss with
+host-only loads), counted `promote_dropped`. As the worker's lane admits a write into an empty
+queue, nothing out admits one promotion of any size, so a budget below one chunk still promotes
+one at a time. Rejected: waiting for room (the scheduler's thread never waits on I/O).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from kvtier.store.payload import ChunkHeader
 
-from .common import SpecContext
+from .common import Metrics, SpecContext
 from .lane import Lane
 
 log = logging.getLogger("kvtier.vllm")
@@ -44,12 +55,19 @@ class _Rank:
 
 
 class LookupPromoter:
-    def __init__(self, ctx: SpecContext, index) -> None:  # noqa: ANN001 - the manager's Index
+    def __init__(self, ctx: SpecContext, index, metrics: Metrics | None = None) -> None:  # noqa: ANN001 - the manager's Index
         self.ctx = ctx
         self._index = index
+        self._metrics = metrics  # the manager's: `promote_dropped`
         self.ranks: list[_Rank] = []  # every worker's, once mapped (rank order)
         self._lane: Lane | None = None
         self._pool: dict[int, deque] = {}
+        self.max_bytes = ctx.config.io_queue_bytes
+        # buffers out, by the id of the list `done` receives (kept alive here while out): the
+        # promoter's thread gives back a failed read's, the scheduler's thread the others
+        self._out: dict[int, tuple[list, int]] = {}
+        self._out_bytes = 0
+        self._out_lock = threading.Lock()
 
     def ready(self) -> bool:
         """Whether promotion at lookup is possible: every worker's region is mapped."""
@@ -90,7 +108,7 @@ class LookupPromoter:
                         "are promoted at load, not at lookup", exc)
             return False
         self.ranks = ranks
-        self._lane = Lane("promote", 0)
+        self._lane = Lane("promote", 0)  # unbounded queue: the budget is kept by fetch (module doc)
         log.info("kvtier: mapped the cpu tier of %d worker(s): promotion at lookup", len(ranks))
         return True
 
@@ -137,13 +155,25 @@ class LookupPromoter:
         """Queue a read of a whole chunk from `tier`, every rank's shard into a pooled buffer,
         each verified by its tier under its rank's namespace; `done(buffers)` (or `done(None)`:
         a miss, a corrupt payload, a chunk held only in part, on any rank) runs on this object's
-        thread. False: nothing queued (no reader of that tier, closed)."""
+        thread. False: nothing queued (no reader of that tier, closed, or past `max_bytes`: counted
+        `promote_dropped`). The buffers count against `max_bytes` until given back (`fill`,
+        `give`)."""
         readers = [r.tiers.get(tier) for r in self.ranks]
         if self._lane is None or not readers or any(x is None for x in readers):
             return False
+        bufs: list = []
+        nbytes = header.payload_bytes * len(readers)
+        with self._out_lock:
+            room = not self._out_bytes or self._out_bytes + nbytes <= self.max_bytes
+            if room:
+                self._out_bytes += nbytes
+                self._out[id(bufs)] = (bufs, nbytes)
+        if not room:
+            if self._metrics is not None:
+                self._metrics.add("promote_dropped", group=g)
+            return False
 
         def read() -> None:
-            bufs: list = []
             ok = False
             try:  # done() is always called: a fetch never answered would stay pending for ever
                 for rank, reader in zip(self.ranks, readers):
@@ -159,7 +189,10 @@ class LookupPromoter:
                     self.give(bufs)
                 done(bufs if ok else None)
 
-        return self._lane.submit(read)
+        if not self._lane.submit(read):
+            self._release(bufs)
+            return False
+        return True
 
     def fill(self, g: int, slot: int, bufs, header: ChunkHeader) -> None:  # noqa: ANN001
         """On the scheduler's thread: copy each rank's verified read into its cpu slot the
@@ -171,11 +204,22 @@ class LookupPromoter:
         self.give(bufs)
 
     def give(self, bufs) -> None:  # noqa: ANN001
-        """Buffers no copy reads any more (kept for reuse up to POOL_BUFFERS per size)."""
+        """Buffers no copy reads any more (kept for reuse up to POOL_BUFFERS per size): their
+        bytes no longer count against `max_bytes`."""
+        self._release(bufs)
         for buf in bufs:
             q = self._pool.setdefault(buf.numel(), deque())
             if len(q) < POOL_BUFFERS:
                 q.append(buf)
+
+    def _release(self, bufs: list) -> None:
+        """`fetch`'s buffers `bufs` are back (a list another promoter handed out is not counted
+        here: the manager's promoter is replaced when the workers' layout arrives)."""
+        with self._out_lock:
+            out = self._out.get(id(bufs))
+            if out is not None and out[0] is bufs:
+                del self._out[id(bufs)]
+                self._out_bytes -= out[1]
 
     def _take(self, nbytes: int):  # noqa: ANN202 - a uint8 tensor
         import torch

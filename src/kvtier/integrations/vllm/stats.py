@@ -90,6 +90,9 @@ FAMILIES: tuple[Family, ...] = (
            "sync_load_budget_bytes)."),
     Family("promote_skipped_full", ("group",), "Promotions skipped because every cpu slot of the "
            "group was pinned or reserved (the load still reads the slower tier)."),
+    Family("promote_dropped", ("group",), "Promotions at lookup not started because the reads "
+           "out would pass kvtier.io_queue_bytes: the chunk is served as before (its load reads the "
+           "slower tier; a miss with host-only loads)."),
     Family("store_skipped_full_{tier}", TIER_AND_GROUP, "Stores skipped because every slot of the "
            "tier was pinned by transfers in flight."),
     Family("store_keys_offload_off", (), "Stores skipped because offloading is off for this engine."),
