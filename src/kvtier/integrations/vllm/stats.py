@@ -95,6 +95,8 @@ FAMILIES: tuple[Family, ...] = (
            "slower tier; a miss with host-only loads)."),
     Family("store_skipped_full_{tier}", TIER_AND_GROUP, "Stores skipped because every slot of the "
            "tier was pinned by transfers in flight."),
+    Family("store_calls_refused", (), "prepare_store calls answered None because no tier could "
+           "take every new key (vLLM offers the keys again later)."),
     Family("store_keys_offload_off", (), "Stores skipped because offloading is off for this engine."),
     Family("evicted_{tier}", TIER_AND_GROUP, "Chunks evicted from a tier to make room."),
     Family("evicted_{tier}_dead", TIER_AND_GROUP, "Chunks evicted first because no hit could read "
