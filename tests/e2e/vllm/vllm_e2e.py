@@ -95,7 +95,8 @@ def run_engines(*scenarios: dict[str, object], expect_failure: bool = False) -> 
             env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1",
                        TOKENIZERS_PARALLELISM="false", **scenario.get("env", {}))  # type: ignore[arg-type]
             out, err = open(Path(tmp, f"{i}.out"), "w+"), open(Path(tmp, f"{i}.err"), "w+")
-            procs.append((subprocess.Popen([sys.executable, str(DRIVER), json.dumps(scenario)], env=env,
+            driver = HERE / str(scenario.get("driver", DRIVER.name))  # events_driver.py: KV events
+            procs.append((subprocess.Popen([sys.executable, str(driver), json.dumps(scenario)], env=env,
                                            stdout=out, stderr=err, text=True), out, err))
         results = []
         try:

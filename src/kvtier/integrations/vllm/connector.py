@@ -43,6 +43,19 @@ class KvtierConnector(OffloadingConnector):
             ENGINE_KV_CACHE_CONFIGS.pop(engine_id, None)
         if self.connector_worker is not None:
             self.connector_worker.spec.reports_failures = True  # type: ignore[attr-defined]
+        self._group_rules = _group_rules(kv_cache_config)
+
+    # -- KV events: every group's residency rule on every event (events.py) -----------------
+
+    def take_events(self):  # noqa: ANN201 - Iterable[KVCacheEvent]
+        """vLLM's events, each BlockStored with its group's kind and sliding window filled in
+        where vLLM left them empty (0.32 leaves them empty on every placeholder; 0.33 too unless
+        self-describing events are on): a router needs them to know what a group can restore."""
+        rules = self._group_rules
+        for ev in super().take_events():
+            if rules and getattr(ev, "kv_cache_spec_kind", "") is None and ev.group_idx in rules:
+                ev.kv_cache_spec_kind, ev.kv_cache_spec_sliding_window = rules[ev.group_idx]
+            yield ev
 
     # -- the workers' layout reaches the scheduler -------------------------------------------
     # vLLM hands the scheduler one representative KV-cache spec per group (it flattens a group
@@ -153,6 +166,18 @@ class KvtierConnector(OffloadingConnector):
                 manager.failing_loads = set()
                 for req_id in failed:
                     forget(req_id)
+
+
+def _group_rules(kv_cache_config) -> dict[int, tuple[str, int | None]]:  # noqa: ANN001
+    """vLLM group index -> (kind, sliding window) as vLLM names them in its KV events."""
+    if kv_cache_config is None:
+        return {}
+    try:
+        from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind, get_kv_cache_spec_sliding_window
+    except ImportError:  # pragma: no cover - a vLLM without event group fields
+        return {}
+    return {g: (get_kv_cache_spec_kind(grp.kv_cache_spec).value, get_kv_cache_spec_sliding_window(grp.kv_cache_spec))
+            for g, grp in enumerate(kv_cache_config.kv_cache_groups)}
 
 
 def _translate_chunk_tokens(vllm_config, kv_cache_config) -> None:  # noqa: ANN001 - vLLM's types

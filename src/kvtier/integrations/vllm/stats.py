@@ -98,6 +98,9 @@ FAMILIES: tuple[Family, ...] = (
     Family("store_calls_refused", (), "prepare_store calls answered None because no tier could "
            "take every new key (vLLM offers the keys again later)."),
     Family("store_keys_offload_off", (), "Stores skipped because offloading is off for this engine."),
+    Family("kv_events_stored", (), "KV events announcing a chunk restorable from a tier (with vLLM's KV events on)."),
+    Family("kv_events_removed", (), "KV events announcing a chunk no longer restorable from a tier."),
+    Family("kv_events_dropped", (), "KV events dropped because nothing drained them (memory bound)."),
     Family("evicted_{tier}", TIER_AND_GROUP, "Chunks evicted from a tier to make room."),
     Family("evicted_{tier}_dead", TIER_AND_GROUP, "Chunks evicted first because no hit could read "
            "them any more."),
