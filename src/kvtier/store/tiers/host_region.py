@@ -61,8 +61,8 @@ its resource tracker unlinks it when the first process exits).
 
 from __future__ import annotations
 
-import fcntl
 import ctypes
+import fcntl
 import json
 import mmap
 import os
@@ -115,7 +115,7 @@ def _open_private_dir(path: str) -> int:
     nobody else may read or write."""
     try:
         dfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NONBLOCK | OPEN_FLAGS)
-    except FileNotFoundError:
+    except FileNotFoundError:  # no such region: the caller's answer
         raise
     except OSError as exc:
         raise RegionError(f"cannot open {path!r} ({exc.strerror}); it must be a real directory, "
@@ -214,7 +214,7 @@ def _sweep(base: str) -> None:
             try:
                 os.rmdir(path)
                 log.info("host region: removed %s, left by process %s", path,
-                         ", ".join(str(p) for p in pids) or "unknown")
+                         ", ".join(str(p) for p in pids if p is not None) or "unknown")
             except OSError:
                 pass
         finally:
