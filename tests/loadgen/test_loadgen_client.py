@@ -75,7 +75,9 @@ def test_ttft_gaps_and_tokens_come_from_the_stream(server: str, make) -> None:  
     stream = make(timeout_s=10)
     for _ in range(2):  # the second request reuses the client
         s = stream(server, "m", [5, 6, 7], TOKENS)
-        assert FIRST_S <= s.ttft_s < FIRST_S + 1.0
+        # no upper bound by a margin (noise can break any): the first token's time is bounded by
+        # the server's send time below and by the request's own end (latency) above
+        assert FIRST_S <= s.ttft_s < s.latency_s
         assert len(s.gaps_s) == TOKENS - 1
         # No token is seen before the server sent it (a bound noise cannot break: a late read
         # of one token only shortens the gap after it, so single gaps are not bounded below).
