@@ -96,6 +96,11 @@ SCENARIOS = [
     # at all), so B loads from both tiers
     {"name": "stats", "stats": True,
      "extra": {"kvtier.host_region": "off", "kvtier.tiers": "cpu,disk", "kvtier.cpu_bytes": "512KiB", "kvtier.disk_bytes": "16MiB"}},
+    # a cpu tier of 3 chunks a group before disk: A's 12-chunk store goes to disk only (a tier
+    # takes a store call whole or not at all); B's load promotes 3 chunks a group into cpu slots
+    # and reads the rest from disk into staging buffers (no cpu slot left for them)
+    {"name": "disk_unpromoted",
+     "extra": {"kvtier.host_region": "off", "kvtier.tiers": "cpu,disk", "kvtier.cpu_bytes": "96KiB", "kvtier.disk_bytes": "16MiB"}},
     # promotion: a cpu tier that holds one 200-token prompt (12 chunks a group) before disk;
     # A stored, C evicts it from cpu, B loads A from disk, B2 from cpu
     {"name": "promote", "promote": True,
@@ -144,11 +149,11 @@ SCENARIOS = [
 # runs unchanged; only the copy itself is emulated (vllm_engineless/fake_cuda.py: CPU tensors that
 # claim CUDA, a queued memmove per batched copy that runs when its event is asked, so a job the
 # worker reports done before asking its copies leaves wrong bytes behind). Chunks without a cpu
-# slot (staging buffers: "stats" loads some from disk unpromoted, "keyed_disk" has no cpu tier)
+# slot (staging buffers: "disk_unpromoted" loads some from disk without a cpu slot, "keyed_disk" has no cpu tier)
 # go through kvtier's side stream, emulated alike.
 GPU_COPIES = ["gemma3_like", "gemma3_like_chunk4", "partial_chunk", "partial_chunk_two_layers", "mixed_blocks", "qwen3_next_like_chunk4",
               "dsv4_fp8_ds_mla", "promote", "promote_chunk4", "promote_lookup", "promote_sync", "abort_load",
-              "reset_store", "preempt_store", "slow_disk", "stats", "keyed_disk"]
+              "reset_store", "preempt_store", "slow_disk", "stats", "keyed_disk", "disk_unpromoted"]
 SCENARIOS += [dict(sc, name=sc["name"] + "_gpu", fake_cuda=True) for sc in SCENARIOS if sc["name"] in GPU_COPIES]
 VERSIONS = ["0.32", "0.33"]
 
@@ -249,8 +254,13 @@ def test_gpu_copies_go_through_vllms_handlers(results: dict, name: str) -> None:
         assert r["handler_transfers"] == 0 and r["side_copies"] > 0, r
     else:
         assert r["handler_transfers"] > 0, r
-    if name in ("stats", "slow_disk"):  # disk loads without a cpu slot / nothing else
-        assert (r["side_copies"] > 0) == (name == "stats"), r
+    if name in ("disk_unpromoted", "slow_disk", "stats"):  # disk loads without a cpu slot / every one promoted
+        assert (r["side_copies"] > 0) == (name == "disk_unpromoted"), r
+    if name == "disk_unpromoted":  # loaded from both: promoted slots and staging buffers, every byte right
+        for sc in (r, ok(results, name)):
+            assert sc["external_tokens"] == 192 and sc["checked"] > 0 and sc["mismatches"] == 0, sc
+            assert sc["counters"].get("promoted_chunks_disk", 0) > 0, sc["counters"]
+            assert sc["counters"].get("store_skipped_full_cpu", 0) > 0, sc["counters"]  # A: disk only
     assert "handler_transfers" not in ok(results, name)  # the CPU run copied with index_copy
 
 

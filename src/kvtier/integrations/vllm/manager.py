@@ -170,7 +170,7 @@ class KvtierManager(OffloadingManager):
         # prepare_load pins it (vLLM's lookup of one request goes on after a HIT: other groups,
         # a narrower boundary, sliding windows scanned from the end)
         self._step_pins: set[tuple[bytes, int]] = set()
-        self._promoter = LookupPromoter(ctx, self.index)
+        self._promoter = LookupPromoter(ctx, self.index, self.metrics)
         self._reset_unflushed = False  # a reset whose in-flight jobs the workers have not reported
         self._redis = None
         if "redis" in ctx.config.tiers:
@@ -213,7 +213,7 @@ class KvtierManager(OffloadingManager):
         self.index.listener = self.events.on_index
         self._step_pins.clear()
         self._promoter.close()
-        self._promoter = LookupPromoter(ctx, self.index)
+        self._promoter = LookupPromoter(ctx, self.index, self.metrics)
         self._split.clear()
         self._okey.clear()
         self._evicted_later.clear()
