@@ -66,6 +66,7 @@ def test_the_router_predicts_every_restore_from_the_events_alone(tmp_path: Path)
     rows = res["rows"]
     table = "\n".join(f"{r['i']:2d} {r['prompt_tokens']:5d} predicted {r['predicted']:5d} blind {r['blind']:5d} "
                       f"restored {r['restored']:5d}" for r in rows)
+    print(table)  # shown with -s: the run's figures
     # the events reached the router: six groups, their rules, every chunk of 128 tokens
     engine = res["summary"]["engine"]
     assert engine["chunk_tokens"] == 128, engine

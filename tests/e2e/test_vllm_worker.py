@@ -823,3 +823,47 @@ def test_waiting_for_a_tier_load_keeps_polling_the_copies_a_store_write_waits_fo
         copier._owner.clear()  # (frees a stuck lane either way)
         worker._copier = None
         worker.shutdown()
+
+
+def test_a_region_truncated_before_a_write_behind_is_a_miss_not_sigbus(tmp_path: Path) -> None:
+    """Another process of this user truncates the worker's host region between a store's copy
+    into its cpu slot and the disk write-behind that copies the slot: the write is a counted
+    miss (the slot no longer holds its chunk), never SIGBUS. Run in a child process, so a crash
+    shows as its return code."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(f"""
+        import os, sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from pathlib import Path
+        from test_vllm_worker import _ctx, _kv, _keys, GPULoadStoreSpec, ReqContext, KvtierManager, KvtierWorker, Metrics
+        from kvtier.integrations.vllm.config import parse_config
+        from dataclasses import replace
+        tmp = Path({str(tmp_path)!r})
+        base = _ctx(tmp, "cpu,disk")
+        ctx = replace(base, config=parse_config({{"kvtier.tiers": "cpu,disk", "kvtier.directory": str(tmp),
+              "kvtier.cpu_bytes": 1 << 20, "kvtier.disk_bytes": 1 << 20, "kvtier.host_region": str(tmp)}}))
+        manager = KvtierManager(ctx, Metrics("scheduler", None))
+        kv, layers = _kv()
+        worker = KvtierWorker(ctx, kv, Metrics("worker0", None))
+        region = worker.tiers["cpu"].region
+        assert region is not None
+        real = worker._write_slow
+        def cut_then_write(*a, **kw):
+            os.truncate(region.path, 4096)
+            return real(*a, **kw)
+        worker._write_slow = cut_then_write
+        rc = ReqContext(req_id="a")
+        keys = _keys(rc)
+        out = manager.prepare_store(keys[:3], rc)
+        src = GPULoadStoreSpec([1, 2, 3, 4, 5, 6], group_sizes=[6, 0], block_indices=[0, 0])
+        assert worker.submit_store(7, src, out.store_spec)
+        assert worker.drain()
+        m = worker.metrics.counts
+        print("stored", m.get("stored_chunks_disk", 0), "missed", m.get("store_overwritten_disk", 0))
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"rc {proc.returncode}: {proc.stderr[-3000:]}"
+    assert proc.stdout.split() == ["stored", "0", "missed", "3"], proc.stdout + proc.stderr[-2000:]

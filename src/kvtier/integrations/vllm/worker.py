@@ -579,9 +579,12 @@ class KvtierWorker(OffloadingWorker):
             _, slot, gen, header, blocks = src
             cpu = self._cpu
             data = self._take(nbytes, zero=False)
-            data.copy_(cpu.slabs[g][slot])
-            fence()  # the copy's loads before the sequence number's (cpu.py's seqlock)
-            if cpu.generation(g, slot) != gen:
+            region = getattr(cpu, "region", None)
+            lost = region is not None and not region.intact()  # truncated by a process of this user:
+            if not lost:  # never touch the mapping then (SIGBUS); the write is a counted miss
+                data.copy_(cpu.slabs[g][slot])
+                fence()  # the copy's loads before the sequence number's (cpu.py's seqlock)
+            if lost or cpu.generation(g, slot) != gen:
                 for tier, tslot in slow:
                     self.metrics.add(f"store_overwritten_{tier}", group=g)
                     if tier == "disk":  # the slot's previous occupant must read as empty, not
