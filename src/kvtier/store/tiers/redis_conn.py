@@ -270,29 +270,9 @@ class Breaker:
             return 0.0 if self.up else max(0.0, self._open_until - self._clock())
 
 
-class LogOnce:
-    """At most one warning per kind per `interval_s`, with how many were held back."""
-
-    def __init__(self, log: logging.Logger, clock: Callable[[], float],
-                 interval_s: float = 60.0) -> None:
-        self._log = log
-        self._clock = clock
-        self._interval_s = interval_s
-        self._last: dict[str, float] = {}
-        self._held: dict[str, int] = {}
-        self._lock = threading.Lock()
-
-    def warn(self, kind: str, message: str) -> None:
-        with self._lock:
-            now = self._clock()
-            last = self._last.get(kind)
-            if last is not None and now - last < self._interval_s:
-                self._held[kind] = self._held.get(kind, 0) + 1
-                return
-            held = self._held.pop(kind, 0)
-            self._last[kind] = now
-        suffix = f" ({held} more like it since the last line)" if held else ""
-        self._log.warning("%s%s", message, suffix)
+# LogOnce lives in tiers/base.py (the disk and Redis tiers log alike); re-exported here for the
+# callers that import it from this module
+from kvtier.store.tiers.base import LogOnce  # noqa: E402,F401
 
 
 # A query parameter whose (decoded) name says it carries a credential: redis-py hands every
