@@ -88,10 +88,10 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.index.index import Index
+from kvtier.store.lane import Lane
 
 from .common import ChunkItem, KvtierLoadStoreSpec, Metrics, SpecContext
 from .events import KvEvents
-from .lane import Lane
 from .promoter import LookupPromoter
 
 log = logging.getLogger("kvtier.vllm")

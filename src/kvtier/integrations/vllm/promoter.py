@@ -36,10 +36,10 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
+from kvtier.store.lane import Lane
 from kvtier.store.payload import ChunkHeader
 
 from .common import Metrics, SpecContext
-from .lane import Lane
 
 log = logging.getLogger("kvtier.vllm")
 

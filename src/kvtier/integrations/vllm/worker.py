@@ -63,13 +63,13 @@ from vllm.v1.kv_offload.base import (
 
 from kvtier.errors import ConfigError
 from kvtier.store.integrity import Keyed
+from kvtier.store.lane import Lane
 from kvtier.store.payload import make_header
 from kvtier.store.tiers.base import Tier, TierLayout
 from kvtier.store.tiers.cpu import fence
 
 from .common import ChunkItem, KvtierLoadStoreSpec, Metrics, SpecContext
 from .copier import EXPEDITED, LOAD, STORE, SideStream
-from .lane import Lane
 
 log = logging.getLogger("kvtier.vllm")
 

@@ -1,15 +1,11 @@
-"""The vLLM worker's background I/O lane (kvtier.integrations.vllm.lane): FIFO, back-pressure
+"""The background I/O lane (kvtier.store.lane): FIFO, back-pressure
 that drops writes and never waits, and a close that lands what is queued."""
 
 from __future__ import annotations
 
 import threading
 
-import pytest
-
-pytest.importorskip("vllm")
-
-from kvtier.integrations.vllm.lane import Lane  # noqa: E402
+from kvtier.store.lane import Lane
 
 
 def test_runs_in_order_and_drain_waits_for_all() -> None:

@@ -1,4 +1,7 @@
-"""One background thread that runs the vLLM worker's disk and Redis I/O, off the engine thread.
+"""One background thread that runs disk and Redis I/O off an engine's thread, in FIFO order.
+
+Nothing here knows an engine. Its users are the vLLM halves: the worker's write-behind and
+reads (integrations/vllm/slow_io.py), the scheduler's Redis lookups and lookup promotions.
 
 Rule: `submit_store` and `submit_load` never wait for a disk or a network. The worker copies
 pages into a host buffer (a memory copy) and writes the cpu tier inline; every disk and Redis
@@ -19,7 +22,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 
-log = logging.getLogger("kvtier.vllm")
+log = logging.getLogger("kvtier.vllm")  # its users' logger, as before it moved here
 
 
 class Lane:
