@@ -162,7 +162,7 @@ def test_falcon_h1_layers_map_to_groups_by_name(tmp_path: Path, config_path) -> 
     import json
     import shutil
 
-    from kvtier.integrations.vllm.geometry import EngineGroup, geometry_for_groups
+    from kvtier.integrations.vllm.engine_groups import EngineGroup, geometry_for_groups
 
     shutil.copy(config_path("falcon-h1-0.5b"), tmp_path / "config.json")
     n = json.loads((tmp_path / "config.json").read_text())["num_hidden_layers"]

@@ -242,7 +242,7 @@ def run(args: argparse.Namespace) -> int:
         # vLLM logs to stdout by default; stdout is this command's output (one object with --json)
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
         try:
-            from kvtier.integrations.vllm.geometry import geometry_from_vllm
+            from kvtier.integrations.vllm.engine_groups import geometry_from_vllm
         except ImportError as exc:
             raise ConfigError(
                 f"--engine vllm needs vLLM ({exc}); install kvtier[vllm] or use --engine hf"

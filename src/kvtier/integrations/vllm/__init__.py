@@ -5,7 +5,7 @@
 - `connector.KvtierConnector`: OffloadingConnector that reports failed loads as failed;
 - `manager.KvtierManager` (scheduler side, kvtier's index) and `worker.KvtierWorker` (worker
   side, kvtier's tiers);
-- `config`: the `kvtier.*` keys; `geometry`: kvtier geometries of vLLM's KV-cache groups.
+- `config`: the `kvtier.*` keys; `engine_groups`: kvtier geometries of vLLM's KV-cache groups.
 
 Importing this package does not import vLLM; its modules do.
 """

@@ -182,7 +182,7 @@ def _group_rules(kv_cache_config) -> dict[int, tuple[str, int | None]]:  # noqa:
 
 def _translate_chunk_tokens(vllm_config, kv_cache_config) -> None:  # noqa: ANN001 - vLLM's types
     """`kvtier.chunk_tokens` becomes vLLM's own `blocks_per_chunk` before vLLM reads it."""
-    from .geometry import EngineGroup
+    from .engine_groups import EngineGroup
     from .spec import chunk_tokens_to_blocks
 
     ktc = getattr(vllm_config, "kv_transfer_config", None)

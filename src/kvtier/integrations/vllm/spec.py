@@ -15,7 +15,7 @@
 
 vLLM builds the spec once in the scheduler process (`get_manager`) and once per worker
 (`get_worker`). Both build the same `SpecContext` from the engine's offloading config: the
-geometry of vLLM's own KV-cache groups (geometry.py), the chunk plan (`blocks_per_chunk` blocks
+geometry of vLLM's own KV-cache groups (engine_groups.py), the chunk plan (`blocks_per_chunk` blocks
 per chunk, or `kvtier.chunk_tokens`), the namespace (model, geometry fingerprint, dtype, rank)
 and the tier capacities, so the manager's index and the worker's tiers agree on every slot.
 """
@@ -34,7 +34,7 @@ from kvtier.core.keys import Namespace
 from .common import ENGINE_KV_CACHE_CONFIGS, Metrics, SpecContext, model_identity
 from .config import parse_config
 from .engine_plan import engine_plan
-from .geometry import (EngineGroup, engine_page_bytes, geometry_for_groups, geometry_from_engine_specs,
+from .engine_groups import (EngineGroup, engine_page_bytes, geometry_for_groups, geometry_from_engine_specs,
                        kv_format, state_cache_modes)
 
 log = logging.getLogger("kvtier.vllm")
