@@ -13,7 +13,7 @@ TRANSFORMERS_LATEST ?= transformers==5.24.0
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_VERBOSITY := error
 
-.PHONY: demo test test-tf-latest setup lint clean
+.PHONY: demo test test-quick test-tf-latest setup lint clean
 
 $(VENV)/.stamp: pyproject.toml scripts/setup-venv.sh
 	PYTHON=$(PYTHON) VENV=$(VENV) TORCH=$(TORCH) bash scripts/setup-venv.sh
@@ -34,6 +34,13 @@ test: $(VENV)/.stamp
 	VENV=$(VENV) bash scripts/setup-vllm033.sh
 	$(PY) -m pytest -q tests
 	$(MAKE) test-tf-latest
+
+# The inner loop: every test that needs no engine, no model and no server (about 1-2 minutes on
+# 2 idle cores); `make test` stays the whole suite.
+QUICK_TESTS := tests/core tests/index tests/property tests/store tests/contract/test_policy_contract.py \
+	tests/contract/test_tier_contract_cpu_disk.py tests/replay tests/loadgen tests/commands tests/test_layers.py
+test-quick: $(VENV)/.stamp
+	$(PY) -m pytest -q -m "not slow" $(QUICK_TESTS)
 
 # Tiny models saved by another transformers version carry different config.json fields: own cache.
 test-tf-latest: $(VENV_TF_LATEST)/.stamp-tf-latest
