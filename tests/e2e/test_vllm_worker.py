@@ -243,7 +243,7 @@ def test_a_cpu_slot_taken_before_its_disk_write_runs_never_lands_other_bytes(tmp
     assert worker.tiers["disk"].write(0, dict(item.places)["disk"], prev,
                                       torch.ones(ctx.plan.groups[0].chunk_bytes, dtype=torch.uint8))
     gate = threading.Event()
-    worker._lane.submit(gate.wait)  # hold kvtier's I/O thread: the disk write waits behind it
+    worker.slow.lane.submit(gate.wait)  # hold kvtier's I/O thread: the disk write waits behind it
     assert worker.submit_store(1, GPULoadStoreSpec([1, 2], group_sizes=[2, 0], block_indices=[0, 0]),
                                out.store_spec)
     # another chunk (blocks 9, 10) into the same cpu slot before the disk write ran
@@ -251,14 +251,14 @@ def test_a_cpu_slot_taken_before_its_disk_write_runs_never_lands_other_bytes(tmp
     if when == "during":
         # the disk write runs while the new bytes are already in the slot but before the new
         # chunk's header is set: the slot must not read as chunk 0's then (CpuTier.begin drops it)
-        copy_out = worker._copy_out
+        copy_out = worker.copies.copy_out
 
         def copy_then_run_the_disk_write(*args):
             copy_out(*args)
             gate.set()
             assert worker.drain()
 
-        worker._copy_out = copy_then_run_the_disk_write
+        worker.copies.copy_out = copy_then_run_the_disk_write
     assert worker.submit_store(2, GPULoadStoreSpec([9, 10], group_sizes=[2, 0], block_indices=[0, 0]),
                                KvtierLoadStoreSpec([other]))
     gate.set()
@@ -633,10 +633,10 @@ def test_shutdown_ends_the_copies_even_when_tier_io_is_still_running(tmp_path: P
         def shutdown(self) -> None:
             calls.append(f"{self.name}.shutdown")
 
-    worker._stream, worker._copier = _Recorder("stream"), _Recorder("copier")  # type: ignore[assignment]
+    worker.copies.stream, worker._copier = _Recorder("stream"), _Recorder("copier")  # type: ignore[assignment]
     gate = threading.Event()
-    assert worker._lane.submit(lambda: gate.wait(30))  # a disk write that hangs
-    worker._lane.close = functools.partial(worker._lane.close, timeout=0.2)  # type: ignore[method-assign]
+    assert worker.slow.lane.submit(lambda: gate.wait(30))  # a disk write that hangs
+    worker.slow.lane.close = functools.partial(worker.slow.lane.close, timeout=0.2)  # type: ignore[method-assign]
     disk_closed = []
     worker.tiers["disk"].close = lambda: disk_closed.append(True)  # type: ignore[method-assign]
     try:
@@ -645,7 +645,7 @@ def test_shutdown_ends_the_copies_even_when_tier_io_is_still_running(tmp_path: P
         assert not disk_closed  # the hung write may still use it
     finally:
         gate.set()
-    worker._stream = worker._copier = None
+    worker.copies.stream = worker._copier = None
     calls.clear()
     worker.shutdown()  # the lane has stopped now: the tiers close
     assert disk_closed == [True]
@@ -811,9 +811,9 @@ def test_waiting_for_a_tier_load_keeps_polling_the_copies_a_store_write_waits_fo
     h = _Handler()
     copier = _copier_over(h, [7])
     worker._copier = copier  # type: ignore[assignment]
-    assert worker._lane.submit(lambda: copier.wait_polling([7]))  # the store write
+    assert worker.slow.lane.submit(lambda: copier.wait_polling([7]))  # the store write
     worker._reading.add(99)  # the load vLLM waits for, read after it on the lane
-    assert worker._lane.submit(lambda: worker._reading.discard(99))
+    assert worker.slow.lane.submit(lambda: worker._reading.discard(99))
     t = threading.Thread(target=worker.wait, args=({99},), daemon=True)
     t.start()
     t.join(10)
@@ -850,11 +850,11 @@ def test_a_region_truncated_before_a_write_behind_is_a_miss_not_sigbus(tmp_path:
         worker = KvtierWorker(ctx, kv, Metrics("worker0", None))
         region = worker.tiers["cpu"].region
         assert region is not None
-        real = worker._write_slow
+        real = worker.slow.write_slow
         def cut_then_write(*a, **kw):
             os.truncate(region.path, 4096)
             return real(*a, **kw)
-        worker._write_slow = cut_then_write
+        worker.slow.write_slow = cut_then_write
         rc = ReqContext(req_id="a")
         keys = _keys(rc)
         out = manager.prepare_store(keys[:3], rc)

@@ -189,7 +189,7 @@ def installed():
         for t in kv_caches.tensors:
             t.tensor = t.tensor.as_subclass(FakeCuda)
         init(self, ctx, kv_caches, metrics)
-        self._stream = _FakeSide()  # staging copies later too (their host buffers stay unpinned)
+        self.copies.stream = _FakeSide()  # staging copies later too (their host buffers stay unpinned)
 
     saved.append((kw.KvtierWorker, "__init__", init))
     kw.KvtierWorker.__init__ = fake_init

@@ -972,9 +972,9 @@ def run_submit_timing(sc: dict) -> dict:
                                 [0] * ngroups)
 
     def run(mode: str) -> dict:
-        lane = worker._lane
+        lane = worker.slow.lane
         if mode == "inline":
-            worker._lane = None
+            worker.slow.lane = None
         store_t, load_t = [], []
         for j in range(n):
             item = ChunkItem(g, j.to_bytes(4, "big") * 4, 0, bpc * h.bs, tuple((t, j % slots) for t in tiers))
@@ -992,7 +992,7 @@ def run_submit_timing(sc: dict) -> dict:
             worker.get_finished()
         worker.drain()
         worker.get_finished()
-        worker._lane = lane
+        worker.slow.lane = lane
         return {"store_median_ms": statistics.median(store_t) * 1e3,
                 "load_median_ms": statistics.median(load_t) * 1e3}
 

@@ -1,31 +1,32 @@
-"""The worker-side half of the kvtier spec: copies chunks between vLLM's KV tensors and tiers.
+"""The worker-side half of the kvtier spec: the lifecycle of vLLM's transfer jobs between its KV
+tensors and kvtier's tiers.
 
 vLLM hands the worker its KV cache as canonical per-block byte views: a list of int8 tensors of
 shape (num_blocks, page_bytes) and, per KV-cache group, the (tensor, page bytes) of each of its
 layers. A chunk payload of group g is, for each layer ref of g in vLLM's order, the pages of the
 chunk's `blocks_per_chunk` blocks back to back: `sum(page_bytes) * blocks_per_chunk` bytes, the
-group's own size (not a row sized for all groups).
+group's own size (not a row sized for all groups). Around the job lifecycle kept here:
+- placement.py: which block of a job goes to which position of which chunk (pure arithmetic);
+- copies.py: this process's copies between blocks and host chunk rows (a side stream on a GPU);
+- copier.py: vLLM's own copy handlers, for chunks in cpu slots on a GPU;
+- slow_io.py: disk and Redis reads and write-behind on one background thread (store/lane.py);
+- store/buffers.py: the pool of host staging buffers (`POOL_BUFFERS` per size).
 
-`submit_*` never wait for a disk or a network (lane.py). A store copies each chunk's pages once,
-straight into the chunk's slot in the cpu tier (one preallocated slab per group, pinned where
-CUDA is present: `CpuTier.begin`/`commit`), and queues the chunk's disk and Redis writes on one
-background thread, whose queue drops a write past `kvtier.io_queue_bytes` (counted
-`store_dropped_<tier>`). That thread copies the slot and writes the copy only if the slot still
-holds the chunk afterwards (the slot's sequence number unchanged; `begin` changes it before
-new bytes arrive, cpu.py), so a slot taken for another chunk meanwhile never lands under the old chunk's
-header on disk (counted `store_overwritten_<tier>`). A chunk without a cpu slot is gathered into
-a zeroed host buffer instead. A load checks each cpu-tier chunk's header and copies the slot's
-pages into the blocks in place, on the engine thread (no store can take the slot in between);
-chunks on disk or in Redis are read and verified on the background thread first, and copied in
-`get_finished`. vLLM keeps the request waiting meanwhile, as it does for any asynchronous load.
-Such a chunk is also promoted when the scheduler reserved a cpu slot for it (a second place
-`("cpu", slot)` in its item, manager.py): the verified bytes are copied into that slot on the
-engine thread and the blocks are filled from the slot, so the next hit reads host memory.
-The cpu tier's slabs and slot table live in a file the scheduler's process maps too
-(`kvtier.host_region`, host_region.py; one per tensor-parallel rank): the scheduler fills slots it reserved
-for promotions started at lookup (manager.py). The index gives each slot to one writer at a
-time, so the two processes never write the same slot at once. Host buffers for reads and for stores without a cpu slot come
-from a small pool (`POOL_BUFFERS` per size), not one allocation per call.
+`submit_*` never wait for a disk or a network. A store copies each chunk's pages once, straight
+into the chunk's slot in the cpu tier (one preallocated slab per group, pinned where CUDA is
+present: `CpuTier.begin`/`commit`), and queues the chunk's disk and Redis writes (slow_io.py:
+dropped past `kvtier.io_queue_bytes`, skipped when the slot was taken for another chunk before the
+write ran). A chunk without a cpu slot is gathered into a zeroed host buffer instead. A load checks
+each cpu-tier chunk's header and copies the slot's pages into the blocks in place, on the engine
+thread (no store can take the slot in between); chunks on disk or in Redis are read and verified
+on the background thread first, and copied in `get_finished`. vLLM keeps the request waiting
+meanwhile, as it does for any asynchronous load. Such a chunk is also promoted when the scheduler
+reserved a cpu slot for it (a second place `("cpu", slot)` in its item, manager.py): the verified
+bytes are copied into that slot on the engine thread and the blocks are filled from the slot, so
+the next hit reads host memory. The cpu tier's slabs and slot table live in a file the
+scheduler's process maps too (`kvtier.host_region`, host_region.py; one per tensor-parallel rank):
+the scheduler fills slots it reserved for promotions started at lookup (manager.py). The index
+gives each slot to one writer at a time, so the two processes never write the same slot at once.
 When the tensors live on a GPU, a chunk in a cpu slot moves through vLLM's own copy handlers
 (copier.py: `SingleDirectionOffloadingHandler`, one batched copy per run of consecutive chunks of
 a group, on vLLM's pooled streams; expedited loads on their own handler), straight between the
@@ -49,7 +50,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -62,25 +63,21 @@ from vllm.v1.kv_offload.base import (
 )
 
 from kvtier.errors import ConfigError
+from kvtier.store.buffers import BufferPool
 from kvtier.store.integrity import Keyed
 from kvtier.store.lane import Lane
 from kvtier.store.payload import make_header
 from kvtier.store.tiers.base import Tier, TierLayout
-from kvtier.store.tiers.cpu import fence
 
 from .common import ChunkItem, KvtierLoadStoreSpec, Metrics, SpecContext
-from .copier import EXPEDITED, LOAD, STORE, SideStream
+from .copier import EXPEDITED, LOAD, STORE
+from .copies import HostCopies, layer_refs
+from .placement import Misplaced, header_span, place
+from .slow_io import SlowIO
 
 log = logging.getLogger("kvtier.vllm")
 
 POOL_BUFFERS = 8  # host staging buffers kept per size for reuse (pinned on a GPU)
-
-
-@dataclass(frozen=True, slots=True)
-class _Ref:
-    tensor: torch.Tensor  # uint8 (num_blocks, >= page_bytes)
-    page_bytes: int
-    offset: int  # byte offset of this layer's pages inside a chunk payload
 
 
 @dataclass(slots=True)
@@ -101,27 +98,9 @@ class KvtierWorker(OffloadingWorker):
         self.metrics = metrics
         self.bpc = ctx.blocks_per_chunk
         plan = ctx.plan
-        if len(kv_caches.group_data_refs) != len(plan.groups):
-            raise ConfigError(
-                f"vLLM registered {len(kv_caches.group_data_refs)} KV-cache groups, kvtier planned "
-                f"{len(plan.groups)}; the engine and the model config disagree"
-            )
         tensors = [t.tensor.view(torch.uint8) for t in kv_caches.tensors]
         self.device = tensors[0].device
-        self.refs: list[list[_Ref]] = []
-        for g, refs in enumerate(kv_caches.group_data_refs):
-            out, off = [], 0
-            for r in refs:
-                out.append(_Ref(tensors[r.tensor_idx], r.page_size_bytes, off))
-                off += r.page_size_bytes * self.bpc
-            want = plan.groups[g].chunk_bytes
-            if plan.groups[g].cacheable and off != want:
-                raise ConfigError(
-                    f"vLLM's pages for group {plan.groups[g].name!r} make {off}-byte chunks but "
-                    f"kvtier planned {want} ({ctx.plan.geometry.source}); kvtier refuses a layout it did not plan"
-                )
-            self.refs.append(out)
-        self._block_bytes = [sum(r.page_bytes for r in refs) for refs in self.refs]  # every layer's page
+        self.refs = layer_refs(tensors, kv_caches.group_data_refs, plan, self.bpc)
         index = ctx.new_index()
         from .config import redis_password, tier_secret
 
@@ -138,12 +117,12 @@ class KvtierWorker(OffloadingWorker):
             self.tiers[tier] = _make_tier(tier, ctx.tier_layout(index, tier), ctx, keyed,
                                           self.device.type == "cuda")
         # On a GPU: chunks in cpu slots move through vLLM's own copy handlers (copier.py); other
-        # chunks (no cpu slot: staging buffers) on a side stream through pinned host buffers. A
-        # job finishes when its transfers and its event have ended (get_finished polls); a
-        # store's disk and Redis writes are queued only then. On CPU every job finishes inside
-        # submit_*.
-        self._pin = self.device.type == "cuda"
-        self._stream = SideStream(self.device) if self._pin else None
+        # chunks (no cpu slot: staging buffers) on a side stream through pinned host buffers
+        # (copies.py). A job finishes when its transfers and its event have ended (get_finished
+        # polls); a store's disk and Redis writes wait for them on the lane. On CPU every job
+        # finishes inside submit_*.
+        self.copies = HostCopies(self.refs, self.bpc, self.device)
+        self._pin = self.copies.pin
         self._copier = None
         cpu = self._cpu
         if tensors[0].is_cuda and cpu is not None:
@@ -153,12 +132,14 @@ class KvtierWorker(OffloadingWorker):
                                       cpu.slabs, cpu.locked, self.bpc)
         self._in_flight: list[_Job] = []
         self._finished: list[TransferResult] = []
+        self._pool = BufferPool(POOL_BUFFERS, pin=self._pin)  # staging buffers, reused by size
         slow = [t for t in self.tiers if t != "cpu"]
-        self._lane = Lane("tier-io", ctx.config.io_queue_bytes) if slow else None
+        self.slow = SlowIO(self.tiers, metrics, self._pool, self.copies,
+                           [gp.chunk_bytes for gp in plan.groups], self._header,
+                           Lane("tier-io", ctx.config.io_queue_bytes) if slow else None)
         # loads whose disk/Redis reads finished on the lane: (job id, start, placement, read result)
         self._read_done: deque[tuple[int, float, list, tuple[bool, list, int]]] = deque()
         self._reading: set[int] = set()
-        self._pool: dict[int, deque[torch.Tensor]] = {}  # staging buffers by size (_take/_give)
         self.metrics.flush(force=True)
 
     # -- OffloadingWorker ----------------------------------------------------------------------
@@ -192,23 +173,18 @@ class KvtierWorker(OffloadingWorker):
             self._done(job_id, False, 0, t0, "load")
             return True
         slow = any(it.places and it.places[0][0] != "cpu" for _, placed in placement for it, _ in placed)
-        if slow and self._lane is not None:
+        if slow and self.slow.lane is not None:
             self._reading.add(job_id)  # disk/Redis reads on the lane; scattered in get_finished
 
-            def read(job_id=job_id, placement=placement) -> None:
-                try:
-                    result = self._read(placement)
-                except Exception:  # noqa: BLE001 - a job must always finish, as a miss here
-                    log.exception("kvtier: a tier read failed; the load fails and vLLM recomputes")
-                    result = (False, [], 0)
+            def done(result, job_id=job_id, placement=placement) -> None:  # noqa: ANN001
                 self._read_done.append((job_id, t0, placement, result))
 
-            if not self._lane.submit(read):  # the lane is closed (shutdown): a failed load
+            if not self.slow.read_later(placement, done):  # the lane is closed (shutdown): a failed load
                 self._reading.discard(job_id)
                 self._done(job_id, False, 0, t0, "load")
             # an expedited load (0.33's sync loads) is waited for by vLLM's wait(), not here
             return True
-        self._finish_load(job_id, t0, placement, self._read(placement))
+        self._finish_load(job_id, t0, placement, self.slow.read(placement))
         return True
 
     def _sync_load(self, job_id: int, src_spec: KvtierLoadStoreSpec, dst_spec: GPULoadStoreSpec, t0: float) -> None:
@@ -216,7 +192,7 @@ class KvtierWorker(OffloadingWorker):
         placement = self._placement(dst_spec, src_spec.items) if not slow else None
         if placement is not None:
             before = len(self._finished)
-            self._finish_load(job_id, t0, placement, self._read(placement), expedited=True)
+            self._finish_load(job_id, t0, placement, self.slow.read(placement), expedited=True)
             if not any(r.job_id == job_id and not r.success for r in self._finished[before:]):
                 self.metrics.add("sync_load_jobs")
                 return
@@ -251,7 +227,7 @@ class KvtierWorker(OffloadingWorker):
                 break
         if not ok:
             for _, _, _, buf, _, _ in staged:
-                self._give(buf)
+                self._pool.give(buf)
             self._done(job_id, False, 0, t0, "load")
             return
         for g, i, blocks, buf, tier, item in staged:
@@ -261,38 +237,31 @@ class KvtierWorker(OffloadingWorker):
                 held.append(buf)
             else:  # the blocks are filled from the slot (pinned on a GPU); the buffer is free now
                 sources.append((g, i, blocks, row, tier, slot))
-                self._give(buf)
+                self._pool.give(buf)
         # chunks in cpu slots: vLLM's handlers, one transfer a run; the rest copied here
         runs = [(g, i, blocks, slot) for g, i, blocks, _, _, slot in sources if self._by_copier(g, slot)]
         tids = self._submit_runs(EXPEDITED if expedited else LOAD, runs) if runs else []
         copied = [s for s in sources if not self._by_copier(s[0], s[5])]
-        if copied and self._stream is not None:  # blocks just allocated may still be zeroed on the compute stream
-            self._stream.wait_compute()
+        if copied and self.copies.stream is not None:  # blocks just allocated may still be zeroed on the compute stream
+            self.copies.stream.wait_compute()
         for g, _, blocks, row, _, _ in copied:
-            self._copy_in(g, blocks, row)
-        nbytes = sum(self._moved_bytes(g, blocks) for g, _, blocks, _, _, _ in sources)
+            self.copies.copy_in(g, blocks, row)
+        nbytes = sum(self.copies.moved_bytes(g, blocks) for g, _, blocks, _, _, _ in sources)
         for g, _, blocks, _, tier, _ in sources:  # counted here, once the whole job restores
             self.metrics.add("loaded_blocks", len(blocks), group=g)
             self.metrics.add(f"loaded_chunks_{tier}", group=g)
             self.metrics.add(f"loaded_chunks_group{g}")
             self.metrics.add(f"loaded_bytes_{tier}", self.ctx.plan.groups[g].chunk_bytes, group=g)
         event = None
-        if copied and self._stream is not None:
-            event = self._stream.record()
+        if copied and self.copies.stream is not None:
+            event = self.copies.stream.record()
         if event is None and not tids:
             for buf in held:
-                self._give(buf)
+                self._pool.give(buf)
             self._done(job_id, True, nbytes, t0, "load")
             return
         # the slot rows stay valid: the manager keeps them pinned until this load ends
         self._in_flight.append(_Job(job_id, event, tids, held, nbytes, t0, "load"))
-
-    def _moved_bytes(self, g: int, blocks: list[tuple[int, int]]) -> int:
-        """The bytes a transfer moves for these blocks of group g: what vLLM's transfer_size
-        counts (its offload byte and throughput metrics), every layer's page of each block. Not
-        the chunk's bytes: a group's first chunk may be moved in part (a load starting mid-chunk,
-        a sliding group's store from a block mid-chunk)."""
-        return len(blocks) * self._block_bytes[g]
 
     def _by_copier(self, g: int, slot: int | None) -> bool:
         """Whether a chunk of group g in cpu slot `slot` (None: no slot) moves through vLLM's
@@ -358,17 +327,17 @@ class KvtierWorker(OffloadingWorker):
                     running.append(job)
                     continue
                 for buf in job.bufs:  # host buffers may go now
-                    self._give(buf)
+                    self._pool.give(buf)
                 self._done(job.job_id, True, job.nbytes, job.t0, job.kind)
             self._in_flight = running
         out, self._finished = self._finished, []
         return out
 
     def wait(self, job_ids: set[int]) -> None:
-        if self._lane is not None and self._reading & set(job_ids):
+        if self.slow.lane is not None and self._reading & set(job_ids):
             # only when vLLM asks to wait for a load on disk or Redis. A store write queued before
             # it may wait for the copier's poll (copier.wait_polling): keep polling meanwhile
-            while not self._lane.drain(0.005):
+            while not self.slow.lane.drain(0.005):
                 if self._copier is not None:
                     self._copier.poll()
             self._finish_reads()
@@ -381,16 +350,16 @@ class KvtierWorker(OffloadingWorker):
 
     def drain(self, timeout: float | None = 30.0) -> bool:
         """Wait until every disk and Redis write and read queued so far has run."""
-        return self._lane.drain(timeout) if self._lane is not None else True
+        return self.slow.lane.drain(timeout) if self.slow.lane is not None else True
 
     def shutdown(self) -> None:
         # the copies end before vLLM frees its KV tensors, whether or not the lane will finish;
         # first, so that no queued store write still waits for one
-        if self._stream is not None:
-            self._stream.synchronize()
+        if self.copies.stream is not None:
+            self.copies.stream.synchronize()
         if self._copier is not None:
             self._copier.shutdown()  # drains every transfer before the slabs go
-        lane_closed = self._lane is None or self._lane.close()
+        lane_closed = self.slow.lane is None or self.slow.lane.close()
         self.metrics.flush(force=True)
         if not lane_closed:
             # queued disk/Redis I/O did not finish in time: leave the tiers open to it
@@ -406,83 +375,25 @@ class KvtierWorker(OffloadingWorker):
         self.metrics.add(f"{kind}_jobs" if ok else f"{kind}_jobs_failed")
         self._finished.append(TransferResult(job_id, ok, nbytes if ok else None, dt if ok else None))
 
-    def _placement(
-        self, spec: GPULoadStoreSpec, items: Sequence[ChunkItem]
-    ) -> list[tuple[int, list[tuple[ChunkItem, list[tuple[int, int]]]]]] | None:
-        """Per group: each chunk item with its (block id, position in chunk) pairs, following
-        vLLM's rule: a group's blocks start at logical block `block_indices[g]`, so the first
-        chunk may begin mid-chunk; items of a group are consecutive in vLLM's key order."""
-        out = []
-        pos_b = pos_i = 0
-        block_ids = [int(b) for b in spec.block_ids]
-        for g, (n, first) in enumerate(zip(spec.group_sizes, spec.block_indices)):
-            if n == 0:
-                continue
-            skip = first % self.bpc
-            num_chunks = -(-(n + skip) // self.bpc)
-            group_items = items[pos_i:pos_i + num_chunks]
-            if len(group_items) != num_chunks or any(it.group != g for it in group_items):
-                log.error("kvtier: job layout mismatch in group %d (%d blocks from %d, %d items)",
-                          g, n, first, len(group_items))
-                return None
-            placed: list[tuple[ChunkItem, list[tuple[int, int]]]] = [(it, []) for it in group_items]
-            for i, b in enumerate(block_ids[pos_b:pos_b + n]):
-                p = skip + i
-                placed[p // self.bpc][1].append((b, p % self.bpc))
-            # Positions are derived from the count of blocks, so they are right only if the blocks
-            # are contiguous: only the first chunk may start mid-chunk, every later one must be
-            # whole. vLLM leaves out null blocks inside a chunk in some configurations (sliding
-            # windows with prefix-cache retention); there a shorter later chunk would put blocks
-            # at the wrong positions, so the job fails (a load is recomputed) instead.
-            if any(len(blocks) != self.bpc for _, blocks in placed[1:]):
-                log.error("kvtier: group %d's blocks are not contiguous (%d blocks from %d for %d "
-                          "chunks); the job fails rather than guess positions", g, n, first, num_chunks)
+    def _placement(self, spec: GPULoadStoreSpec, items: Sequence[ChunkItem]) -> list | None:
+        """Per group: each chunk item with its (block id, position in chunk) pairs
+        (placement.place); None, logged, when vLLM's blocks and the items do not line up."""
+        placed = place(spec.block_ids, spec.group_sizes, spec.block_indices, items, self.bpc)
+        if isinstance(placed, Misplaced):
+            log.error("kvtier: %s", placed.reason)
+            if placed.noncontiguous:
                 self.metrics.add("jobs_noncontiguous")
-                return None
-            out.append((g, placed))
-            pos_b += n
-            pos_i += num_chunks
-        if pos_i != len(items):
-            log.error("kvtier: job has %d chunk items, vLLM's block spec covers %d", len(items), pos_i)
             return None
-        return out
+        return placed
 
-    def _header(self, item: ChunkItem, blocks: list[tuple[int, int]]):
-        """The header of `item` covering only the block positions in `blocks` (block id, position
-        in chunk): a store records the token span it really holds, a load asks for the span it
-        needs, and a tier serves a load only from a chunk whose stored span contains the needed
-        one (`payload.mismatch`). vLLM stores a group's first chunk from a block mid-chunk (a
-        sliding group whose earlier blocks were freed); the positions it did not send are zeros
-        in the payload and must never reach a block."""
+    def _header(self, item: ChunkItem, blocks: list[tuple[int, int]]):  # noqa: ANN202 - a ChunkHeader
+        """The header of `item` covering only the block positions in `blocks`
+        (placement.header_span: a store records the span it holds, a load asks for the span it
+        needs)."""
         gp = self.ctx.plan.groups[item.group]
-        tpb = gp.group.tokens_per_block
-        lo = min(p for _, p in blocks)
-        hi = max(p for _, p in blocks) + 1
-        return make_header(self.ctx.namespace.id, item.chunk_hash, item.group,
-                           item.token_start + lo * tpb, item.token_start + hi * tpb,
+        start, end = header_span(item.token_start, gp.group.tokens_per_block, blocks)
+        return make_header(self.ctx.namespace.id, item.chunk_hash, item.group, start, end,
                            gp.chunk_bytes, "uint8")
-
-    def _take(self, nbytes: int, zero: bool) -> torch.Tensor:
-        """A host staging buffer from the pool (or a new one). zero=True for a store: positions a
-        partial chunk does not hold are stored as zeros, never as whatever the buffer held (it
-        would go to disk and Redis under a valid checksum). Called on both threads: the deque's
-        pop and append are atomic."""
-        q = self._pool.get(nbytes)
-        try:
-            buf = q.pop() if q else None
-        except IndexError:  # emptied by the other thread in between
-            buf = None
-        if buf is None:
-            buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pin)
-        if zero:
-            buf.zero_()
-        return buf
-
-    def _give(self, buf: torch.Tensor) -> None:
-        """Return a buffer no copy reads any more; kept for reuse up to POOL_BUFFERS per size."""
-        q = self._pool.setdefault(buf.numel(), deque())
-        if len(q) < POOL_BUFFERS:
-            q.append(buf)
 
     @property
     def _cpu(self):  # noqa: ANN202 - the CpuTier, or None without a cpu tier
@@ -502,13 +413,13 @@ class KvtierWorker(OffloadingWorker):
         later: list[tuple] = []  # slow-tier writes
         to_slots: list[tuple[int, int, list[tuple[int, int]], int]] = []  # for the copier
         copied = False  # anything copied here (on a GPU: on the side stream)
-        if self._stream is not None:  # the side stream must see what the model wrote
-            self._stream.wait_compute()
+        if self.copies.stream is not None:  # the side stream must see what the model wrote
+            self.copies.stream.wait_compute()
         for g, placed in placement:
             nbytes = self.ctx.plan.groups[g].chunk_bytes
             for i, (item, blocks) in enumerate(placed):
                 header = self._header(item, blocks)
-                total += self._moved_bytes(g, blocks)
+                total += self.copies.moved_bytes(g, blocks)
                 slow = [(t, slot) for t, slot in item.places if t != "cpu"]
                 cpu_slot = next((slot for t, slot in item.places if t == "cpu"), None)
                 if cpu is not None and cpu_slot is not None:
@@ -516,7 +427,7 @@ class KvtierWorker(OffloadingWorker):
                     if self._by_copier(g, cpu_slot):
                         to_slots.append((g, i, blocks, cpu_slot))
                     else:
-                        self._copy_out(g, blocks, row)
+                        self.copies.copy_out(g, blocks, row)
                         copied = True
                     # on a GPU committed before the asynchronous copy lands: nothing reads the slot
                     # before the job ended (vLLM loads it after complete_store; the writes wait)
@@ -527,22 +438,22 @@ class KvtierWorker(OffloadingWorker):
                         gen = cpu.generation(g, cpu_slot)
                         later.append((g, slow, nbytes, ("cpu", cpu_slot, gen, header, blocks)))
                 elif slow:
-                    buf = self._take(nbytes, zero=True)
-                    self._copy_out(g, blocks, buf)
+                    buf = self._pool.take(nbytes, zero=True)
+                    self.copies.copy_out(g, blocks, buf)
                     copied = True
                     later.append((g, slow, nbytes, ("buf", buf, header)))
         tids = self._submit_runs(STORE, to_slots) if to_slots else []
         event = None
-        if copied and self._stream is not None:
-            event = self._stream.record(blocking=True)  # the lane waits on it without spinning a core
+        if copied and self.copies.stream is not None:
+            event = self.copies.stream.record(blocking=True)  # the lane waits on it without spinning a core
         return True, total, event, tids, later
 
     def _queue_slow(self, later: list[tuple], event, tids: list[int]) -> None:  # noqa: ANN001
-        """Queue a store's disk and Redis writes on the lane; each first waits there for the
-        store's device->host copies (`event` on the side stream, `tids` in the copier)."""
+        """Queue a store's disk and Redis writes on the lane (slow_io.py); each first waits there
+        for the store's device->host copies (`event` on the side stream, `tids` in the copier)."""
         if not later:
             return
-        wait = None
+        wait: Callable[[], None] | None = None
         if event is not None or tids:
             def wait() -> None:
                 with torch.cuda.device(self.device) if self._pin else contextlib.nullcontext():  # never a context on another GPU
@@ -550,145 +461,7 @@ class KvtierWorker(OffloadingWorker):
                         event.synchronize()
                     if tids:
                         self._copier.wait_polling(tids)  # type: ignore[union-attr]
-        for g, slow, nbytes, src in later:
-            if self._lane is None:  # no lane (only when driven by hand): the writes run inline
-                self._write_slow(wait, g, slow, nbytes, src)
-            elif not self._lane.submit(
-                    lambda g=g, slow=slow, n=nbytes, src=src: self._write_slow(wait, g, slow, n, src),
-                    write_bytes=nbytes * len(slow)):
-                # the queue is full: these tiers skip the chunk (a later load there is a counted
-                # miss); the engine never waits for a disk or a network
-                for tier, _ in slow:
-                    self.metrics.add(f"store_dropped_{tier}", group=g)
-                if src[0] == "buf" and self._stream is None:  # on a GPU its copy may still run:
-                    self._give(src[1])  # left to PyTorch's pinned allocator, which waits for it
-
-    def _write_slow(self, wait, g: int, slow: list, nbytes: int, src: tuple) -> None:  # noqa: ANN001
-        """On the lane: write one chunk into its disk/Redis places, once its device->host copy
-        ended (`wait`). From a cpu slot: the slot is copied first and the write goes ahead only if the
-        slot still holds this chunk afterwards (its sequence number unchanged since the store
-        committed it: every `begin`, in this process or the scheduler's, changes it before any
-        new bytes arrive); otherwise the slot was taken for another chunk meanwhile and
-        the write is skipped, counted `store_overwritten_<tier>`. Positions the chunk does not
-        hold are zeros in what is written."""
-        if wait is not None:
-            wait()
-        if src[0] == "buf":
-            data, header = src[1], src[2]
-        else:
-            _, slot, gen, header, blocks = src
-            cpu = self._cpu
-            data = self._take(nbytes, zero=False)
-            region = getattr(cpu, "region", None)
-            lost = region is not None and not region.intact()  # truncated by a process of this user:
-            if not lost:  # never touch the mapping then (SIGBUS); the write is a counted miss
-                data.copy_(cpu.slabs[g][slot])
-                fence()  # the copy's loads before the sequence number's (cpu.py's seqlock)
-            if lost or cpu.generation(g, slot) != gen:
-                for tier, tslot in slow:
-                    self.metrics.add(f"store_overwritten_{tier}", group=g)
-                    if tier == "disk":  # the slot's previous occupant must read as empty, not
-                        # as a foreign chunk (a corrupt drop); later writes to it queue after this
-                        self.tiers[tier].free(g, tslot)
-                self._give(data)
-                return
-            self._zero_unheld(g, blocks, data)
-        for tier, slot in slow:
-            self._write(tier, [(g, slot, header, data)], nbytes)
-        self._give(data)
-
-    def _zero_unheld(self, g: int, blocks: list[tuple[int, int]], row: torch.Tensor) -> None:
-        lo, hi = blocks[0][1], blocks[-1][1] + 1
-        for ref in self.refs[g]:
-            page, base = ref.page_bytes, ref.offset
-            row[base:base + lo * page].zero_()
-            row[base + hi * page:base + self.bpc * page].zero_()
-
-    def _write(self, tier: str, batch: list, nbytes: int) -> int:
-        """Write a batch into a disk or Redis tier (on the lane)."""
-        good = 0
-        for (g, _, _, _), written in zip(batch, self.tiers[tier].write_many(batch)):
-            if written:
-                good += 1
-                self.metrics.add(f"stored_chunks_{tier}", group=g)
-                self.metrics.add(f"stored_bytes_{tier}", nbytes, group=g)
-            else:
-                self.metrics.add(f"store_failed_{tier}", group=g)
-        return good
-
-    def _read(self, placement: list) -> tuple[bool, list, int]:
-        """Read and verify the chunks of a load that are on disk or in Redis into host buffers:
-        (all found, [(group, index in group, blocks, buffer, tier, item)], bytes). Runs on the lane. Chunks in the
-        cpu tier are checked and copied from their slots later, on the engine thread
-        (`_finish_load`), which also promotes what was read here into the cpu tier."""
-        total = 0
-        staged = []
-        for g, placed in placement:
-            nbytes = self.ctx.plan.groups[g].chunk_bytes
-            for i, (item, blocks) in enumerate(placed):
-                if not item.places:  # the scheduler lost it between lookup and load: a miss
-                    self.metrics.add("load_miss_vanished", group=g)
-                    return False, [], 0
-                tier, slot = item.places[0]
-                if tier == "cpu":
-                    continue
-                buf = self._take(nbytes, zero=False)
-                if not self.tiers[tier].read(g, slot, self._header(item, blocks), buf):
-                    # a miss or a corrupt payload (the tier counted and dropped it): nothing of
-                    # this job is reported as loaded; vLLM recomputes the request
-                    self.metrics.add(f"load_miss_{tier}", group=g)
-                    for st in staged:
-                        self._give(st[3])
-                    self._give(buf)
-                    return False, [], 0
-                staged.append((g, i, blocks, buf, tier, item))
-                total += nbytes
-        return True, staged, total
-
-    def _copy_out(self, g: int, blocks: list[tuple[int, int]], row: torch.Tensor) -> None:
-        """Copy blocks (block id, position in chunk; positions consecutive) of group g into a
-        chunk row: for each layer ref, its pages at the positions they hold. One copy a layer on
-        CPU (index_select into the row); on a GPU an async gather + device->host copy on the side
-        stream, into pinned memory (the cpu tier's slabs are pinned where CUDA is present)."""
-        bids, pages = self._row_pages(g, blocks, row)
-        if self._stream is not None:
-            def enqueue() -> None:
-                ids = bids.to(self.device, non_blocking=True)
-                for ref, page, dst in pages:
-                    dst.copy_(ref.tensor.index_select(0, ids)[:, :page], non_blocking=True)
-
-            self._stream.run(enqueue)
-            return
-        for ref, page, dst in pages:
-            if ref.tensor.shape[1] == page:
-                torch.index_select(ref.tensor, 0, bids, out=dst)
-            else:
-                dst.copy_(ref.tensor.index_select(0, bids)[:, :page])
-
-    def _copy_in(self, g: int, blocks: list[tuple[int, int]], row: torch.Tensor) -> None:
-        """Copy a chunk row's pages at the blocks' positions into the blocks (the reverse)."""
-        bids, pages = self._row_pages(g, blocks, row)
-        if self._stream is not None:
-            def enqueue() -> None:
-                ids = bids.to(self.device, non_blocking=True)
-                for ref, page, src in pages:
-                    ref.tensor[ids, :page] = src.to(self.device, non_blocking=True)
-
-            self._stream.run(enqueue)
-            return
-        for ref, page, src in pages:
-            ref.tensor[bids, :page] = src
-
-    def _row_pages(self, g: int, blocks: list[tuple[int, int]], row: torch.Tensor) -> tuple[torch.Tensor, list]:
-        """The blocks' ids (pinned on a GPU: a non_blocking copy from pageable memory may wait
-        for the side stream) and, per layer ref of group g, (ref, page bytes, the row's
-        (n, page) view of that ref's pages at the blocks' positions)."""
-        lo, n = blocks[0][1], len(blocks)
-        bids = torch.tensor([b for b, _ in blocks], pin_memory=self._pin)
-        pages = [(ref, ref.page_bytes,
-                  row[ref.offset + lo * ref.page_bytes:ref.offset + (lo + n) * ref.page_bytes].view(n, ref.page_bytes))
-                 for ref in self.refs[g]]
-        return bids, pages
+        self.slow.queue(later, wait)
 
 
 class SyncLoadError(RuntimeError):

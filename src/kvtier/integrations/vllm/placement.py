@@ -1,0 +1,91 @@
+"""Where each block of a vLLM transfer job lands in kvtier's chunks: pure arithmetic, no torch,
+no vLLM (tests/integrations/test_vllm_placement.py runs without either).
+
+vLLM describes a job's engine side as one flat list of block ids with, per KV-cache group, how
+many of them are that group's (`group_sizes`) and the logical index of the group's first block
+(`block_indices`): its `GPULoadStoreSpec`. kvtier describes the other side as chunk items in
+vLLM's key order (group by group, prefix order within a group: the manager's
+`KvtierLoadStoreSpec`). `place` pairs them: per group, each item with its (block id, position in
+chunk) pairs. `header_span` is the token span a header of such an item claims: only the
+positions the job moves.
+
+Rejected alternative: carrying positions in the items (the manager knows them too). vLLM's
+block spec is the one source the worker copies from; deriving positions from it once, here,
+means the two sides cannot disagree silently (a mismatch fails the job, below).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+
+class _Item(Protocol):
+    """What placement reads of a chunk item (common.ChunkItem)."""
+
+    @property
+    def group(self) -> int: ...
+
+
+Item = TypeVar("Item", bound=_Item)
+Blocks = list[tuple[int, int]]  # (block id, position in chunk), positions ascending
+
+
+@dataclass(frozen=True, slots=True)
+class Misplaced:
+    """A job whose blocks and items do not line up: it fails (a load is recomputed)."""
+
+    reason: str  # the log line, without the "kvtier: " prefix
+    noncontiguous: bool = False  # counted `jobs_noncontiguous`
+
+
+def place(block_ids: Sequence[int], group_sizes: Sequence[int], block_indices: Sequence[int],
+          items: Sequence[Item], blocks_per_chunk: int) -> list[tuple[int, list[tuple[Item, Blocks]]]] | Misplaced:
+    """Per group with blocks: each chunk item with its (block id, position in chunk) pairs,
+    following vLLM's rule: a group's blocks start at logical block `block_indices[g]`, so the
+    first chunk may begin mid-chunk; items of a group are consecutive in vLLM's key order."""
+    bpc = blocks_per_chunk
+    out = []
+    pos_b = pos_i = 0
+    block_ids = [int(b) for b in block_ids]
+    for g, (n, first) in enumerate(zip(group_sizes, block_indices)):
+        if n == 0:
+            continue
+        skip = first % bpc
+        num_chunks = -(-(n + skip) // bpc)
+        group_items = items[pos_i:pos_i + num_chunks]
+        if len(group_items) != num_chunks or any(it.group != g for it in group_items):
+            return Misplaced(f"job layout mismatch in group {g} ({n} blocks from {first}, "
+                             f"{len(group_items)} items)")
+        placed: list[tuple[Item, Blocks]] = [(it, []) for it in group_items]
+        for i, b in enumerate(block_ids[pos_b:pos_b + n]):
+            p = skip + i
+            placed[p // bpc][1].append((b, p % bpc))
+        # Positions are derived from the count of blocks, so they are right only if the blocks
+        # are contiguous: only the first chunk may start mid-chunk, every later one must be
+        # whole. vLLM leaves out null blocks inside a chunk in some configurations (sliding
+        # windows with prefix-cache retention); there a shorter later chunk would put blocks
+        # at the wrong positions, so the job fails (a load is recomputed) instead.
+        if any(len(blocks) != bpc for _, blocks in placed[1:]):
+            return Misplaced(f"group {g}'s blocks are not contiguous ({n} blocks from {first} for "
+                             f"{num_chunks} chunks); the job fails rather than guess positions",
+                             noncontiguous=True)
+        out.append((g, placed))
+        pos_b += n
+        pos_i += num_chunks
+    if pos_i != len(items):
+        return Misplaced(f"job has {len(items)} chunk items, vLLM's block spec covers {pos_i}")
+    return out
+
+
+def header_span(token_start: int, tokens_per_block: int, blocks: Blocks) -> tuple[int, int]:
+    """The token span a header of the chunk starting at `token_start` claims when it covers only
+    the block positions in `blocks`: a store records the span it really holds, a load asks for
+    the span it needs, and a tier serves a load only from a chunk whose stored span contains the
+    needed one (`payload.mismatch`). vLLM stores a group's first chunk from a block mid-chunk (a
+    sliding group whose earlier blocks were freed); the positions it did not send are zeros in
+    the payload and must never reach a block."""
+    lo = min(p for _, p in blocks)
+    hi = max(p for _, p in blocks) + 1
+    return token_start + lo * tokens_per_block, token_start + hi * tokens_per_block
