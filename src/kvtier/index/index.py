@@ -55,7 +55,7 @@ from dataclasses import dataclass
 
 from kvtier.errors import ConfigError
 from kvtier.index.pool import (_COMMITTED, _DOOMED, _RESERVED, _policy_factory, _Pool,
-                               _Rec, _slots)
+                               _Rec, slot_counts)
 from kvtier.core.plan import Plan
 from kvtier.index.policies import EvictionPolicy
 
@@ -129,18 +129,10 @@ class Index:
         self._pools: dict[tuple[str, int], _Pool] = {}
         # per group index: that group's pools in tier order (empty for non-cacheable groups)
         self._by_group: list[list[_Pool]] = [[] for _ in plan.groups]
-        for tier, capacity in capacities.items():
-            if not isinstance(tier, str) or not tier:
-                raise ConfigError(f"tier name {tier!r} must be a non-empty string")
-            if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
-                raise ConfigError(
-                    f"tier {tier!r} has capacity {capacity!r} bytes; give a positive byte count "
-                    "or leave the tier out"
-                )
-            for gp, slots in zip(cacheable, _slots(plan, tier, capacity, share)):
-                pool = _Pool(tier, gp.index, slots, gp.chunk_bytes, factory(slots))
-                self._pools[(tier, gp.index)] = pool
-                self._by_group[gp.index].append(pool)
+        for (tier, g), slots in slot_counts(plan, capacities, share).items():
+            pool = _Pool(tier, g, slots, plan.groups[g].chunk_bytes, factory(slots))
+            self._pools[(tier, g)] = pool
+            self._by_group[g].append(pool)
         self.anchors: tuple[int, ...] = (
             tuple(gp.index for gp in cacheable if gp.kind in ("full", "mla")) if anchored else ())
         self._anchor_set = frozenset(self.anchors)

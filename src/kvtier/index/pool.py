@@ -83,6 +83,26 @@ def _policy_factory(policy: str | PolicyFactory) -> PolicyFactory:
     raise ConfigError(f"policy {policy!r} must be a policy name or a factory(slots) -> policy")
 
 
+def slot_counts(plan: Plan, capacities: Mapping[str, int],
+                share: str | Mapping[str, float] = "proportional") -> dict[tuple[str, int], int]:
+    """Slots per (tier, cacheable group index) that an `Index(plan, capacities, share=share)` has:
+    the one share rule, answered without building an index (the vLLM worker sizes its slabs with
+    it). Raises, as the index does, on a bad tier name, capacity or share."""
+    cacheable = plan.cacheable_groups
+    out: dict[tuple[str, int], int] = {}
+    for tier, capacity in capacities.items():
+        if not isinstance(tier, str) or not tier:
+            raise ConfigError(f"tier name {tier!r} must be a non-empty string")
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
+            raise ConfigError(
+                f"tier {tier!r} has capacity {capacity!r} bytes; give a positive byte count "
+                "or leave the tier out"
+            )
+        for gp, slots in zip(cacheable, _slots(plan, tier, capacity, share)):
+            out[(tier, gp.index)] = slots
+    return out
+
+
 def _slots(plan: Plan, tier: str, capacity: int, share: str | Mapping[str, float]) -> list[int]:
     cacheable = plan.cacheable_groups
     total = sum(gp.chunk_bytes for gp in cacheable)

@@ -27,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandsha
 from vllm.v1.kv_offload.base import LoadStoreSpec, OffloadKey
 
 from kvtier.index.index import Index
+from kvtier.index.pool import slot_counts
 from kvtier.core.keys import Namespace, chunk_hashes_from_block_hashes
 from kvtier.core.plan import Plan
 from kvtier.integrations.weights import files_digest, with_weights
@@ -107,31 +108,44 @@ class SpecContext:
             return [ns.id]
         return [ns.id] + [replace(ns, rank=r).id for r in range(ns.world_size) if r != ns.rank]
 
-    def new_index(self) -> Index:
-        """The index both sides size their slots from. Where the groups' chunks span different
-        tokens (engine_plan), "proportional" shares each tier by bytes per token, so every group
+    @property
+    def mixed_spans(self) -> bool:
+        """Whether the cacheable groups' chunks span different tokens (engine_plan)."""
+        return len({s for s, gp in zip(self.span_tokens, self.plan.groups) if gp.cacheable}) > 1
+
+    def share(self) -> str | dict[str, float]:
+        """The share rule both sides size each tier's slots by. Where the groups' chunks span
+        different tokens, "proportional" shares each tier by bytes per token, so every group
         covers the same tokens (equal slots would give a 64-token group a quarter of a 256-token
-        group's tokens), and the dead-first rule is off (chunk hashes line up across groups only
-        at common boundaries)."""
-        spans = {s for s, gp in zip(self.span_tokens, self.plan.groups) if gp.cacheable}
-        mixed = len(spans) > 1
+        group's tokens)."""
         share: str | dict[str, float] = self.config.share
-        if mixed and share == "proportional":
+        if self.mixed_spans and share == "proportional":
             per_token = {gp.name: gp.chunk_bytes / span
                          for gp, span in zip(self.plan.groups, self.span_tokens) if gp.cacheable}
             total = sum(per_token.values()) * (1 + 1e-9)  # fractions must sum to at most 1
             share = {name: v / total for name, v in per_token.items()}
-        return Index(self.plan, self.config.capacities, policy=self.config.policy, share=share,
-                     anchored=not mixed)
+        return share
 
-    def tier_layout(self, index: Index, tier: str):  # noqa: ANN201 - a TierLayout
+    def new_index(self) -> Index:
+        """The scheduler's index (`share()`); with mixed spans the dead-first rule is off (chunk
+        hashes line up across groups only at common boundaries)."""
+        return Index(self.plan, self.config.capacities, policy=self.config.policy, share=self.share(),
+                     anchored=not self.mixed_spans)
+
+    def slot_counts(self) -> dict[tuple[str, int], int]:
+        """Slots per (tier, cacheable group), exactly those of `new_index()`'s pools, without
+        building an index (the worker sizes its slabs with them)."""
+        return slot_counts(self.plan, self.config.capacities, self.share())
+
+    def tier_layout(self, tier: str):  # noqa: ANN201 - a TierLayout
         """The slots of `tier` per group, as the worker lays the tier out (and the scheduler's
-        readers of it expect): each cacheable group's chunk bytes, its slots in `index`."""
+        readers of it expect): each cacheable group's chunk bytes and slots (`slot_counts`)."""
         from kvtier.store.tiers.base import TierLayout
 
+        slots = self.slot_counts()
         groups = self.plan.groups
         return TierLayout(slot_bytes=tuple(gp.chunk_bytes if gp.cacheable else 0 for gp in groups),
-                          num_slots=tuple(index.slots(gp.index, tier) if gp.cacheable else 0 for gp in groups))
+                          num_slots=tuple(slots[(tier, gp.index)] if gp.cacheable else 0 for gp in groups))
 
     def new_region_name(self) -> str | None:
         """A fresh name for the cpu tier's host region (store/tiers/host_region.py) the worker

@@ -89,7 +89,7 @@ class LookupPromoter:
             log.warning("kvtier: %d host regions for %d ranks; chunks on disk or in Redis are promoted "
                         "at load, not at lookup", len(names), ns.world_size)
             return False
-        layout = self.ctx.tier_layout(self._index, "cpu")
+        layout = self.ctx.tier_layout("cpu")
         ranks: list[_Rank] = []
         try:
             for rank, name in enumerate(names):
@@ -122,7 +122,7 @@ class LookupPromoter:
             from kvtier.store.tiers.disk import DiskTier
 
             try:
-                out["disk"] = DiskTier(root, self.ctx.tier_layout(self._index, "disk"), namespace_id,
+                out["disk"] = DiskTier(root, self.ctx.tier_layout("disk"), namespace_id,
                                        keyed=keyed, reader=True)
             except Exception as exc:  # noqa: BLE001 - no reader: disk chunks are promoted at load
                 log.warning("kvtier: cannot read the disk tier from the scheduler (%s)", exc)

@@ -101,7 +101,6 @@ class KvtierWorker(OffloadingWorker):
         tensors = [t.tensor.view(torch.uint8) for t in kv_caches.tensors]
         self.device = tensors[0].device
         self.refs = layer_refs(tensors, kv_caches.group_data_refs, plan, self.bpc)
-        index = ctx.new_index()
         from .config import redis_password, tier_secret
 
         keyed = tier_secret(ctx.config)  # read once, for the disk and Redis tiers alike
@@ -114,7 +113,7 @@ class KvtierWorker(OffloadingWorker):
                                                       namespace_id=ctx.namespace.id, keyed=keyed,
                                                       password=redis_password(ctx.config))
                 continue
-            self.tiers[tier] = _make_tier(tier, ctx.tier_layout(index, tier), ctx, keyed,
+            self.tiers[tier] = _make_tier(tier, ctx.tier_layout(tier), ctx, keyed,
                                           self.device.type == "cuda")
         # On a GPU: chunks in cpu slots move through vLLM's own copy handlers (copier.py); other
         # chunks (no cpu slot: staging buffers) on a side stream through pinned host buffers
