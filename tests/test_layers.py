@@ -170,3 +170,88 @@ def test_a_circle_is_found(monkeypatch: pytest.MonkeyPatch) -> None:
     finally:
         a.unlink()
         b.unlink()
+
+
+# -- vLLM's private attributes live in integrations/vllm/compat.py only -------------------------
+# The rule, checked on the source with `ast` (no vLLM needed):
+# 1. no kvtier module but compat.py reads an attribute named in VLLM_PRIVATE (the private
+#    attributes of vLLM objects kvtier has used; a new one goes into compat.py and this list);
+# 2. in a module that imports vllm (at any level), other than compat.py, an attribute access
+#    `x._name` (one leading underscore, not a dunder) where `x` is not `self` or `cls` must name a
+#    private that kvtier itself defines (an attribute assigned on self or cls, a function, class or
+#    module-level name, a class-body field, anywhere in kvtier): anything else is a private of
+#    vLLM's (or another library's) object and belongs behind a named function in compat.py.
+# getattr(x, "_name") counts like x._name (a string literal as the attribute).
+
+COMPAT = "kvtier.integrations.vllm.compat"
+VLLM_PRIVATE = {"_connector_worker_meta", "_load_jobs", "_transfer_events", "_manager_locked",
+                "_canonical_layout"}
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def kvtier_private_names() -> set[str]:
+    """Every private name kvtier itself defines (rule 2's allowed set)."""
+    out: set[str] = set()
+    for path in modules():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for n in ast.walk(tree):
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                out.add(n.name)
+            elif isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store) \
+                    and isinstance(n.value, ast.Name) and n.value.id in ("self", "cls"):
+                out.add(n.attr)
+            elif isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+                out.add(n.id)
+    return {n for n in out if _private(n)}
+
+
+def _attribute_reads(tree: ast.AST) -> list[tuple[str, str, int]]:
+    """(receiver source, attribute name, line) of every `x.attr` and `getattr(x, "attr", ...)`."""
+    out = []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Attribute):
+            out.append((ast.unparse(n.value), n.attr, n.lineno))
+        elif isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in ("getattr", "hasattr", "setattr") \
+                and len(n.args) >= 2 and isinstance(n.args[1], ast.Constant) and isinstance(n.args[1].value, str):
+            out.append((ast.unparse(n.args[0]), n.args[1].value, n.lineno))
+    return out
+
+
+def vllm_private_reads() -> list[str]:
+    allowed = kvtier_private_names() - VLLM_PRIVATE
+    bad = []
+    for path in modules():
+        me = module_name(path)
+        if me == COMPAT:
+            continue
+        tree = ast.parse(path.read_text(), filename=str(path))
+        uses_vllm = any(t.split(".")[0] == "vllm" for t, _, _ in imports(path))
+        for receiver, attr, line in _attribute_reads(tree):
+            where = f"{path.relative_to(SRC.parent)}:{line}"
+            if attr in VLLM_PRIVATE:
+                bad.append(f"{where}: {receiver}.{attr} is vLLM's private state; read it through compat.py")
+            elif uses_vllm and _private(attr) and receiver not in ("self", "cls") and attr not in allowed:
+                bad.append(f"{where}: {receiver}.{attr} is a private attribute kvtier does not define "
+                           "(vLLM's?); reach it through a named function in compat.py")
+    return bad
+
+
+def test_vllm_private_attributes_only_in_compat() -> None:
+    assert vllm_private_reads() == []
+
+
+@pytest.mark.parametrize("source", [
+    "def f(w):\n    return w._connector_worker_meta\n",  # rule 1, even without a vllm import
+    "import vllm\n\ndef f(h):\n    return h._some_vllm_state\n",  # rule 2
+    "import vllm\n\ndef f(h):\n    return getattr(h, '_some_vllm_state', None)\n",
+])
+def test_the_private_attribute_check_bites(source: str) -> None:
+    fake = SRC / "integrations" / "vllm" / "_private_probe.py"
+    fake.write_text(source)
+    try:
+        assert any("_private_probe.py" in v for v in vllm_private_reads())
+    finally:
+        fake.unlink()

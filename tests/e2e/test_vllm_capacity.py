@@ -23,7 +23,8 @@ from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key  
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager  # noqa: E402
 
 from kvtier.core.geometry import Geometry, Group  # noqa: E402
-from kvtier.integrations.vllm.common import Metrics, SpecContext  # noqa: E402
+from kvtier.integrations.vllm.common import SpecContext  # noqa: E402
+from kvtier.integrations.vllm.counters import Metrics  # noqa: E402
 from kvtier.integrations.vllm.config import parse_config  # noqa: E402
 from kvtier.integrations.vllm.manager import KvtierManager  # noqa: E402
 from kvtier.core.keys import Namespace  # noqa: E402

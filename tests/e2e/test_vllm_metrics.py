@@ -25,7 +25,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent / "vllm"))
 from vllm_e2e import ENGINE_TIMEOUT_S, kv_transfer_config, tiny_llama_dir  # noqa: E402
 
-from kvtier.integrations.vllm.common import read_info, read_metrics  # noqa: E402
+from kvtier.integrations.vllm.counters import read_info, read_metrics  # noqa: E402
 from kvtier.loadgen.servers import free_port  # noqa: E402
 
 pytestmark = pytest.mark.slow

@@ -243,7 +243,7 @@ def test_metrics_files_of_exited_processes_are_removed(tmp_path: Path) -> None:
     import sys
 
     pytest.importorskip("vllm")
-    from kvtier.integrations.vllm.common import Metrics, read_metrics
+    from kvtier.integrations.vllm.counters import Metrics, read_metrics
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True).stdout.strip()

@@ -1,4 +1,4 @@
-"""The counter files under `<kvtier.directory>/metrics` (integrations/vllm/common.py), on real
+"""The counter files under `<kvtier.directory>/metrics` (integrations/vllm/counters.py), on real
 files: the directory is kvtier's own (never a symlink, never another user's, never writable by
 others), files are created and replaced relative to it without following links, the prune of dead
 processes' files removes only kvtier's own regular files, and the readers never follow a link or
@@ -20,8 +20,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvtier.integrations.vllm import common  # noqa: E402
-from kvtier.integrations.vllm.common import Metrics, read_info, read_metrics  # noqa: E402
+from kvtier.integrations.vllm import counters  # noqa: E402
+from kvtier.integrations.vllm.counters import Metrics, read_info, read_metrics  # noqa: E402
 
 OTHER_UID = 12345
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="gives files to another user (os.chown)")
@@ -102,13 +102,13 @@ def test_the_temporary_name_is_not_predictable(tmp_path: Path, monkeypatch: pyte
     """Two writes of one process use two different temporary names, neither `<role>-<pid>.tmp`
     (whatever name would be planted in advance is not the one used)."""
     names: list[str] = []
-    real = common.os.replace
+    real = counters.os.replace
 
     def replace(src, dst, **kw):  # type: ignore[no-untyped-def]
         names.append(os.fsdecode(src))
         return real(src, dst, **kw)
 
-    monkeypatch.setattr(common.os, "replace", replace)
+    monkeypatch.setattr(counters.os, "replace", replace)
     m = Metrics("worker0", str(tmp_path))
     for _ in range(2):
         m.add("store_jobs")

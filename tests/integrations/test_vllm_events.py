@@ -16,7 +16,8 @@ from vllm.v1.kv_offload.base import Locality, Medium, ReqContext, make_offload_k
 from kvtier.core.geometry import Geometry, Group  # noqa: E402
 from kvtier.core.keys import Namespace  # noqa: E402
 from kvtier.core.plan import make_plan  # noqa: E402
-from kvtier.integrations.vllm.common import Metrics, SpecContext  # noqa: E402
+from kvtier.integrations.vllm.common import SpecContext  # noqa: E402
+from kvtier.integrations.vllm.counters import Metrics  # noqa: E402
 from kvtier.integrations.vllm.config import parse_config  # noqa: E402
 from kvtier.integrations.vllm.manager import KvtierManager  # noqa: E402
 from kvtier.router import PrefixIndex, decode_batch  # noqa: E402

@@ -18,13 +18,16 @@ from kvtier.core.plan import make_plan
 pytest.importorskip("vllm")
 
 
-def _engine(geometry, tmp_path: Path, extra: dict, engine_id: str):
+def _spec(geometry, tmp_path: Path, extra: dict, engine_id: str):
+    """kvtier's spec of an engine with these groups, built as KvtierConnector has vLLM build it:
+    vLLM's KV-cache specs handed over through compat for the spec's construction."""
     import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec, SlidingWindowSpec
     from vllm.v1.kv_offload.config import (OffloadingCacheConfig, OffloadingConfig, OffloadingGroupConfig,
                                            OffloadingModelConfig, OffloadingParallelConfig)
 
-    from kvtier.integrations.vllm.common import ENGINE_KV_CACHE_CONFIGS
+    from kvtier.integrations.vllm.compat import kv_cache_config_for_spec
+    from kvtier.integrations.vllm.spec import KvtierOffloadingSpec
 
     torch_dtype = {1: torch.float8_e4m3fn, 2: torch.bfloat16, 4: torch.float32}
     groups, kv_groups, layer = [], [], 0
@@ -44,27 +47,26 @@ def _engine(geometry, tmp_path: Path, extra: dict, engine_id: str):
         layer += g.num_layers
         groups.append(OffloadingGroupConfig(g.tokens_per_block, names, gid))
         kv_groups.append(SimpleNamespace(kv_cache_spec=spec, layer_names=list(names)))
-    ENGINE_KV_CACHE_CONFIGS[engine_id] = SimpleNamespace(kv_cache_groups=kv_groups)
     unit = min(g.tokens_per_block for g in geometry.groups if g.cacheable)
-    return OffloadingConfig(
+    config = OffloadingConfig(
         groups=tuple(groups), worker_kv_bytes_per_block=1024, enable_kv_cache_events=False,
         extra_config=dict(extra, **{"kvtier.directory": str(tmp_path)}), engine_id=engine_id,
         model=OffloadingModelConfig(name=str(tmp_path), dtype="bfloat16"),
         cache=OffloadingCacheConfig(tokens_per_hash=unit, blocks_per_chunk=int(extra.get("blocks_per_chunk", 1))),
         parallel=OffloadingParallelConfig(0, 1, 1, 1, 1, 1, 0, 1, None, True))
+    with kv_cache_config_for_spec(engine_id, SimpleNamespace(kv_cache_groups=kv_groups)):
+        return KvtierOffloadingSpec(config)
 
 
 @pytest.mark.parametrize("name", ["deepseek-v4-like", "gpt-oss-120b-fp8kv", "gemma-3-270m", "llama-4-scout",
                                   "qwen3-next-80b-a3b", "falcon-h1-0.5b"])
 def test_the_printed_config_starts_the_spec(name: str, geometry_path, config_path, tmp_path: Path) -> None:
     """Attention and state (GDN, Mamba-2) geometries."""
-    from kvtier.integrations.vllm.spec import KvtierOffloadingSpec
-
     path = geometry_path(name)
     geometry = load_geometry(path) if path.exists() else load_geometry(config_path(name), block_size=16)
     plan = make_plan(geometry)
     extra = vllm_extra_config(plan)
-    spec = KvtierOffloadingSpec(_engine(geometry, tmp_path, extra, f"printed-{name}"))
+    spec = _spec(geometry, tmp_path, extra, f"printed-{name}")
     ctx = spec.ctx
     assert ctx.plan.geometry.source.startswith("vLLM KV-cache specs")
     cacheable = [g for g in geometry.groups if g.cacheable]
@@ -87,11 +89,9 @@ def test_mixed_spans_share_tiers_by_tokens_and_have_no_dead_rule(geometry_path, 
     """Groups whose chunks span 256/64/8/4 tokens: each group's slots cover about the same tokens
     (equal slot counts gave a 4-token group 1/64 of a 256-token group's tokens), and no chunk is
     treated as dead for lack of a chunk with the same hash in the anchor groups."""
-    from kvtier.integrations.vllm.spec import KvtierOffloadingSpec
-
     geometry = load_geometry(geometry_path("deepseek-v4-like"))
     extra = vllm_extra_config(make_plan(geometry))
-    ctx = KvtierOffloadingSpec(_engine(geometry, tmp_path, extra, "mixed-share")).ctx
+    ctx = _spec(geometry, tmp_path, extra, "mixed-share").ctx
     index = ctx.new_index()
     assert index.anchors == ()
     tokens = [index.slots(gp.index, "cpu") * span for gp, span in zip(ctx.plan.groups, ctx.span_tokens)]

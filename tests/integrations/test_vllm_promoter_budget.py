@@ -29,7 +29,8 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
 from kvtier.core.geometry import Geometry, Group  # noqa: E402
 from kvtier.core.keys import Namespace  # noqa: E402
 from kvtier.core.plan import make_plan  # noqa: E402
-from kvtier.integrations.vllm.common import Metrics, SpecContext  # noqa: E402
+from kvtier.integrations.vllm.common import SpecContext  # noqa: E402
+from kvtier.integrations.vllm.counters import Metrics  # noqa: E402
 from kvtier.integrations.vllm.config import parse_config  # noqa: E402
 from kvtier.integrations.vllm.manager import KvtierManager  # noqa: E402
 from kvtier.integrations.vllm.promoter import LookupPromoter  # noqa: E402

@@ -2,7 +2,7 @@
 0.33 call a connector's stats: workers' payloads merged with `aggregate()`, the scheduler's merged
 into them, `to_dict()` across the process hop, `build_kv_connector_stats(data)` in the front end,
 `reduce()` for the log line, `observe()` into Prometheus; and the counter file's write throttle
-(common.Metrics). The whole path through vLLM's real scheduler runs in test_vllm_engineless.py."""
+(counters.Metrics). The whole path through vLLM's real scheduler runs in test_vllm_engineless.py."""
 
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ pytest.importorskip("vllm")
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats  # noqa: E402
 
-from kvtier.integrations.vllm import common  # noqa: E402
-from kvtier.integrations.vllm.common import Metrics, read_metrics  # noqa: E402
+from kvtier.integrations.vllm import counters  # noqa: E402
+from kvtier.integrations.vllm.counters import Metrics, read_metrics  # noqa: E402
 from kvtier.integrations.vllm.connector import KvtierConnector  # noqa: E402
 from kvtier.integrations.vllm.stats import (  # noqa: E402
     FAMILIES,
@@ -172,12 +172,11 @@ def test_prometheus_counters_per_tier_and_group_beside_vllms() -> None:
 
 
 def test_every_counter_the_integration_adds_has_a_metric() -> None:
-    """A counter added in manager.py, promoter.py or worker.py without a family would stay in the
-    file only."""
+    """A counter added in any module of the integration (manager.py, promotion.py, promoter.py,
+    redis_lookup.py, worker.py, ...) without a family would stay in the file only."""
     names: set[str] = set()
-    for module in ("manager.py", "promoter.py", "worker.py"):
-        text = (SRC / module).read_text()
-        names.update(re.findall(r'metrics\.add\(\s*f?"([^"]+)"', text))
+    for path in sorted(SRC.glob("*.py")):
+        names.update(re.findall(r'metrics\.add\(\s*f?"([^"]+)"', path.read_text()))
     assert len(names) > 25, names
     concrete: set[str] = set()
     for name in names:
@@ -196,13 +195,13 @@ def test_every_counter_the_integration_adds_has_a_metric() -> None:
 
 def _writes(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     times: list[float] = []
-    real = common.os.replace
+    real = counters.os.replace
 
     def replace(a, b, **kw):  # type: ignore[no-untyped-def]  (relative to the directory's fd)
         times.append(time.monotonic())
         return real(a, b, **kw)
 
-    monkeypatch.setattr(common.os, "replace", replace)
+    monkeypatch.setattr(counters.os, "replace", replace)
     return times
 
 
@@ -294,7 +293,7 @@ def test_counting_from_threads_loses_nothing(tmp_path: Path) -> None:
 def test_a_process_that_exits_writes_what_it_counted(tmp_path: Path) -> None:
     """Tests and `kvtier` commands read the file after the engine's processes exit: counts made
     after the last write land at exit, even with a long interval and no shutdown call."""
-    code = (f"from kvtier.integrations.vllm.common import Metrics\n"
+    code = (f"from kvtier.integrations.vllm.counters import Metrics\n"
             f"m = Metrics('scheduler', {str(tmp_path)!r}, interval_s=60)\n"
             "m.flush(force=True)\n"
             "for _ in range(7): m.add('load_jobs')\n")

@@ -110,8 +110,7 @@ def test_with_weights() -> None:
 
 
 def test_vllm_model_identity_names_config_and_weights(tmp_path: Path) -> None:
-    pytest.importorskip("vllm")
-    from kvtier.integrations.vllm.common import model_identity
+    from kvtier.integrations.weights import model_identity
 
     state = {k: v.contiguous() for k, v in _model().state_dict().items()}
     d = _save(tmp_path / "m", state)

@@ -290,7 +290,7 @@ def bench(a: argparse.Namespace) -> dict[str, object]:
         for name in kv:
             sv.wait_http_ready(procs[name], urls[name] + "/health", t0 + a.startup_timeout_s)
         log(f"servers up in {time.monotonic() - t0:.0f} s; client: {client_name}")
-        from kvtier.integrations.vllm.common import read_info, read_metrics
+        from kvtier.integrations.vllm.counters import read_info, read_metrics
 
         eps = {n: Endpoint(n, u, SERVED_NAME) for n, u in urls.items()}
         for e in eps.values():  # first requests pay one-time costs; not measured

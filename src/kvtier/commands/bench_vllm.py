@@ -90,7 +90,7 @@ def _bench(args: argparse.Namespace, model: str, directory: str) -> dict[str, ob
 
     from vllm import LLM, SamplingParams
 
-    from kvtier.integrations.vllm.common import FLUSH_INTERVAL_S, read_metrics
+    from kvtier.integrations.vllm.counters import FLUSH_INTERVAL_S, read_metrics
 
     extra: dict[str, object] = {
         "spec_name": "KvtierOffloadingSpec",

@@ -160,3 +160,14 @@ def with_weights(model_id: str, digest: str | None) -> str:
         return model_id
     suffix = f"#weights={digest}"
     return model_id if model_id.endswith(suffix) else model_id + suffix
+
+
+def model_identity(model: str) -> str:
+    """The namespace's model field: the model path/name plus, for a local directory, a digest of
+    its config.json and of its weight files (`files_digest`: every tensor's name, dtype, shape and
+    first, middle and last 4 KiB), so two checkpoints at one path never share chunks."""
+    cfg = Path(model) / "config.json"
+    out = model
+    if cfg.is_file():
+        out = f"{model}#{hashlib.blake2b(cfg.read_bytes(), digest_size=8).hexdigest()}"
+    return with_weights(out, files_digest(model))

@@ -45,7 +45,7 @@ def main() -> int:
     from vllm import LLM, SamplingParams
 
     from kvtier.commands.bench_serve import settled
-    from kvtier.integrations.vllm.common import FLUSH_INTERVAL_S, read_info, read_metrics
+    from kvtier.integrations.vllm.counters import FLUSH_INTERVAL_S, read_info, read_metrics
 
     kw = dict(model=sc["model"], max_model_len=sc.get("max_model_len", 1024), enforce_eager=True,
               dtype=sc.get("dtype", "auto"), seed=0, enable_prefix_caching=True)

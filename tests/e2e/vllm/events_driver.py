@@ -39,7 +39,7 @@ def main() -> int:
     from vllm.config import KVEventsConfig
 
     from kvtier.commands.bench_serve import settled
-    from kvtier.integrations.vllm.common import read_metrics
+    from kvtier.integrations.vllm.counters import read_metrics
     from kvtier.router import PrefixIndex, Subscriber
 
     port = int(sc["port"])

@@ -382,7 +382,7 @@ class Harness:
     def counters(self) -> dict:
         """kvtier's counter files, written first: kvtier rewrites them at most once a second, and
         both sides live in this process (an engine's are read after it has shut down)."""
-        from kvtier.integrations.vllm.common import read_metrics
+        from kvtier.integrations.vllm.counters import read_metrics
 
         manager = getattr(self.sched.connector.connector_scheduler, "manager", None)
         worker = getattr(self.wconn.connector_worker, "worker", None)

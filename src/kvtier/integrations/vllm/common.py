@@ -1,26 +1,17 @@
-"""What the scheduler-side manager and the worker-side handler share: the context both build
-from the same engine config, the transfer spec that travels between them, and the metrics file.
+"""The wire types of kvtier's two halves in vLLM: the context both build from the same engine
+config (`SpecContext`), the transfer spec that travels from the manager to the worker with every
+job (`ChunkItem`, `KvtierLoadStoreSpec`), and what a worker tells the scheduler once at start
+(`KvtierHandshake`).
 
 Both sides build the context independently (vLLM creates the spec once per process) from the
 same inputs, so they agree on the plan, the namespace and every tier's slot layout without
-exchanging anything but the per-job `KvtierLoadStoreSpec`.
+exchanging anything but the per-job `KvtierLoadStoreSpec` and the handshake. The counter files
+live in counters.py, the model's identity in `kvtier.integrations.weights`.
 """
 
 from __future__ import annotations
 
-import atexit
-import errno
-import hashlib
-import json
-import logging
-import os
-import re
-import secrets
-import stat
-import threading
-import time
-import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata
@@ -30,17 +21,22 @@ from kvtier.index.index import Index
 from kvtier.index.pool import slot_counts
 from kvtier.core.keys import Namespace, chunk_hashes_from_block_hashes
 from kvtier.core.plan import Plan
-from kvtier.integrations.weights import files_digest, with_weights
 
 from .config import VllmTierConfig
+# kept importable from here for code written against it before counters.py (worker.py, the
+# vLLM upstream tests); new code imports it from .counters
+from .counters import Metrics  # noqa: F401
 
-log = logging.getLogger("kvtier.vllm")
+# every per-key map of the scheduler side (the manager's key memo, promotion and Redis answers)
+# is cleared when it reaches this many entries, so none grows without bound
+SPLIT_MEMO_KEYS = 1 << 16
+
 
 @dataclass(frozen=True, slots=True)
 class ChunkItem:
     """One chunk of one group to move: where its payload lives (one place for a load, every
     tier that reserved a slot for a store) and what its header must say. A load from disk or
-    Redis may carry a second place, ("cpu", slot): the slot it is promoted into (manager.py)."""
+    Redis may carry a second place, ("cpu", slot): the slot it is promoted into (promotion.py)."""
 
     group: int  # kvtier plan group index (position in vLLM's offloaded groups)
     chunk_hash: bytes
@@ -74,10 +70,8 @@ class KvtierHandshake(KVConnectorHandshakeMetadata):
     rank: int = 0  # the worker's rank (tensor parallel: every rank has its own region)
 
 
-# vLLM's KVCacheConfig of each engine in this process, by engine id: KvtierConnector records it
-# before vLLM builds the spec, which reads its groups' KV-cache specs from here (the offloading
-# config vLLM hands a spec names the groups but not their kinds, windows or page sizes).
-ENGINE_KV_CACHE_CONFIGS: dict[str, object] = {}
+
+
 @dataclass(frozen=True, slots=True)
 class SpecContext:
     plan: Plan
@@ -165,6 +159,24 @@ class SpecContext:
         """Tokens one chunk of plan group `group` covers (all groups alike without span_tokens)."""
         return self.span_tokens[group] if self.span_tokens else self.plan.chunk_tokens
 
+    def chunk_span(self, group: int, end: int | None) -> tuple[int, int]:
+        """The token span of a chunk of plan group `group` that ends at token `end` (vLLM's
+        position of its offload key); (0, 0) when vLLM gave none."""
+        if end is None:
+            return 0, 0
+        return max(0, end - self.span(group)), end
+
+    def whole_chunk_header(self, chunk_hash: bytes, group: int, end: int | None):  # noqa: ANN201 - a ChunkHeader
+        """The header of the whole chunk `(chunk_hash, group)` ending at token `end`, or None when
+        vLLM gave no position or the span is not a whole chunk."""
+        start, end = self.chunk_span(group, end)
+        if end - start != self.span(group):
+            return None
+        from kvtier.store.payload import make_header
+
+        return make_header(self.namespace.id, chunk_hash, group, start, end, self.plan.groups[group].chunk_bytes,
+                           "uint8")
+
     @property
     def disk_root(self) -> Path | None:
         d = self.config.directory
@@ -181,317 +193,3 @@ class SpecContext:
         if g is None or not self.plan.groups[g].cacheable:
             return None
         return self.chunk_hash(bytes(key[:-4])), g
-
-
-_COUNT_LOCK = threading.Lock()
-_FLUSH_LOCK = threading.Lock()
-FLUSH_INTERVAL_S = 1.0  # the counter file is rewritten at most this often (and at most this late)
-
-
-@dataclass(eq=False)  # identity, not value: kept in a WeakSet for the exit flush
-class Metrics:
-    """Counters of one side (scheduler or worker), written as JSON into
-    `<kvtier.directory>/metrics/<role>-<pid>.json` so a test or an operator can read what
-    happened inside an engine whose workers live in other processes, and handed to vLLM's own
-    stats path (`take_delta`, stats.py) so `vllm serve`'s /metrics shows them. The directory and
-    its files follow the disk tier's rules (`_open_metrics_dir`, below): never through a link,
-    never into a directory another user could write.
-
-    The file is rewritten at most every `interval_s`, on a timer thread, never by the engine
-    thread that counts: the first count after a write arms one timer, which writes everything
-    counted until it fires (so the file is at most `interval_s` behind, and an idle engine's last
-    counts still land). Forced writes (`flush(force=True)`) happen at start, when the workers'
-    layout arrives, at shutdown, and at process exit for anything unwritten. Rejected: rewriting
-    it on every scheduler and worker call (a JSON dump and a rename per engine step)."""
-
-    role: str
-    directory: str | None
-    counts: dict[str, int] = field(default_factory=dict)
-    info: dict[str, int] = field(default_factory=dict)  # sizes, not summed across processes
-    interval_s: float = FLUSH_INTERVAL_S
-    _dirty: bool = False
-    _pruned: bool = False
-    _warned: bool = False  # the counter directory was refused and that was logged
-    # counts since the last take_delta(), by (counter name, group label): vLLM's stats path
-    _delta: dict[tuple[str, str], int] = field(default_factory=dict, repr=False)
-    _timer: threading.Timer | None = field(default=None, repr=False)
-    _last_write: float = float("-inf")  # time.monotonic() of the last write (or timer firing)
-
-    def __post_init__(self) -> None:
-        if self.directory is not None:
-            _LIVE.add(self)
-
-    def add(self, name: str, n: int = 1, group: int | None = None) -> None:
-        """Count `n` under `name` (the file's key); `group` (kvtier's plan group index) labels it
-        on vLLM's stats path where the caller knows it."""
-        with _COUNT_LOCK:  # the worker's background I/O thread counts too
-            self.counts[name] = self.counts.get(name, 0) + n
-            if n:
-                key = (name, "" if group is None else str(group))
-                self._delta[key] = self._delta.get(key, 0) + n
-            self._dirty = True
-            timer = self._arm()
-        if timer is not None:
-            _start(self, timer)
-
-    def take_delta(self) -> dict[tuple[str, str], int]:
-        """What was counted since the last call, by (counter name, group label or "")."""
-        with _COUNT_LOCK:
-            delta, self._delta = self._delta, {}
-        return delta
-
-    def flush(self, force: bool = False) -> None:
-        """force: write the file now. Otherwise only make sure a write is due within
-        `interval_s` (counting already does that)."""
-        if self.directory is None:
-            return
-        if not force:
-            with _COUNT_LOCK:
-                timer = self._arm() if self._dirty else None
-            if timer is not None:
-                _start(self, timer)
-            return
-        with _FLUSH_LOCK:  # the engine thread, the timer and the exit flush may all write
-            self._write(force=True)
-
-    def _arm(self) -> threading.Timer | None:
-        """Under _COUNT_LOCK: a timer to start (outside the lock) unless one is pending."""
-        if self.directory is None or self._timer is not None:
-            return None
-        delay = max(0.0, self._last_write + self.interval_s - time.monotonic())
-        self._timer = threading.Timer(delay, self._on_timer)
-        self._timer.daemon = True  # never holds a process open; the exit flush writes instead
-        return self._timer
-
-    def _on_timer(self) -> None:
-        with _COUNT_LOCK:
-            self._timer = None  # a count from now on arms the next write, interval_s from now
-            self._last_write = time.monotonic()
-        with _FLUSH_LOCK:
-            self._write(force=False)
-
-    def _write(self, force: bool) -> None:
-        if self.directory is None or not (self._dirty or force):
-            return
-        try:  # never create kvtier.directory itself, never fail the engine over a counter file
-            dfd = _open_metrics_dir(self.directory)
-        except _Refused as exc:
-            self._dirty = True
-            if not self._warned:  # once, not at every write (the timer retries after each count)
-                self._warned = True
-                log.warning("kvtier: %s; counters are not written to files (vLLM's /metrics still "
-                            "has them)", exc)
-            return
-        except OSError:  # kvtier.directory missing, read-only, full: written next time
-            self._dirty = True
-            return
-        try:
-            if not self._pruned:  # one file per process id forever was the old behaviour
-                self._pruned = True
-                _prune_dead(dfd)
-            with _COUNT_LOCK:
-                counts = dict(self.counts)
-                self._dirty = False  # an add() after this copy marks it dirty again
-                if force:
-                    self._last_write = time.monotonic()
-            data = json.dumps({"role": self.role, "pid": os.getpid(), "time": time.time(),
-                               "counts": counts, "info": self.info}).encode()
-            _replace_file(dfd, f"{self.role}-{os.getpid()}", data)
-            self._warned = False
-        except OSError:
-            self._dirty = True  # written next time
-        finally:
-            os.close(dfd)
-
-
-def _start(metrics: Metrics, timer: threading.Timer) -> None:
-    try:
-        timer.start()
-    except RuntimeError:  # no new threads at interpreter shutdown: the exit flush writes it
-        with _COUNT_LOCK:
-            if metrics._timer is timer:
-                metrics._timer = None
-
-
-# Every Metrics with a directory, for the exit flush and for a forked child (whose copy of a
-# pending timer never fires). Weak: a Metrics a test dropped is not kept alive.
-_LIVE: weakref.WeakSet[Metrics] = weakref.WeakSet()
-
-
-def _flush_all_at_exit() -> None:
-    """Registered when this module is imported, so it runs after the worker's I/O lane has
-    landed its queued writes (atexit runs handlers last registered first)."""
-    for m in list(_LIVE):
-        with _FLUSH_LOCK:
-            m._write(force=False)
-
-
-def _forget_in_child() -> None:
-    """A forked child's copies are the parent's counters: their pending timers never fire there,
-    and the child must not write them again at its exit under its own pid."""
-    for m in list(_LIVE):
-        m._timer = None
-    _LIVE.clear()
-
-
-atexit.register(_flush_all_at_exit)
-os.register_at_fork(after_in_child=_forget_in_child)
-
-
-# The counter directory and its files follow the disk tier's rules (store/tiers/disk_files.py):
-# `metrics/` is created 0700 and opened without following a link, and used only when it is a real
-# directory of this user that nobody else may write; every file in it is opened relative to its
-# fd, without following a link. A file is written under a random temporary name (created
-# O_EXCL, 0600) and renamed over its final name: a link planted at the final name is replaced,
-# never written through, and no temporary name can be planted in advance (the old one was
-# `<role>-<pid>.tmp`, written with write_text: through a planted link it overwrote a root-owned
-# 0600 file). An unsafe directory is not written at all, with one warning: rejected, raising
-# (the engine would stop over a diagnostics file whose counts vLLM's /metrics carries anyway)
-# and tightening it with chmod (an operator's 0777 may be meant, and a directory another user
-# could write may already hold what they planted).
-METRICS_DIR = "metrics"
-_NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
-# the names kvtier writes in metrics/: `<role>-<pid>.json` and its temporary `<role>-<pid>.<hex>.tmp`
-COUNTER_FILE_RE = re.compile(r"^(?:scheduler|worker\d+)-(\d{1,10})(?:\.json|\.[0-9a-f]{16}\.tmp)$")
-READ_LIMIT_BYTES = 1 << 20  # a counter file is a few KiB; a larger one is not kvtier's
-
-
-class _Refused(Exception):
-    """The counter directory is not one kvtier may write (the message says why and the fix)."""
-
-
-def _open_metrics_dir(directory: str) -> int:
-    """`<directory>/metrics`, created 0700 when missing (never `directory` itself), opened
-    without following a link and checked: its fd. Raises _Refused, or OSError."""
-    path = os.path.join(directory, METRICS_DIR)
-    try:
-        os.mkdir(path, 0o700)  # does not follow a link at `path` (FileExistsError)
-    except FileExistsError:
-        pass
-    try:
-        dfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW)
-    except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-            raise _Refused(f"counter directory {path!r} is a symlink or not a directory; remove it "
-                           "(kvtier creates it 0700)") from None
-        raise
-    st = os.fstat(dfd)
-    why = None
-    if st.st_uid != os.geteuid():
-        why = (f"counter directory {path!r} is owned by uid {st.st_uid}, not by this user (uid "
-               f"{os.geteuid()}); kvtier writes only into a directory it owns: remove it")
-    elif st.st_mode & 0o022:
-        why = (f"counter directory {path!r} is writable by group or others (mode "
-               f"{stat.S_IMODE(st.st_mode):o}); run `chmod 700 {path!r}`")
-    if why is not None:
-        os.close(dfd)
-        raise _Refused(why)
-    return dfd
-
-
-def _replace_file(dfd: int, stem: str, data: bytes) -> None:
-    """Write `<stem>.json` in directory `dfd` atomically (readers never see half a file)."""
-    tmp = f"{stem}.{secrets.token_hex(8)}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600, dir_fd=dfd)
-    try:
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-        finally:
-            os.close(fd)
-        os.replace(tmp, f"{stem}.json", src_dir_fd=dfd, dst_dir_fd=dfd)
-    except BaseException:
-        try:
-            os.unlink(tmp, dir_fd=dfd)
-        except OSError:
-            pass
-        raise
-
-
-def _alive(pid: int) -> bool:
-    """Whether `pid` may be a live process (True when unsure: its file is kept)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (OSError, OverflowError):  # alive but not ours (EPERM), or no pid at all: kept
-        return True
-    return True
-
-
-def _prune_dead(dfd: int) -> None:
-    """Remove the counter files of processes that have exited (their pid is gone), so the
-    directory holds the live processes' files and the last engine's until a new one starts.
-    Only names kvtier writes (COUNTER_FILE_RE) that are regular files of this user: another
-    program's file, another user's, a link, a FIFO are left alone."""
-    me, uid = os.getpid(), os.geteuid()
-    for name in os.listdir(dfd):
-        m = COUNTER_FILE_RE.match(name)
-        if m is None or int(m.group(1)) in (0, me) or _alive(int(m.group(1))):
-            continue
-        try:
-            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-            if stat.S_ISREG(st.st_mode) and st.st_uid == uid:
-                os.unlink(name, dir_fd=dfd)  # never follows a link (one swapped in meanwhile goes)
-        except OSError:
-            continue
-
-
-def _counter_files(directory: str | os.PathLike[str]) -> list[dict]:
-    """Every side's counter file under `<directory>/metrics`, by name: regular files only, never
-    through a link (directory or file), a FIFO opened O_NONBLOCK and skipped, never waited on."""
-    try:
-        dfd = os.open(os.path.join(directory, METRICS_DIR), os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW)
-    except OSError:
-        return []
-    out: list[dict] = []
-    try:
-        for name in sorted(os.listdir(dfd)):
-            if not name.endswith(".json"):
-                continue
-            try:
-                fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | _NOFOLLOW, dir_fd=dfd)
-            except OSError:  # a link (ELOOP), or gone meanwhile
-                continue
-            try:
-                st = os.fstat(fd)
-                if not stat.S_ISREG(st.st_mode) or st.st_size > READ_LIMIT_BYTES:
-                    continue
-                chunks = []
-                while data := os.read(fd, READ_LIMIT_BYTES):
-                    chunks.append(data)
-            finally:
-                os.close(fd)
-            out.append(json.loads(b"".join(chunks)))
-    finally:
-        os.close(dfd)
-    return out
-
-
-def read_metrics(directory: str | os.PathLike[str]) -> dict[str, int]:
-    """Sum every side's counters found under `<directory>/metrics` (all processes so far)."""
-    total: dict[str, int] = {}
-    for data in _counter_files(directory):
-        for k, v in data.get("counts", {}).items():
-            total[k] = total.get(k, 0) + int(v)
-    return total
-
-
-def read_info(directory: str | os.PathLike[str]) -> dict[str, int]:
-    """The size facts the sides recorded (vLLM's row bytes, kvtier's chunk bytes per group)."""
-    out: dict[str, int] = {}
-    for data in _counter_files(directory):
-        out.update(data.get("info", {}))
-    return out
-
-
-def model_identity(model: str) -> str:
-    """The namespace's model field: the model path/name plus, for a local directory, a digest of
-    its config.json and of its weight files (`kvtier.integrations.weights`: every tensor's name, dtype, shape
-    and first, middle and last 4 KiB), so two checkpoints at one path never share chunks."""
-    cfg = Path(model) / "config.json"
-    out = model
-    if cfg.is_file():
-        out = f"{model}#{hashlib.blake2b(cfg.read_bytes(), digest_size=8).hexdigest()}"
-    return with_weights(out, files_digest(model))

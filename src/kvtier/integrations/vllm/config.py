@@ -21,7 +21,7 @@ vLLM's and are left to it.
 | `kvtier.secret_file` | a file (mode 0600, at least 16 bytes) holding the tenant secret that MACs every disk and Redis payload; or set `KVTIER_SECRET_FILE` / `KVTIER_SECRET` in the engine's environment | none |
 | `kvtier.redis_password_file` | a file (mode 0600) holding the Redis password; or set `KVTIER_REDIS_PASSWORD` in the engine's environment | none |
 | `kvtier.io_queue_bytes` | disk and Redis writes that may wait for the worker's background I/O thread; a store past it skips those tiers (counted `store_dropped_<tier>`), never waits | `"256MiB"` |
-| `kvtier.host_region` | where the cpu tier's slabs live so the scheduler's process can fill them too (promotion at lookup, manager.py): `"auto"` (a private file in /dev/shm), an existing directory, or `"off"` (private memory of the worker: promotion at load only) | `"auto"` |
+| `kvtier.host_region` | where the cpu tier's slabs live so the scheduler's process can fill them too (promotion at lookup, promotion.py): `"auto"` (a private file in /dev/shm), an existing directory, or `"off"` (private memory of the worker: promotion at load only) | `"auto"` |
 | `kvtier.tenant` | a salt mixed into every key: engines with different tenants share nothing. Change it when the weights change under the same model path (a new fine-tune, a new revision): kvtier's namespace sees the path, config and dtype, not the weights | `""` |
 """
 

@@ -18,8 +18,6 @@ models with several KV-cache groups, which are the models kvtier is for.
 
 from __future__ import annotations
 
-import contextlib
-
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
@@ -27,23 +25,25 @@ from vllm.v1.outputs import KVConnectorOutput
 
 from kvtier.errors import ConfigError
 
-from .common import ENGINE_KV_CACHE_CONFIGS, KvtierHandshake, Metrics
+from .common import KvtierHandshake
+from .compat import (engine_id_of, event_group_rules, event_lacks_group_rule, kv_cache_config_for_spec,
+                     manager_lock, offloading_group_ids, worker_load_jobs, worker_transfer_meta)
+from .counters import Metrics
+from .manager import KvtierManager
+from .spec import KvtierOffloadingSpec, chunk_tokens_to_blocks
 from .stats import KvtierConnectorStats, KvtierPromMetrics, merge
 
 
 class KvtierConnector(OffloadingConnector):
     def __init__(self, vllm_config, role, kv_cache_config) -> None:  # noqa: ANN001 - vLLM's types
         _translate_chunk_tokens(vllm_config, kv_cache_config)
-        engine_id = getattr(getattr(vllm_config, "kv_transfer_config", None), "engine_id", None)
-        if engine_id is not None and kv_cache_config is not None:
-            ENGINE_KV_CACHE_CONFIGS[engine_id] = kv_cache_config  # read by the spec (geometry)
-        try:
+        # the spec reads its groups' KV-cache specs from vLLM's own config (compat's hand-over)
+        with kv_cache_config_for_spec(engine_id_of(vllm_config), kv_cache_config):
             super().__init__(vllm_config, role, kv_cache_config)  # builds the spec
-        finally:  # never read by a later engine with the same id (say, under the stock connector)
-            ENGINE_KV_CACHE_CONFIGS.pop(engine_id, None)
-        if self.connector_worker is not None:
-            self.connector_worker.spec.reports_failures = True  # type: ignore[attr-defined]
-        self._group_rules = _group_rules(kv_cache_config)
+        w = self.connector_worker
+        if w is not None and isinstance(w.spec, KvtierOffloadingSpec):
+            w.spec.reports_failures = True
+        self._group_rules = event_group_rules(kv_cache_config)
 
     # -- KV events: every group's residency rule on every event (events.py) -----------------
 
@@ -53,7 +53,7 @@ class KvtierConnector(OffloadingConnector):
         self-describing events are on): a router needs them to know what a group can restore."""
         rules = self._group_rules
         for ev in super().take_events():
-            if rules and getattr(ev, "kv_cache_spec_kind", "") is None and ev.group_idx in rules:
+            if rules and event_lacks_group_rule(ev) and ev.group_idx in rules:
                 ev.kv_cache_spec_kind, ev.kv_cache_spec_sliding_window = rules[ev.group_idx]
             yield ev
 
@@ -66,11 +66,12 @@ class KvtierConnector(OffloadingConnector):
 
     def get_handshake_metadata(self):  # noqa: ANN201 - vLLM's type
         w = self.connector_worker
-        spec = getattr(w, "spec", None)
-        ctx = getattr(spec, "ctx", None)
-        cpu = getattr(getattr(w, "worker", None), "tiers", {}).get("cpu")
+        if w is None or not isinstance(w.spec, KvtierOffloadingSpec):
+            return None
+        ctx = w.spec.ctx
+        cpu = getattr(w.worker, "tiers", {}).get("cpu")  # the worker side's KvtierWorker, once built
         region = getattr(cpu, "region", None)
-        if ctx is None or (ctx.page_bytes is None and region is None):
+        if ctx.page_bytes is None and region is None:
             return None
         return KvtierHandshake(page_bytes=tuple(ctx.page_bytes or ()),  # () when the worker saw none
                                geometry_fingerprint=ctx.namespace.geometry_fingerprint,
@@ -86,18 +87,19 @@ class KvtierConnector(OffloadingConnector):
                    for m in metadata.values() if isinstance(m, KvtierHandshake) and m.page_bytes}
         if len(layouts) > 1:
             raise ConfigError(f"kvtier: the workers report different layouts {sorted(layouts)}")
-        adopt = getattr(s.manager, "adopt_worker_pages", None)
-        if layouts and adopt is not None:
-            with getattr(s.manager, "lock", contextlib.nullcontext()):
-                adopt(*layouts.pop())
+        manager = s.manager
+        if not isinstance(manager, KvtierManager):
+            return
+        if layouts:
+            with manager_lock(manager):
+                manager.adopt_worker_layout(*layouts.pop())
         # every worker (one per tensor-parallel rank) with its cpu tier in a host region: map
         # them now, before any request; if one has none, no promotion at lookup
         regions = {m.rank: m.host_region for m in metadata.values() if isinstance(m, KvtierHandshake) and m.host_region}
-        attach = getattr(s.manager, "adopt_region", None)
-        world = s.manager.ctx.namespace.world_size if attach is not None else 0
-        if attach is not None and len(metadata) == world and set(regions) == set(range(world)):
-            with getattr(s.manager, "lock", contextlib.nullcontext()):
-                attach([regions[r] for r in range(world)])
+        world = manager.ctx.namespace.world_size
+        if len(metadata) == world and set(regions) == set(range(world)):
+            with manager_lock(manager):
+                manager.adopt_region([regions[r] for r in range(world)])
 
     # -- kvtier's counters on vLLM's stats path (stats.py) -----------------------------------
 
@@ -111,7 +113,7 @@ class KvtierConnector(OffloadingConnector):
     def _kvtier_metrics(self) -> Metrics | None:
         s = self.connector_scheduler
         if s is not None:
-            metrics = getattr(s.manager, "metrics", None)
+            metrics = s.manager.metrics if isinstance(s.manager, KvtierManager) else None
         else:  # a worker's spec builds its KvtierWorker when vLLM registers the KV caches
             metrics = getattr(getattr(self.connector_worker, "worker", None), "metrics", None)
         return metrics if isinstance(metrics, Metrics) else None
@@ -129,14 +131,14 @@ class KvtierConnector(OffloadingConnector):
         assert w is not None and w.worker is not None
         recving: set[str] = set()
         failed: set[str] = set()
-        meta = w._connector_worker_meta
+        meta, load_jobs = worker_transfer_meta(w), worker_load_jobs(w)
         for result in w.worker.get_finished():
-            is_load = result.job_id in w._load_jobs
+            is_load = result.job_id in load_jobs
             if result.success and result.transfer_time is not None and result.transfer_size is not None:
                 stats = meta.transfer_stats.load if is_load else meta.transfer_stats.store
                 stats.record(result.transfer_size, result.transfer_time)
             meta.mark_completed(result.job_id)
-            req_id = w._load_jobs.pop(result.job_id, None)
+            req_id = load_jobs.pop(result.job_id, None)
             if req_id is not None:
                 recving.add(req_id)
                 if not result.success:
@@ -150,51 +152,32 @@ class KvtierConnector(OffloadingConnector):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         manager = self.scheduler.manager
         failed = connector_output.failed_recving or ()
-        forget = getattr(manager, "load_failed", None)
-        if not failed or forget is None:
+        if not failed or not isinstance(manager, KvtierManager):
             super().update_connector_output(connector_output)
             return
         # vLLM completes a failed load like any other (complete_load) before kvtier hears that it
         # failed: the manager learns it first, so it never commits a slot the load did not fill
         # (vLLM 0.33: every manager call is made under manager.lock; 0.32 has no lock)
-        with getattr(manager, "lock", contextlib.nullcontext()):
-            manager.failing_loads = set(failed)
+        with manager_lock(manager):
+            manager.mark_failed(failed)
         try:
             super().update_connector_output(connector_output)
         finally:
-            with getattr(manager, "lock", contextlib.nullcontext()):
-                manager.failing_loads = set()
+            with manager_lock(manager):
+                manager.clear_failed()
                 for req_id in failed:
-                    forget(req_id)
-
-
-def _group_rules(kv_cache_config) -> dict[int, tuple[str, int | None]]:  # noqa: ANN001
-    """vLLM group index -> (kind, sliding window) as vLLM names them in its KV events."""
-    if kv_cache_config is None:
-        return {}
-    try:
-        from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind, get_kv_cache_spec_sliding_window
-    except ImportError:  # pragma: no cover - a vLLM without event group fields
-        return {}
-    return {g: (get_kv_cache_spec_kind(grp.kv_cache_spec).value, get_kv_cache_spec_sliding_window(grp.kv_cache_spec))
-            for g, grp in enumerate(kv_cache_config.kv_cache_groups)}
+                    manager.load_failed(req_id)
 
 
 def _translate_chunk_tokens(vllm_config, kv_cache_config) -> None:  # noqa: ANN001 - vLLM's types
     """`kvtier.chunk_tokens` becomes vLLM's own `blocks_per_chunk` before vLLM reads it."""
     from .engine_groups import EngineGroup
-    from .spec import chunk_tokens_to_blocks
 
     ktc = getattr(vllm_config, "kv_transfer_config", None)
     extra = getattr(ktc, "kv_connector_extra_config", None)
     if not isinstance(extra, dict) or "kvtier.chunk_tokens" not in extra or kv_cache_config is None:
         return
-    try:  # the groups vLLM offloads (it leaves some out, e.g. groups no prefix hit can use)
-        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import get_offloading_group_ids
-
-        ids = get_offloading_group_ids(kv_cache_config)
-    except ImportError:
-        ids = range(len(kv_cache_config.kv_cache_groups))
+    ids = offloading_group_ids(kv_cache_config)  # the groups vLLM offloads
     groups = [EngineGroup(i, int(kv_cache_config.kv_cache_groups[i].kv_cache_spec.block_size),
                           tuple(kv_cache_config.kv_cache_groups[i].layer_names)) for i in ids]
     chunk_tokens_to_blocks(extra, groups)

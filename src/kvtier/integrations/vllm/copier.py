@@ -39,10 +39,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from vllm.v1.kv_offload.base import CanonicalKVCacheRef, GPULoadStoreSpec
 
-try:
-    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
-except ImportError:  # pragma: no cover - both supported versions have it
-    from vllm.v1.kv_offload.base import BlockIDsLoadStoreSpec as CPULoadStoreSpec
+from .compat import CPULoadStoreSpec, transfer_event
 
 STORE, LOAD, EXPEDITED = 0, 1, 2
 
@@ -134,7 +131,7 @@ class SlabCopier:
         end, at most a step later."""
         for t in tids:
             h = self._owner.get(t)
-            event = getattr(h, "_transfer_events", {}).get(t) if h is not None else None
+            event = transfer_event(h, t) if h is not None else None
             if event is None:
                 while t in self._owner:
                     time.sleep(interval_s)

@@ -344,14 +344,10 @@ def _hash_unit(vconf: object, groups: list) -> int:
 
 
 def _vllm_groups(vconf: object, specs: dict[str, object]) -> list:
-    """vLLM's KV-cache groups of the layer specs (0.33 plans them globally, 0.32 per worker)."""
-    try:
-        from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups
-    except ImportError:  # vLLM 0.32
-        from vllm.v1.core.kv_cache_utils import get_kv_cache_groups
+    """vLLM's KV-cache groups of the layer specs (compat: 0.33 plans them globally, 0.32 per worker)."""
+    from .compat import kv_cache_groups
 
-        return get_kv_cache_groups(vconf, specs)
-    return get_global_kv_cache_groups(vconf, [specs])
+    return kv_cache_groups(vconf, specs)
 
 
 def _geometry_from_vllm_dsv4(path: str, dtype: str | None, block_size: int | None) -> Geometry:
@@ -404,9 +400,6 @@ def _vllm_state_spec(vconf: object, block: int) -> object:
 
 
 def _vllm_version() -> str:
-    try:
-        import vllm
+    from .compat import VLLM_VERSION_STR
 
-        return str(vllm.__version__)
-    except Exception:  # noqa: BLE001
-        return "?"
+    return VLLM_VERSION_STR

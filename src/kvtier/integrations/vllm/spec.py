@@ -31,7 +31,11 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from kvtier.errors import ConfigError
 from kvtier.core.keys import Namespace
 
-from .common import ENGINE_KV_CACHE_CONFIGS, Metrics, SpecContext, model_identity
+from kvtier.integrations.weights import model_identity
+
+from .common import SpecContext
+from .compat import handed_kv_cache_config
+from .counters import Metrics
 from .config import parse_config
 from .engine_plan import engine_plan
 from .engine_groups import (EngineGroup, engine_page_bytes, geometry_for_groups, geometry_from_engine_specs,
@@ -68,7 +72,7 @@ class KvtierOffloadingSpec(OffloadingSpec):
                     f"translates kvtier.chunk_tokens) or set \"blocks_per_chunk\": {want} instead"
                 )
         geometry, kv_dtype = None, config.model.dtype
-        kvc = ENGINE_KV_CACHE_CONFIGS.get(getattr(config, "engine_id", None))
+        kvc = handed_kv_cache_config(config)
         state_modes: set[str] | None = None
         page_bytes: tuple[int, ...] | None = None
         if kvc is not None:  # KvtierConnector handed over vLLM's own KV-cache specs
@@ -99,7 +103,7 @@ class KvtierOffloadingSpec(OffloadingSpec):
                  kv_dtype: str = "") -> SpecContext:
         """The plan, namespace and slots of this engine, with vLLM's exact bytes per block of each
         group where known (a worker's specs; the scheduler's are flattened by vLLM, so the
-        scheduler learns them from the workers' handshake: `adopt_worker_pages`)."""
+        scheduler learns them from the workers' handshake: `workers_context`)."""
         p = self._parts
         plan, spans = engine_plan(p["geometry"], p["bpc"], page_bytes)
         rank, world = self.config.parallel.rank, self.config.parallel.world_size
@@ -112,26 +116,26 @@ class KvtierOffloadingSpec(OffloadingSpec):
                            blocks_per_chunk=p["bpc"], span_tokens=spans, off_reason=p["off_reason"],
                            page_bytes=page_bytes, one_scheduler=rank == 0)
 
-    def adopt_worker_pages(self, page_bytes: tuple[int, ...], fingerprint: str = "",
-                           kv_dtype: str = "") -> bool:
-        """The workers' exact bytes per block and namespace parts (KvtierConnector's handshake).
-        vLLM hands the scheduler one representative spec per group, so a group whose layers have
-        different pages (DeepSeek V4), or a packed layout vLLM moves as one region, is sized and
-        named wrong there until the workers say; True when the context changed (the manager then
-        rebuilds its index before any request)."""
+    def workers_context(self, page_bytes: tuple[int, ...], fingerprint: str = "",
+                        kv_dtype: str = "") -> SpecContext | None:
+        """The context for the workers' exact bytes per block and namespace parts (KvtierConnector's
+        handshake, which the manager asks this through `relayout`). vLLM hands the scheduler one
+        representative spec per group, so a group whose layers have different pages (DeepSeek V4),
+        or a packed layout vLLM moves as one region, is sized and named wrong there until the
+        workers say; None when the context stays as it is, else the new one (also the spec's from
+        now on; the manager adopts it and rebuilds its index before any request). Never calls the
+        manager: the layout travels one way, connector -> manager, which asks this."""
         page_bytes = tuple(int(b) for b in page_bytes)
         ns = self.ctx.namespace
         if page_bytes == self.ctx.page_bytes and fingerprint in ("", ns.geometry_fingerprint) \
                 and kv_dtype in ("", ns.dtype):
-            return False
+            return None
         if len(page_bytes) != len(self.ctx.plan.groups):
             raise ConfigError(
                 f"the workers report {len(page_bytes)} KV-cache groups, the scheduler has "
                 f"{len(self.ctx.plan.groups)}; the engine's processes disagree")
         self.ctx = self._context(page_bytes, fingerprint, kv_dtype)
-        if self._manager is not None:
-            self._manager.adopt_context(self.ctx)
-        return True
+        return self.ctx
 
     @classmethod
     def config_info_keys(cls, extra_config: object) -> tuple[str, ...]:
@@ -151,7 +155,7 @@ class KvtierOffloadingSpec(OffloadingSpec):
             for gp in self.ctx.plan.groups:
                 metrics.info[f"chunk_bytes_group{gp.index}"] = gp.chunk_bytes
             metrics.info["offload_off"] = int(bool(self.ctx.off_reason))
-            self._manager = KvtierManager(self.ctx, metrics, relayout=self.adopt_worker_pages,
+            self._manager = KvtierManager(self.ctx, metrics, relayout=self.workers_context,
                                           events=self.kv_events_config.enable_kv_cache_events)
             log.info("kvtier: manager on %s, plan chunk_tokens=%d, namespace %s",
                      dict(self.ctx.config.capacities_bytes), self.ctx.plan.chunk_tokens,

@@ -13,7 +13,7 @@ half reports transfer bytes and times (`vllm:kv_offload_*`, from the workers' jo
 manager's `get_stats()`, and on 0.33 the manager's `config_info()` once
 (`vllm:kv_offload_config_info`). Its workers report nothing themselves.
 
-kvtier adds its counters (Metrics.add in manager.py and worker.py) to that same payload as
+kvtier adds its counters (Metrics.add in the scheduler-side and worker-side modules) to that same payload as
 labelled counters named `vllm:kvtier_<counter>`, where a counter named per tier
 (`loaded_chunks_cpu`) becomes one metric with a `tier` label, and `group` (kvtier's plan group
 index) labels what belongs to one group. The worker's counts travel in the worker's
