@@ -277,3 +277,87 @@ def test_two_stores_with_different_secrets_keep_each_others_prefix(server) -> No
     assert all(torch.equal(buffers[k], v) for k, v in payloads.items())
     for s in (sa, sb, sa2):
         s.close()
+
+
+class _CountingXxh3:
+    """Stands in for kvtier's xxh3 (the C extension and python-xxhash) and counts every call that
+    hashes payload bytes, so a test can tell how many checksum passes a read made."""
+
+    def __init__(self, real: object) -> None:
+        self._real, self.calls = real, 0
+
+    def __getattr__(self, name: str) -> object:
+        attr = getattr(self._real, name)
+        if name in ("simd", "fence") or not callable(attr):
+            return attr
+
+        def counted(*a: object, **k: object) -> object:
+            self.calls += 1
+            return attr(*a, **k)
+        return counted
+
+
+@pytest.fixture
+def xxh3_calls(monkeypatch):  # noqa: ANN001, ANN201
+    import kvtier.store.payload as payload
+
+    counters = []
+    for name in ("_xxcopy", "_xxhash"):
+        if getattr(payload, name) is not None:
+            c = _CountingXxh3(getattr(payload, name))
+            monkeypatch.setattr(payload, name, c)
+            counters.append(c)
+    return lambda: sum(c.calls for c in counters)
+
+
+@pytest.mark.parametrize("mode", ["mapped", "preadv", "preadv-pieces"])
+def test_a_keyed_disk_read_is_one_pass_the_mac_alone(tmp_path: Path, xxh3_calls, mode: str) -> None:
+    """A keyed read checks the MAC and not the checksum as well (the MAC covers header and bytes,
+    so the checksum was a second pass over every byte proving nothing more: load ratio 0.38).
+    Every read path: resident slots copied from the mapping, one preadv, and a cold read whose
+    pieces the helper thread lands while this thread hashes them. Before: one xxh3 pass each."""
+    n = 64 << 10
+    data = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    layout = TierLayout(slot_bytes=(n,), num_slots=(2,))
+    kw = {"mapped_reads": mode == "mapped", "pipeline": "always" if mode == "preadv-pieces" else "never",
+          "piece_bytes": 8192}
+    header = make_header(NS, b"k" * 32, 0, 0, 16, n)
+    for keyed, passes in ((Keyed(SECRET_A), 0), (None, 1)):
+        d = tmp_path / ("keyed" if keyed else "plain")
+        tier = DiskTier(d, layout, NS, keyed=keyed, **kw)
+        assert tier.write(0, 1, header, data)
+        before = xxh3_calls()
+        out = torch.zeros(n, dtype=torch.uint8)
+        assert tier.read(0, 1, header, out) is True and torch.equal(out, data)
+        assert (xxh3_calls() - before > 0) == bool(passes), (keyed, mode)
+        assert tier.mapped_reads == (mode == "mapped") and tier.helper_ios == (mode == "preadv-pieces")
+        tier.close()
+    # the MAC still decides: another secret's reader of the same slot drops it, with any path
+    other = DiskTier(tmp_path / "keyed", layout, NS, keyed=Keyed(SECRET_B), **kw)
+    out = torch.zeros(n, dtype=torch.uint8)
+    assert other.read(0, 1, header, out) is False and other.corrupt_dropped == 1
+    other.close()
+
+
+def test_a_keyed_redis_read_is_one_pass_and_a_mac_failure_is_still_sorted(server, xxh3_calls) -> None:
+    """Redis: a keyed read of its own value makes no checksum pass (the MAC alone, fused with the
+    copy into the caller's buffer); only a value whose MAC fails is checksummed, to keep an intact
+    one of another tenant (foreign_skipped) and drop a broken one. Before: checksum, then MAC, for
+    every value."""
+    a, b = _tier(server.url, SECRET_A), _tier(server.url, SECRET_B)
+    assert a.write(0, 0, _header(9), _good())
+    out = torch.zeros(N, dtype=torch.uint8)
+    before = xxh3_calls()
+    assert a.read(0, 0, _header(9), out) is True and torch.equal(out, _good())
+    assert xxh3_calls() == before
+    assert b.read(0, 0, _header(9), out) is False and b.metrics()["foreign_skipped"] == 1
+    assert xxh3_calls() > before  # the failure was sorted by the checksum: intact, kept
+    r = redis.Redis.from_url(server.url)
+    key = a.key(_header(9))
+    raw = bytearray(r.get(key))
+    raw[HEADER_BYTES + 1] ^= 1
+    r.set(key, bytes(raw))
+    assert b.read(0, 0, _header(9), out) is False and b.corrupt_dropped == 1 and r.exists(key) == 0
+    for t in (a, b):
+        t.close()
+    r.close()

@@ -7,6 +7,21 @@ package is installed, else keyed BLAKE2b; the kind travels in the header) over i
 bytes, stored in the header's MAC field, and a reader with the secret restores only payloads
 whose MAC verifies. See docs/store.md, "Threat model". Split from `payload` (the format) because
 the secret and its checks are their own job.
+
+A keyed read is one pass over the bytes: the MAC alone (`Keyed.copy_check`, `Keyed.stream`), not
+the payload checksum and then the MAC. Skipping the unkeyed checksum there is sound only because
+the MAC covers the header (checksum field, lengths, key, span) *and* every payload byte: any byte
+that differs from what the secret's holder signed fails the MAC, which is strictly more than the
+checksum proves. The checksum still matters where the MAC fails or is absent: a shared tier
+computes it then, to tell an intact value of another tenant (kept) from a broken one (dropped).
+`copy_check` copies into the caller's buffer as it hashes, so on a failure that buffer holds
+unverified bytes: the caller reports a miss and never uses them.
+
+One core per MAC (`max_threads=1`), never BLAKE3's own thread pool: the hosts kvtier runs on
+keep their cores busy (an engine's scheduler, its workers, the disk tier's helper), and on the
+2-core build machine two threads hashed no faster than one (docs/store.md, "Cost"). Where a tier
+has a core to spare it overlaps the MAC with its I/O on its own helper thread instead (the redis
+tier hashes the next value while this one is on the wire).
 """
 
 from __future__ import annotations
@@ -56,17 +71,52 @@ class Keyed:
         return "Keyed(<secret>)"
 
     def mac(self, header: ChunkHeader, data: object, kind: int | None = None) -> bytes:
-        kind = self.kind if kind is None else kind
+        h = self._hasher(header, self.kind if kind is None else kind)
+        h.update(as_bytes_view(data)[:header.payload_bytes])
+        return h.digest()
+
+    def _hasher(self, header: ChunkHeader, kind: int) -> _Digest:
+        """The keyed hash of `kind`, fed the header (its MAC fields zeroed) already."""
         head = encode_header(_without_mac(header))[:HEADER_BODY_BYTES]
-        body = as_bytes_view(data)[:header.payload_bytes]
         if kind == MAC_BLAKE3:
-            h3 = _blake3.blake3(head, key=self._key3, max_threads=1)  # one core: the engine's are busy
-            h3.update(body)  # releases the GIL
-            return h3.digest(MAC_BYTES)
+            return _Digest(_blake3.blake3(head, key=self._key3, max_threads=1), True)  # one core
         h = hashlib.blake2b(key=self._key2, digest_size=MAC_BYTES, person=_MAC_PERSON)
         h.update(head)
-        h.update(body)  # update() releases the GIL
-        return h.digest()
+        return _Digest(h, False)
+
+    def unverifiable(self, header: ChunkHeader) -> str | None:
+        """Why this secret can never verify `header`'s payload (no MAC, or a MAC kind this build
+        cannot compute), or None: then `stream` / `copy_check` decide."""
+        if not header.mac:
+            return NO_MAC
+        if header.mac_kind == MAC_BLAKE3 and _blake3 is None:
+            return NO_BLAKE3
+        return None
+
+    def stream(self, header: ChunkHeader) -> MacStream:
+        """A MAC check fed piece by piece (`update`, then `verdict`), for readers that land a
+        payload in pieces (the disk tier's cold reads). `header` must pass `unverifiable`."""
+        return MacStream(self._hasher(header, header.mac_kind), header.mac)
+
+    def copy_check(self, header: ChunkHeader, src: object, dst: memoryview) -> str | None:
+        """Copy the payload `src` into `dst` and check its MAC in the same pass: each MAC_PIECE is
+        copied, then hashed from `dst` while it is still in the core's L2, so the bytes come from
+        memory once. None when the MAC verifies; else why not, and `dst` then holds bytes that
+        must not be used (the caller reports a miss). The MAC covers header and bytes, so no
+        checksum pass is needed besides it (module docstring)."""
+        why = self.unverifiable(header)
+        if why is not None:
+            return why
+        view = as_bytes_view(src)
+        n = header.payload_bytes
+        if len(view) != n or len(dst) < n:
+            return f"payload truncated: {len(view)} of {n} bytes"
+        mac = self.stream(header)
+        for a in range(0, n, MAC_PIECE):
+            b = min(a + MAC_PIECE, n)
+            dst[a:b] = view[a:b]
+            mac.update(dst[a:b])
+        return mac.verdict()
 
     def sign(self, header: ChunkHeader, data: object) -> ChunkHeader:
         """`header` (sealed: checksum and creation time set) with the MAC of it and `data`."""
@@ -74,13 +124,48 @@ class Keyed:
 
     def check(self, header: ChunkHeader, data: object) -> str | None:
         """Why `data` under `header` is not this secret's writing, or None when the MAC verifies."""
-        if not header.mac:
-            return NO_MAC
-        if header.mac_kind == MAC_BLAKE3 and _blake3 is None:
-            return NO_BLAKE3
+        why = self.unverifiable(header)
+        if why is not None:
+            return why
         if not hmac.compare_digest(header.mac, self.mac(header, data, header.mac_kind)):
             return MAC_MISMATCH
         return None
+
+
+# copy_check's piece: copied, then hashed while still in L2 (512 KiB per core on the build
+# machine; 128 KiB-512 KiB measured within a few percent)
+MAC_PIECE = 256 << 10
+
+
+class _Digest:
+    """A keyed BLAKE3 or BLAKE2b hash with one `digest()` of MAC_BYTES. Both `update`s release the
+    GIL on large inputs."""
+
+    __slots__ = ("_h", "_b3")
+
+    def __init__(self, h: object, b3: bool) -> None:
+        self._h, self._b3 = h, b3
+
+    def update(self, data: object) -> None:
+        self._h.update(data)  # type: ignore[attr-defined]
+
+    def digest(self) -> bytes:
+        return self._h.digest(MAC_BYTES) if self._b3 else self._h.digest()  # type: ignore[attr-defined,no-any-return]
+
+
+class MacStream:
+    """One payload's MAC fed piece by piece; `verdict()` is None when it matches the header's."""
+
+    __slots__ = ("_h", "_want")
+
+    def __init__(self, h: _Digest, want: bytes) -> None:
+        self._h, self._want = h, want
+
+    def update(self, data: object) -> None:
+        self._h.update(data)
+
+    def verdict(self) -> str | None:
+        return None if hmac.compare_digest(self._h.digest(), self._want) else MAC_MISMATCH
 
 
 def _without_mac(h: ChunkHeader) -> ChunkHeader:

@@ -71,7 +71,7 @@ from kvtier.store.payload import (
     unverifiable,
     verify,
 )
-from kvtier.store.integrity import NO_SECRET_FOR_MAC, Keyed, integrity
+from kvtier.store.integrity import NO_SECRET_FOR_MAC, Keyed, MacStream, integrity
 from kvtier.store.tiers.base import SlotTier, TierLayout
 from kvtier.store.tiers.disk_files import (
     DATA_OFFSET,
@@ -292,7 +292,24 @@ class DiskTier(SlotTier):
                 return False
             if why is None and not mapped and got < DATA_OFFSET + first:
                 why = f"payload truncated: {max(0, got - DATA_OFFSET)} of {n} bytes"
-            if why is None:
+            keyed = self.keyed
+            if why is None and keyed is not None:
+                # a keyed read checks the MAC alone, in the same pass as the copy: the MAC covers
+                # the header and every byte, so the checksum would be a second pass over the
+                # bytes that proves nothing more (integrity's docstring). A slot without a MAC
+                # (or of a kind this build cannot check) is never this secret's: dropped unread.
+                why = keyed.unverifiable(stored)
+                if why is None:
+                    if mapped:
+                        assert m is not None
+                        self.mapped_reads += 1
+                        start = off + DATA_OFFSET
+                        why = keyed.copy_check(stored, m[1][start:start + n], dst)
+                    elif first == n:
+                        why = keyed.check(stored, dst)
+                    else:
+                        why = self._read_rest_verified(fd, stored, dst, off, keyed.stream(stored))
+            elif why is None:
                 if mapped:
                     assert m is not None
                     why = self._copy_verified(m[1], off + DATA_OFFSET, stored, dst)
@@ -300,10 +317,8 @@ class DiskTier(SlotTier):
                     why = verify(stored, dst)
                 else:
                     why = self._read_rest_verified(fd, stored, dst, off)
-            if why is None:
-                why = integrity(self.keyed, stored, dst)
-                if why == NO_SECRET_FOR_MAC:  # another keyed writer's: a miss, the slot stays
-                    self.misses += 1
+                if why is None and integrity(None, stored, dst) == NO_SECRET_FOR_MAC:
+                    self.misses += 1  # another keyed writer's: a miss, the slot stays
                     return False
             if why is not None:
                 return self._drop_corrupt(group, slot, why)
@@ -355,10 +370,12 @@ class DiskTier(SlotTier):
             self._pool_pid = os.getpid()
         return self._pool
 
-    def _read_rest_verified(self, fd: int, stored: ChunkHeader, dst: memoryview, off: int) -> str | None:
+    def _read_rest_verified(self, fd: int, stored: ChunkHeader, dst: memoryview, off: int,
+                            mac: MacStream | None = None) -> str | None:
         """Read pieces 1.. of the payload (piece 0 is in `dst` already) on the helper thread while
-        this thread checksums piece k as soon as it lands; the reason it is bad, or None."""
-        why = unverifiable(stored)
+        this thread checksums piece k as soon as it lands (or feeds it to `mac`, a keyed read's
+        MAC, instead); the reason it is bad, or None."""
+        why = None if mac is not None else unverifiable(stored)
         if why is not None:
             return why
         n, p = stored.payload_bytes, self.piece_bytes
@@ -368,7 +385,7 @@ class DiskTier(SlotTier):
         base = off + DATA_OFFSET
         futures: list[Future[int]] = [pool.submit(os.preadv, fd, [dst[a:b]], base + a) for a, b in spans]
         try:
-            summer = StreamingChecksum(stored.checksum_kind)
+            summer: MacStream | StreamingChecksum = mac or StreamingChecksum(stored.checksum_kind)
             summer.update(dst[:p])
             for (a, b), fut in zip(spans, futures):
                 got = fut.result()
@@ -379,6 +396,8 @@ class DiskTier(SlotTier):
             return f"read error: {exc.strerror}"
         finally:
             wait_all(futures)  # never return while the helper still writes into the caller's buffer
+        if isinstance(summer, MacStream):
+            return summer.verdict()
         return None if summer.value() == stored.checksum else "payload checksum mismatch"
 
     def _write_then_hash(self, fd: int, header: ChunkHeader, src: memoryview, offset: int) -> ChunkHeader:

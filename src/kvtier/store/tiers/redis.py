@@ -41,16 +41,19 @@ who want nothing shared set `kvtier.tenant` (a namespace salt) instead.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 from kvtier.errors import ConfigError
 from kvtier.store.integrity import Keyed, mac_only
 from kvtier.store.payload import HASH_BYTES, HEADER_BYTES, ChunkHeader, decode_header, span_not_held
 from kvtier.store.tiers.base import LogOnce, Tier
-from kvtier.store.tiers.redis_codec import Arena, check_payload, u8_view, unknown_command
+from kvtier.store.tiers.redis_codec import Arena, restore, u8_view, unknown_command
+from kvtier.store.tiers.redis_wire import set_stream
 from kvtier.store.tiers.redis_conn import (
     Breaker,
     RedisOptions,
@@ -91,18 +94,20 @@ class RedisTier(Tier):
                               "(keys.Namespace.id)")
         self.namespace_id = namespace_id  # restricts `list()`; None: every kvtier namespace
         self.options = options or RedisOptions()
-        self._budget = (WriteBudget(self.options, wall_clock)
+        self._budget = (WriteBudget(self.options, wall_clock, clock)
                         if self.options.budget_bytes is not None else None)
         self._breaker = Breaker(log, self.options.backoff_initial_s, self.options.backoff_max_s,
                                 clock, describe=redact(self.options.url))
         self._log = LogOnce(log, clock)
         self._lock = threading.Lock()
         self._extra = dict.fromkeys(_EXTRA, 0)
-        self._arena = Arena()  # reused encode buffer of write batches
+        self._arena = Arena()  # reused encode buffer of write batches (Redis Cluster)
         self._arena_lock = threading.Lock()
         self._slot_headers: OrderedDict[tuple[int, int], ChunkHeader] = OrderedDict()
         self._client: object | None = None  # built lazily: Redis may be down at start
         self._client_lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None  # the save stream's sealing thread
+        self._pool_pid = 0
         self._getex = True  # GETEX reads and renews the TTL in one command (Redis >= 6.2)
         self._ttl_ms = int(self.options.ttl_s * 1000) if self.options.ttl_s is not None else None
 
@@ -129,6 +134,17 @@ class RedisTier(Tier):
             else:
                 setattr(self, name, getattr(self, name) + n)
 
+    def _count_all(self, counts: dict[str, int]) -> None:
+        """`_count` of a whole batch under one lock (one acquisition, not one per chunk)."""
+        with self._lock:
+            for name, n in counts.items():
+                if not n:
+                    continue
+                if name in self._extra:
+                    self._extra[name] += n
+                else:
+                    setattr(self, name, getattr(self, name) + n)
+
     def metrics(self) -> dict[str, int | bool]:
         """The base TierStats counters plus the redis ones, and whether the breaker is closed."""
         with self._lock:
@@ -154,14 +170,23 @@ class RedisTier(Tier):
     def _run(self, build: Callable[[object], object], skipped: str, n: int) -> list[object] | None:
         """Run one pipeline built by `build(pipe)`; None (and `n` counted as `skipped`) when the
         breaker is open or the connection fails. Per-command errors come back in the list."""
+        def execute(client: object) -> list[object]:
+            pipe = client.pipeline(transaction=False)  # type: ignore[attr-defined]
+            build(pipe)
+            return pipe.execute(raise_on_error=False)  # type: ignore[no-any-return]
+
+        return self._call(execute, skipped, n)
+
+    def _call(self, execute: Callable[[object], list[object]], skipped: str,
+              n: int) -> list[object] | None:
+        """`execute(client)` (a pipeline, or `redis_wire.set_stream`) behind the breaker: its
+        replies, or None (and `n` counted as `skipped`) when the breaker is open or the
+        connection fails."""
         if not self._breaker.allow():
             self._count(skipped, n)
             return None
         try:
-            client = self._get_client()
-            pipe = client.pipeline(transaction=False)  # type: ignore[attr-defined]
-            build(pipe)
-            results = pipe.execute(raise_on_error=False)
+            results = execute(self._get_client())
         except Exception as exc:  # noqa: BLE001 - any failure of a remote cache is a miss
             if isinstance(exc, ConfigError):
                 raise
@@ -186,9 +211,6 @@ class RedisTier(Tier):
         # After a connection failure the pool's idle connections (and a cluster client's slot
         # map) are stale; the next allowed call builds a fresh client rather than spending one
         # more failed try per stale connection.
-        self.close()
-
-    def close(self) -> None:
         with self._client_lock:
             client, self._client = self._client, None
         if client is not None:
@@ -196,6 +218,23 @@ class RedisTier(Tier):
                 client.close()  # type: ignore[attr-defined]
             except Exception:  # noqa: BLE001
                 pass
+
+    def _helper(self) -> ThreadPoolExecutor:
+        """The one thread that seals the next value of a save while this one is sent. A forked
+        child inherits the executor but not its thread, so it makes its own."""
+        with self._client_lock:
+            if self._pool is None or self._pool_pid != os.getpid():
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-redis")
+                self._pool_pid = os.getpid()
+            return self._pool
+
+    def close(self) -> None:
+        """Drop the client (a later call builds a new one) and join the helper thread."""
+        self._drop_client()
+        with self._client_lock:
+            pool, self._pool = self._pool, None
+        if pool is not None and self._pool_pid == os.getpid():
+            pool.shutdown(wait=True)
 
     # -- batched operations (what the store uses) ---------------------------------------------
 
@@ -339,38 +378,67 @@ class RedisTier(Tier):
             while end < allowed and (end == start or size < self.options.pipeline_bytes):
                 size += HEADER_BYTES + items[end][1].payload_bytes
                 end += 1
-            with self._arena_lock:
-                values = self._arena.encode([h for _, h, _ in items[start:end]], views[start:end],
-                                            self.keyed)
-                batch = [(i, self.key(h), v) for (i, _, _), (h, v) in zip(items[start:end], values)]
-                self._write_batch(ns, batch, ok)
+            part = [(i, self.key(h), h) for i, h, _ in items[start:end]]
+            if self.options.is_cluster:  # redis-py's cluster pipeline routes keys to their nodes
+                with self._arena_lock:
+                    values = self._arena.encode([h for _, _, h in part], views[start:end], self.keyed)
+                    self._write_batch(ns, [(i, k, v) for (i, k, _), (_, v) in zip(part, values)], ok)
+            else:
+                self._stream_batch(ns, part, views[start:end], ok)
             start = end
+
+    def _stream_batch(self, ns: str, part: list[tuple[int, str, ChunkHeader]],
+                      views: list[memoryview], ok: list[bool]) -> None:
+        """One batch as a zero-copy SET stream, sealed one value ahead on the helper thread
+        (`redis_wire`): no arena copy, and the checksum and MAC overlap the send."""
+        total = sum(HEADER_BYTES + len(v) for v in views)
+        bucket, extra = self._budget.charge(ns, total) if self._budget is not None else (0, [])
+        res = self._call(lambda client: set_stream(
+            client, [k for _, k, _ in part], [h for _, _, h in part], views, self.keyed,
+            self._ttl_ms, extra, self._helper), "skipped_saves", len(part))
+        if res is None:
+            self._count("failed_writes", len(part))
+            return
+        if self._budget is not None:
+            self._budget.learn_charge(ns, bucket, res[len(part)])
+        self._count_writes([(i, HEADER_BYTES + len(v)) for (i, _, _), v in zip(part, views)],
+                           res[:len(part)], ok)
 
     def _write_batch(self, ns: str, batch: list[tuple[int, str, memoryview]],
                      ok: list[bool]) -> None:
+        """One batch through a redis-py pipeline (Redis Cluster), values laid out in the arena."""
         ttl = self._ttl_ms
         total = sum(len(v) for _, _, v in batch)
+        bucket, extra = self._budget.charge(ns, total) if self._budget is not None else (0, [])
 
         def build(p: object) -> None:
             for _, k, v in batch:
                 p.set(k, v, px=ttl)  # type: ignore[attr-defined]
-            if self._budget is not None:
-                self._budget.charge(p, ns, total)
+            for c in extra:
+                p.execute_command(*c)  # type: ignore[attr-defined]
 
         res = self._run(build, "skipped_saves", len(batch))
         if res is None:
             self._count("failed_writes", len(batch))
             return
-        for (i, _, v), r in zip(batch, res):
+        if self._budget is not None:
+            self._budget.learn_charge(ns, bucket, res[len(batch)])
+        self._count_writes([(i, len(v)) for i, _, v in batch], res[:len(batch)], ok)
+
+    def _count_writes(self, sent: list[tuple[int, int]], replies: list[object], ok: list[bool]) -> None:
+        """Counters and `ok` from one batch's SET replies; `sent` is (item index, value bytes)."""
+        counts = dict.fromkeys(("writes", "bytes_written", "failed_writes", "skipped_saves"), 0)
+        for (i, size), r in zip(sent, replies):
             if r is True:
                 ok[i] = True
-                self._count("writes")
-                self._count("bytes_written", len(v) - HEADER_BYTES)
+                counts["writes"] += 1
+                counts["bytes_written"] += size - HEADER_BYTES
             else:  # e.g. an OOM reply under maxmemory noeviction
-                self._count("failed_writes")
-                self._count("skipped_saves")
+                counts["failed_writes"] += 1
+                counts["skipped_saves"] += 1
                 self.last_error = describe_error(r)
                 self._log.warn("save", f"redis tier save failed: {self.last_error}")
+        self._count_all(counts)
 
     def _read_batch(self, items: list[tuple[int, int, ChunkHeader, object]], start: int,
                     end: int, ok: list[bool]) -> None:
@@ -398,40 +466,41 @@ class RedisTier(Tier):
             return
         res = res[:end - start]  # the PEXPIRE replies, if any, follow the reads
         bad: list[str] = []
+        counts = dict.fromkeys(("misses", "vanished", "errors", "foreign_skipped", "corrupt_dropped",
+                                "bytes_read"), 0)
         for j, raw in enumerate(res):
             _, _, header, out = items[start + j]
             if raw is None:
-                self._count("vanished")  # never stored, expired, or evicted since lookup
-                self._count("misses")
+                counts["vanished"] += 1  # never stored, expired, or evicted since lookup
+                counts["misses"] += 1
                 continue
             if not isinstance(raw, bytes):  # an error reply for this key
-                self._count("errors")
-                self._count("misses")
+                counts["errors"] += 1
+                counts["misses"] += 1
                 self.last_error = describe_error(raw)
                 self._log.warn("error", f"redis tier read failed: {self.last_error}")
-                continue
-            reason = check_payload(header, raw, self.keyed)
-            if span_not_held(reason):  # valid for the blocks it holds: kept
-                self._count("misses")
-                continue
-            if mac_only(reason):  # intact, another tenant's or an unkeyed writer's: kept
-                self._count("foreign_skipped")
-                self._count("misses")
-                continue
-            if reason is not None:
-                self._count("corrupt_dropped")
-                self._count("misses")
-                self._log.warn("corrupt", f"redis tier dropped a bad payload ({reason})")
-                bad.append(names[j])
                 continue
             dst = u8_view(out)
             n = header.payload_bytes
             if len(dst) < n:
                 raise ConfigError(f"read buffer of {len(dst)} bytes for a payload of {n}; "
                                   "pass a uint8 buffer at least that large")
-            dst[:n] = memoryview(raw)[HEADER_BYTES:]  # the one copy on the load path
-            ok[start + j] = True
-            self._count("bytes_read", n)
+            # verified and copied in one pass; on any reason `dst` is unspecified: a miss
+            reason = restore(header, raw, self.keyed, dst)
+            if reason is None:
+                ok[start + j] = True
+                counts["bytes_read"] += n
+                continue
+            counts["misses"] += 1
+            if span_not_held(reason):  # valid for the blocks it holds: kept
+                continue
+            if mac_only(reason):  # intact, another tenant's or an unkeyed writer's: kept
+                counts["foreign_skipped"] += 1
+                continue
+            counts["corrupt_dropped"] += 1
+            self._log.warn("corrupt", f"redis tier dropped a bad payload ({reason})")
+            bad.append(names[j])
+        self._count_all(counts)
         if bad:  # a corrupt or foreign payload is removed, so no one else trips on it
             res2 = self._run(lambda p: [p.delete(k) for k in bad], "skipped_saves", 0)
             if res2 is not None:
@@ -439,20 +508,24 @@ class RedisTier(Tier):
 
     def _budget_allows(self, ns: str, sizes: list[int]) -> int | None:
         """How many leading items fit the namespace's write budget (all, without a budget);
-        None when Redis cannot be asked."""
+        None when Redis cannot be asked. The counters are read once per bucket, not before every
+        batch: each write's INCRBY reply brings the current bucket's total back (`WriteBudget`)."""
         if self._budget is None:
             return len(sizes)
-        names = self._budget.live_keys(ns)
-        res = self._run(lambda p: [p.get(k) for k in names], "skipped_saves", len(sizes))
-        if res is None:
-            return None
-        n = self._budget.fits([r for r in res if isinstance(r, bytes)], sizes)
-        if n is None:
-            self.last_error = f"a write budget counter of namespace {ns} is not an integer"
-            self._log.warn("budget", f"redis tier: {self.last_error}; skipping saves (delete the "
-                                     f"{self._budget.live_keys(ns)[0].rsplit(':', 1)[0]}:* keys to reset it)")
-            self._count("errors")
-            return 0
+        used = self._budget.used(ns)
+        if used is None:
+            names = self._budget.live_keys(ns)
+            res = self._run(lambda p: [p.get(k) for k in names], "skipped_saves", len(sizes))
+            if res is None:
+                return None
+            used = self._budget.learn_read(ns, names, res)
+            if used is None:
+                self.last_error = f"a write budget counter of namespace {ns} is not an integer"
+                self._log.warn("budget", f"redis tier: {self.last_error}; skipping saves (delete the "
+                                         f"{names[0].rsplit(':', 1)[0]}:* keys to reset it)")
+                self._count("errors")
+                return 0
+        n = self._budget.fits(used, sizes)
         if n < len(sizes):
             self._log.warn("budget", f"redis tier namespace {ns} is at its budget of "
                                      f"{self._budget.budget_bytes} bytes; skipping saves")

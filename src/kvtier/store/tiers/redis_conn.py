@@ -10,6 +10,7 @@ import dataclasses
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 import re
@@ -328,15 +329,33 @@ class WriteBudget:
     `kvtier:<ns>:budget:<bucket>`. A payload written in bucket b expires by the end of bucket
     b + BUCKETS, so the buckets c - BUCKETS .. c bound the namespace's live bytes at bucket c.
     Bucket keys expire by themselves once they can no longer matter.
+
+    Read once, then known: the buckets before the current one are closed (nobody's clock writes
+    them any more, up to the skew between hosts), so their sum is read once per bucket; the
+    current bucket's total comes back with every write (the INCRBY reply counts every process's
+    bytes). `used` answers from what it knows while that is younger than `refresh_s` or a write's
+    reply renewed it, so a process that saves steadily reads the counters once per bucket instead
+    of once before every batch (a round trip each). What it cannot see is the bytes other
+    processes wrote since its own last write or read, at most `refresh_s` ago: a save may
+    overshoot the budget by those. The budget was approximate under concurrency before too (two
+    writers that check at once overshoot by one batch each); this widens the window from one
+    round trip to at most `refresh_s`.
     """
 
-    def __init__(self, opts: RedisOptions, wall_clock: Callable[[], float]) -> None:
+    refresh_s = 1.0
+
+    def __init__(self, opts: RedisOptions, wall_clock: Callable[[], float],
+                 clock: Callable[[], float] | None = None) -> None:
         assert opts.budget_bytes is not None and opts.ttl_s is not None
         self.budget_bytes = opts.budget_bytes
         self._prefix = opts.key_prefix
         ttl_ms = int(opts.ttl_s * 1000)
         self._width_ms = max(1000, -(-ttl_ms // BUDGET_BUCKETS))  # ceil: BUCKETS widths >= ttl
         self._wall = wall_clock
+        self._clock = clock or time.monotonic
+        # ns -> (bucket, sum of the closed buckets, current bucket's total, when it was learnt)
+        self._known: dict[str, tuple[int, int, int, float]] = {}
+        self.reads = 0  # counter reads (round trips); the tests count them
 
     def _bucket(self) -> int:
         return int(self._wall() * 1000) // self._width_ms
@@ -348,14 +367,35 @@ class WriteBudget:
         c = self._bucket()
         return [self._key(ns, b) for b in range(c - BUDGET_BUCKETS, c + 1)]
 
-    def fits(self, counters: list[bytes], sizes: list[int]) -> int | None:
-        """How many leading payloads of `sizes` fit, given the live counters' values; None when a
-        counter is not an integer (someone else wrote that key): the budget cannot be known, so
-        the caller writes nothing and counts it, instead of raising out of a save."""
-        try:
-            used = sum(int(v) for v in counters)
-        except ValueError:
+    def used(self, ns: str) -> int | None:
+        """The namespace's live bytes as last known, or None when they must be read again (a new
+        bucket, or nothing learnt for `refresh_s`)."""
+        k = self._known.get(ns)
+        if k is None or k[0] != self._bucket() or self._clock() - k[3] > self.refresh_s:
             return None
+        return k[1] + k[2]
+
+    def learn_read(self, ns: str, keys: list[str], counters: list[object]) -> int | None:
+        """Record the values read for `live_keys` (None for an absent key); their sum, or None
+        when a counter is not an integer (someone else wrote that key)."""
+        self.reads += 1
+        try:
+            values = [int(v) if isinstance(v, (bytes, str, int)) else 0 for v in counters]
+        except ValueError:
+            self._known.pop(ns, None)
+            return None
+        bucket = int(keys[-1].rsplit(":", 1)[1])
+        self._known[ns] = (bucket, sum(values[:-1]), values[-1], self._clock())
+        return sum(values)
+
+    def learn_charge(self, ns: str, bucket: int, total: object) -> None:
+        """Record the current bucket's total a write's INCRBY answered."""
+        k = self._known.get(ns)
+        if k is not None and k[0] == bucket and isinstance(total, int):
+            self._known[ns] = (bucket, k[1], total, self._clock())
+
+    def fits(self, used: int, sizes: list[int]) -> int:
+        """How many leading payloads of `sizes` fit on top of `used` live bytes."""
         n = 0
         for size in sizes:
             used += size + HEADER_BYTES  # the header travels with every payload
@@ -364,11 +404,13 @@ class WriteBudget:
             n += 1
         return n
 
-    def charge(self, pipe: object, ns: str, total_bytes: int) -> None:
-        """Add a batch's bytes to the current bucket (queued on the batch's own pipeline)."""
-        key = self._key(ns, self._bucket())
-        pipe.incrby(key, total_bytes)  # type: ignore[attr-defined]
-        pipe.pexpire(key, self._width_ms * (BUDGET_BUCKETS + 2))  # type: ignore[attr-defined]
+    def charge(self, ns: str, total_bytes: int) -> tuple[int, list[tuple[str | int, ...]]]:
+        """The bucket and the commands that add a batch's bytes to it (sent with the batch; the
+        INCRBY's reply is the bucket's new total, for `learn_charge`)."""
+        bucket = self._bucket()
+        key = self._key(ns, bucket)
+        return bucket, [("INCRBY", key, total_bytes),
+                        ("PEXPIRE", key, self._width_ms * (BUDGET_BUCKETS + 2))]
 
 
 def options_from_mapping(values: Mapping[str, object], where: str = "redis option") -> RedisOptions:
