@@ -1,4 +1,4 @@
-"""Why the vLLM worker faults its cpu tier's slabs in at start (worker.py, `_make_tier`): the
+"""Why the vLLM worker faults its cpu tier's slabs in at start (store/tiers/factory.py, `fault_in`): the
 time of one prompt's store (8 chunks of 30 layers x 96 KiB pages, SmolLM2-135M's shape at 128
 tokens a block, one thread, index_select into slot rows as the worker copies) into slab rows
 never touched before against rows already touched. Medians of 8 stores, side by side.

@@ -336,7 +336,7 @@ def test_the_vllm_worker_warns_when_its_cpu_tier_cannot_be_shared(tmp_path: Path
     from kvtier.core.plan import make_plan
     from kvtier.integrations.vllm.common import SpecContext
     from kvtier.integrations.vllm.config import parse_config
-    from kvtier.integrations.vllm.worker import _host_region
+    from kvtier.integrations.vllm.tiers import host_region
 
     base = tmp_path / "regions"
     base.mkdir()
@@ -349,12 +349,12 @@ def test_the_vllm_worker_warns_when_its_cpu_tier_cannot_be_shared(tmp_path: Path
     ctx = SpecContext(plan=make_plan(geometry, blocks_per_chunk=1), config=config, group_of={0: 0},
                       namespace=Namespace("m", geometry.fingerprint(), "float16"), blocks_per_chunk=1)
     small = TierLayout(slot_bytes=(4096,), num_slots=(2,))
-    region = _host_region(small, ctx)
+    region = host_region(small, ctx)
     assert region is not None and Path(region.path).parent.parent == base
     del region
     gc.collect()
     base.rmdir()  # gone after the engine started: no region can be made there
     with caplog.at_level(logging.WARNING, logger="kvtier.vllm"):
-        assert _host_region(small, ctx) is None
+        assert host_region(small, ctx) is None
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warned) == 1 and str(base) in warned[0] and "kvtier.host_region" in warned[0], warned

@@ -45,8 +45,8 @@ from kvtier.store.integrity import Keyed, keyed_from_env
 from kvtier.store.payload import DTYPE_CODES, HASH_BYTES, ChunkHeader, as_bytes_view, make_header
 from kvtier.core.plan import Plan
 from kvtier.store.tiers.base import Tier, TierLayout
-from kvtier.store.tiers.cpu import CpuTier, as_u8
-from kvtier.store.tiers.disk import DiskTier
+from kvtier.store.tiers.cpu import as_u8
+from kvtier.store.tiers.factory import TierOptions, make_tier
 from kvtier.store.io import TierIO
 
 log = logging.getLogger("kvtier.store.store")
@@ -126,11 +126,12 @@ class Store(TierIO):
         for name in capacities:
             layout = self._layout(name)
             if name == "cpu":
-                self.slot_tiers[name] = CpuTier(layout, pin_memory=pin_memory)
+                options = TierOptions(pin_memory=pin_memory)
             else:
                 assert disk_dir is not None
                 keyed = Keyed(secret) if secret is not None else keyed_from_env()
-                self.slot_tiers[name] = DiskTier(disk_dir, layout, self.ns_id, fsync=fsync, keyed=keyed)
+                options = TierOptions(namespace_id=self.ns_id, keyed=keyed, root=disk_dir, fsync=fsync)
+            self.slot_tiers[name] = make_tier(name, layout, options)  # tiers/factory.py
         self.shared: tuple[Tier, ...] = tuple(shared)
         self.admission = admission
         self.write_through = write_through

@@ -32,10 +32,10 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
+from kvtier.store.buffers import BufferPool
 from kvtier.store.lane import Lane
 from kvtier.store.payload import ChunkHeader
 
@@ -62,7 +62,7 @@ class LookupPromoter:
         self._metrics = metrics  # the manager's: `promote_dropped`
         self.ranks: list[_Rank] = []  # every worker's, once mapped (rank order)
         self._lane: Lane | None = None
-        self._pool: dict[int, deque] = {}
+        self._pool = BufferPool(POOL_BUFFERS)  # read buffers (unpinned: no GPU in this process)
         self.max_bytes = ctx.config.io_queue_bytes
         # buffers out, by the id of the list `done` receives (kept alive here while out): the
         # promoter's thread gives back a failed read's, the scheduler's thread the others
@@ -82,7 +82,7 @@ class LookupPromoter:
         base = self.ctx.config.host_region_dir
         if self.ranks or base is None or "cpu" not in self.ctx.config.tiers:
             return bool(self.ranks)
-        from kvtier.store.tiers.cpu import CpuTier
+        from kvtier.store.tiers.factory import TierOptions, make_tier
         from kvtier.store.tiers.host_region import HostRegion
 
         ns = self.ctx.namespace
@@ -100,7 +100,7 @@ class LookupPromoter:
                 region = HostRegion.attach(base, name, layout)
                 if region is None:
                     raise RuntimeError(f"no region {name!r} of this layout in {base!r} (its worker exited?)")
-                ranks[-1].cpu = CpuTier(layout, pin_memory=False, region=region)
+                ranks[-1].cpu = make_tier("cpu", layout, TierOptions(pin_memory=False, region=region))
         except Exception as exc:  # noqa: BLE001 - promotion at load instead, never a failed engine
             for r in ranks:
                 for t in r.tiers.values():
@@ -114,25 +114,9 @@ class LookupPromoter:
         return True
 
     def _readers(self, namespace_id: str) -> dict:
-        from .config import redis_password, tier_secret
+        from .tiers import reader_tiers
 
-        out: dict = {}
-        keyed = tier_secret(self.ctx.config)
-        root = self.ctx.disk_root
-        if root is not None:
-            from kvtier.store.tiers.disk import DiskTier
-
-            try:
-                out["disk"] = DiskTier(root, self.ctx.tier_layout("disk"), namespace_id,
-                                       keyed=keyed, reader=True)
-            except Exception as exc:  # noqa: BLE001 - no reader: disk chunks are promoted at load
-                log.warning("kvtier: cannot read the disk tier from the scheduler (%s)", exc)
-        if "redis" in self.ctx.config.tiers:
-            from kvtier.store.tiers.redis import RedisTier
-
-            out["redis"] = RedisTier.from_url(str(self.ctx.config.redis_url), namespace_id=namespace_id,
-                                              keyed=keyed, password=redis_password(self.ctx.config))
-        return out
+        return reader_tiers(self.ctx, namespace_id)
 
     def holds(self, g: int, slot: int, chunk_hash: bytes, whole: ChunkHeader | None = None) -> bool | None:
         """Whether every rank's cpu slot holds chunk `chunk_hash` of group `g` under that rank's
@@ -178,7 +162,7 @@ class LookupPromoter:
             ok = False
             try:  # done() is always called: a fetch never answered would stay pending for ever
                 for rank, reader in zip(self.ranks, readers):
-                    bufs.append(self._take(header.payload_bytes))
+                    bufs.append(self._pool.take(header.payload_bytes))
                     ok = reader.read(g, slot, replace(header, namespace_id=rank.namespace_id), bufs[-1])
                     if not ok:
                         break
@@ -209,9 +193,7 @@ class LookupPromoter:
         bytes no longer count against `max_bytes`."""
         self._release(bufs)
         for buf in bufs:
-            q = self._pool.setdefault(buf.numel(), deque())
-            if len(q) < POOL_BUFFERS:
-                q.append(buf)
+            self._pool.give(buf)
 
     def _release(self, bufs: list) -> None:
         """`fetch`'s buffers `bufs` are back (a list another promoter handed out is not counted
@@ -221,16 +203,6 @@ class LookupPromoter:
             if out is not None and out[0] is bufs:
                 del self._out[id(bufs)]
                 self._out_bytes -= out[1]
-
-    def _take(self, nbytes: int):  # noqa: ANN202 - a uint8 tensor
-        import torch
-
-        q = self._pool.get(nbytes)
-        try:
-            buf = q.pop() if q else None
-        except IndexError:
-            buf = None
-        return buf if buf is not None else torch.empty(nbytes, dtype=torch.uint8)
 
     def drain(self, timeout: float | None = 30.0) -> bool:
         return self._lane.drain(timeout) if self._lane is not None else True

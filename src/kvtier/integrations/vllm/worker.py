@@ -10,7 +10,8 @@ group's own size (not a row sized for all groups). Around the job lifecycle kept
 - copies.py: this process's copies between blocks and host chunk rows (a side stream on a GPU);
 - copier.py: vLLM's own copy handlers, for chunks in cpu slots on a GPU;
 - slow_io.py: disk and Redis reads and write-behind on one background thread (store/lane.py);
-- store/buffers.py: the pool of host staging buffers (`POOL_BUFFERS` per size).
+- store/buffers.py: the pool of host staging buffers (`POOL_BUFFERS` per size);
+- tiers.py: the tiers, built by store/tiers/factory.py.
 
 `submit_*` never wait for a disk or a network. A store copies each chunk's pages once, straight
 into the chunk's slot in the cpu tier (one preallocated slab per group, pinned where CUDA is
@@ -27,16 +28,12 @@ the next hit reads host memory. The cpu tier's slabs and slot table live in a fi
 scheduler's process maps too (`kvtier.host_region`, host_region.py; one per tensor-parallel rank):
 the scheduler fills slots it reserved for promotions started at lookup (manager.py). The index
 gives each slot to one writer at a time, so the two processes never write the same slot at once.
-When the tensors live on a GPU, a chunk in a cpu slot moves through vLLM's own copy handlers
-(copier.py: `SingleDirectionOffloadingHandler`, one batched copy per run of consecutive chunks of
-a group, on vLLM's pooled streams; expedited loads on their own handler), straight between the
-blocks and the slot (page-locked), one copy. A chunk without a cpu slot (a store to disk or Redis
-only, a read not promoted) goes through a pooled pinned buffer on a side stream. Nothing
-synchronizes in `submit_*`: a job finishes when its transfers and its event have ended
-(`get_finished` polls), and a store's disk and Redis writes wait for its copies on the lane
-thread. The tests run this path on CPU tensors that claim CUDA, through vLLM's real descriptor
-code with the copy emulated asynchronously (tests/integrations/vllm_engineless/fake_cuda.py);
-it has not run on a GPU yet (scripts/gpu-check.py is ready for one).
+On a GPU, a chunk in a cpu slot moves through vLLM's own copy handlers (copier.py: one batched
+copy per run of consecutive chunks of a group, `_submit_runs`), straight between the blocks and
+the page-locked slot; any other chunk through a pooled pinned buffer on a side stream (copies.py).
+Nothing synchronizes in `submit_*`: a job finishes when its transfers and its event have ended
+(`get_finished` polls). The tests run this path on CPU tensors that claim CUDA
+(tests/integrations/vllm_engineless/fake_cuda.py); scripts/gpu-check.py is ready for a GPU.
 
 A job that cannot be completed (a tier miss, a corrupt payload, a layout mismatch) finishes
 with `success=False` and is never reported as loaded. vLLM 0.32's own OffloadingConnector
@@ -62,18 +59,17 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
 )
 
-from kvtier.errors import ConfigError
 from kvtier.store.buffers import BufferPool
-from kvtier.store.integrity import Keyed
 from kvtier.store.lane import Lane
 from kvtier.store.payload import make_header
-from kvtier.store.tiers.base import Tier, TierLayout
+from kvtier.store.tiers.base import Tier
 
 from .common import ChunkItem, KvtierLoadStoreSpec, Metrics, SpecContext
 from .copier import EXPEDITED, LOAD, STORE
 from .copies import HostCopies, layer_refs
 from .placement import Misplaced, header_span, place
 from .slow_io import SlowIO
+from .tiers import worker_tiers
 
 log = logging.getLogger("kvtier.vllm")
 
@@ -101,20 +97,7 @@ class KvtierWorker(OffloadingWorker):
         tensors = [t.tensor.view(torch.uint8) for t in kv_caches.tensors]
         self.device = tensors[0].device
         self.refs = layer_refs(tensors, kv_caches.group_data_refs, plan, self.bpc)
-        from .config import redis_password, tier_secret
-
-        keyed = tier_secret(ctx.config)  # read once, for the disk and Redis tiers alike
-        self.tiers: dict[str, Tier] = {}
-        for tier in ctx.config.tiers:
-            if tier == "redis":  # key-addressed: no slots to lay out
-                from kvtier.store.tiers.redis import RedisTier
-
-                self.tiers[tier] = RedisTier.from_url(str(ctx.config.redis_url),
-                                                      namespace_id=ctx.namespace.id, keyed=keyed,
-                                                      password=redis_password(ctx.config))
-                continue
-            self.tiers[tier] = _make_tier(tier, ctx.tier_layout(tier), ctx, keyed,
-                                          self.device.type == "cuda")
+        self.tiers: dict[str, Tier] = worker_tiers(ctx, self.device.type == "cuda")  # tiers.py
         # On a GPU: chunks in cpu slots move through vLLM's own copy handlers (copier.py); other
         # chunks (no cpu slot: staging buffers) on a side stream through pinned host buffers
         # (copies.py). A job finishes when its transfers and its event have ended (get_finished
@@ -466,56 +449,3 @@ class KvtierWorker(OffloadingWorker):
 class SyncLoadError(RuntimeError):
     """A synchronous load (vLLM 0.33's sync_load_budget_bytes) could not restore its chunks."""
 
-
-def _make_tier(name: str, layout: TierLayout, ctx: SpecContext, keyed: Keyed | None, pin: bool) -> Tier:
-    if name == "cpu":
-        from kvtier.store.tiers.cpu import CpuTier
-
-        region = _host_region(layout, ctx)
-        if region is not None:  # a file the scheduler's process maps too (faulted in at creation)
-            register = None
-            if pin:
-                from vllm.v1.kv_offload.cpu.host_register import host_register, host_unregister
-
-                register = (host_register, host_unregister)
-            return CpuTier(layout, pin_memory=pin, host_register=register, region=region)
-        if not pin:
-            tier = CpuTier(layout, pin_memory=False)
-            # every page faulted in now, at start: a store into a slot never touched before paid
-            # its page faults inside the engine step (8 chunks of 2.9 MiB: 11.7 ms, against
-            # 2.9 ms once touched; a registered slab on a GPU is faulted in by its registration)
-            for slab in tier.slabs:
-                slab.zero_()
-            return tier
-        # page-locked as vLLM's own CPU tier locks its region (its host_register, which clears
-        # CUDA's error state when registration fails), not through PyTorch's power-of-two allocator
-        from vllm.v1.kv_offload.cpu.host_register import host_register, host_unregister
-
-        return CpuTier(layout, pin_memory=True, host_register=(host_register, host_unregister))
-    if name == "disk":
-        from kvtier.store.tiers.disk import DiskTier
-
-        root = ctx.disk_root
-        assert root is not None
-        root.mkdir(parents=True, exist_ok=True)
-        return DiskTier(root, layout, ctx.namespace.id, keyed=keyed)
-    raise ConfigError(f"tier {name!r} is not available in the vLLM worker")
-
-
-def _host_region(layout: TierLayout, ctx: SpecContext):  # noqa: ANN202 - a HostRegion or None
-    """The cpu tier's slabs in a file the scheduler's process maps (promotion at lookup,
-    manager.py), or None (no region for this engine, or it cannot be made: then the slabs are
-    private memory and promotion happens at load; the warning says how to fix it)."""
-    name = ctx.new_region_name()
-    base = ctx.config.host_region_dir
-    if name is None or base is None or not any(layout.num_slots):
-        return None
-    from kvtier.store.tiers.host_region import HostRegion, RegionError
-
-    try:
-        return HostRegion.create(base, name, layout)
-    except (RegionError, OSError) as exc:
-        log.warning("kvtier: the cpu tier stays private to the worker, so chunks on disk or in Redis "
-                    "are promoted at load, not at lookup: %s (or set kvtier.host_region to \"off\" "
-                    "to silence this)", exc)
-        return None
