@@ -191,7 +191,7 @@ def test_redis_answers_serve_every_lookup_for_their_ttl_then_are_asked_again(tmp
     """A lookup queues the key and answers RETRY; once Redis answered, every lookup of the key
     within the TTL uses that answer (a negative answer used once made every other waiting request
     ask again); an expired answer is asked again, not turned into a timeout miss."""
-    from kvtier.integrations.vllm import manager as mod
+    from kvtier.integrations.vllm import redis_lookup as mod
 
     ctx = _ctx(tmp_path, "cpu")
     extra = {"kvtier.tiers": "cpu,redis", "kvtier.directory": str(tmp_path), "kvtier.cpu_bytes": 1 << 20,
@@ -200,20 +200,20 @@ def test_redis_answers_serve_every_lookup_for_their_ttl_then_are_asked_again(tmp
                       group_of=ctx.group_of, blocks_per_chunk=BPC)
     manager = KvtierManager(ctx, Metrics("scheduler", None))
     fake = _FakeRedis(set())
-    manager._redis = fake
+    manager.redis_lookup.redis = fake
     monkeypatch.setattr(mod, "REDIS_ANSWER_TTL_S", 60.0)  # no answer goes stale on a slow machine
     rc = ReqContext(req_id="a")
     key = make_offload_key(b"\x07" * 32, 0)
     rc.set_offload_key_position(key, TPB * BPC)
     assert manager.lookup(key, rc) == LookupResult.RETRY
-    manager._lane.drain(10)
+    manager.redis_lookup.lane.drain(10)
     assert [manager.lookup(key, rc) for _ in range(3)] == [LookupResult.MISS] * 3  # one answer, reused
     assert fake.calls == 1
     monkeypatch.setattr(mod, "REDIS_ANSWER_TTL_S", 0.0)
     time.sleep(0.01)
     fake.held.add(ctx.split_key(key))  # another engine stored it meanwhile
     assert manager.lookup(key, rc) == LookupResult.RETRY  # stale: asked again
-    manager._lane.drain(10)
+    manager.redis_lookup.lane.drain(10)
     monkeypatch.setattr(mod, "REDIS_ANSWER_TTL_S", 60.0)
     assert manager.lookup(key, rc) == LookupResult.HIT and fake.calls == 2
     manager.shutdown()
@@ -346,18 +346,18 @@ def test_a_failed_lookup_promotion_is_tried_once_more_then_never(tmp_path: Path)
     _store(manager, [worker], [key], rc, 1)
     h, g = ctx.split_key(key)
     assert manager.index.remove(h, g, "cpu")  # on disk only now
-    manager._promoter.ranks[0].tiers["disk"].read = lambda *a, **k: False  # as an empty or corrupt slot reads
+    manager.promotions.promoter.ranks[0].tiers["disk"].read = lambda *a, **k: False  # as an empty or corrupt slot reads
     tries = []
     for _ in range(4):
         rb = ReqContext(req_id=f"b{len(tries)}")
         rb.set_offload_key_position(key, TPB * BPC)
         first = manager.lookup(key, rb)
-        manager._promoter.drain()
+        manager.promotions.promoter.drain()
         manager.on_schedule_end(None)  # the step ends: the failed read lands
         tries.append((first, manager.lookup(key, rb)))  # served as before
-        for split, until in manager._no_fetch.items():
+        for split, until in manager.promotions.no_fetch.items():
             if until != float("inf"):
-                manager._no_fetch[split] = 0.0  # as if NO_FETCH_S passed
+                manager.promotions.no_fetch[split] = 0.0  # as if NO_FETCH_S passed
     assert tries == [(LookupResult.HIT_PENDING, LookupResult.HIT)] * 2 + [(LookupResult.HIT, LookupResult.HIT)] * 2
     assert manager.metrics.counts.get("promote_read_failed", 0) == 2
     manager.shutdown()
@@ -390,7 +390,7 @@ def test_host_only_hits_stay_in_host_memory_until_their_load_is_prepared(tmp_pat
     manager.on_schedule_end(None)  # the step ends: the lookup's pin goes, the load's stays
     manager.complete_load([k1], rb)
     assert manager.metrics.counts.get("load_keys_vanished", 0) == 0
-    manager._promoter.drain()
+    manager.promotions.promoter.drain()
     manager.shutdown()
     worker.shutdown()
 
@@ -476,13 +476,13 @@ def test_tensor_parallel_promotion_fills_every_ranks_slot_with_its_own_shard(tmp
     h2, g = manager.ctx.split_key(k2)
     assert manager.index.remove(h2, g, "cpu")  # k2 on disk only (every rank's)
     if fail_rank is not None:
-        manager._promoter.ranks[fail_rank].tiers["disk"].read = lambda *a, **k: False
+        manager.promotions.promoter.ranks[fail_rank].tiers["disk"].read = lambda *a, **k: False
     rb = ReqContext(req_id="b")
     for i, k in enumerate((k1, k2)):
         rb.set_offload_key_position(k, (i + 1) * TPB * BPC)
     assert manager.lookup(k1, rb) == LookupResult.HIT
     assert manager.lookup(k2, rb) == LookupResult.HIT_PENDING
-    manager._promoter.drain()
+    manager.promotions.promoter.drain()
     manager.on_schedule_end(None)  # the read lands
     rb2 = ReqContext(req_id="b2")
     for i, k in enumerate((k1, k2)):
@@ -544,16 +544,16 @@ def test_the_handshake_maps_every_ranks_region_or_none(tmp_path: Path, regions_f
 
     manager, workers, _ = _tp_group(tmp_path, attach=False)
     names = [w.tiers["cpu"].region.name for w in workers]
-    assert not manager._promoter.ready()
+    assert not manager.promotions.promoter.ready()
     conn = KvtierConnector.__new__(KvtierConnector)
     conn.connector_scheduler = SimpleNamespace(manager=manager)
     meta = {(r, 0): KvtierHandshake(page_bytes=(), host_region=names[r] if r in regions_from else "", rank=r)
             for r in (1, 0)}
     conn.set_xfer_handshake_metadata(meta)
     if regions_from == (0, 1):
-        assert [r.cpu.region.name for r in manager._promoter.ranks] == names
+        assert [r.cpu.region.name for r in manager.promotions.promoter.ranks] == names
     else:
-        assert not manager._promoter.ready()
+        assert not manager.promotions.promoter.ready()
     manager.shutdown()
     for w in workers:
         w.shutdown()
@@ -712,7 +712,7 @@ def test_tensor_parallel_a_redis_hit_needs_every_ranks_shard(tmp_path: Path) -> 
                 assert writers[r].write_many([(g, -1, header, data)]) == [True]
             for k in (k1, k2):
                 assert manager.lookup(k, rc) == LookupResult.RETRY
-            manager._lane.drain(10)
+            manager.redis_lookup.lane.drain(10)
             assert manager.lookup(k1, rc) == LookupResult.HIT
             assert manager.lookup(k2, rc) == LookupResult.MISS
         finally:

@@ -65,8 +65,8 @@ def _pair(tmp_path: Path, budget_chunks: int, host_only: bool = False):  # noqa:
     manager.py builds it once it hands the promoter its Metrics) and maps the worker's region."""
     ctx = _ctx(tmp_path, budget_chunks, host_only)
     manager = KvtierManager(ctx, Metrics("scheduler", None))
-    manager._promoter.close()
-    manager._promoter = LookupPromoter(ctx, manager.index, manager.metrics)
+    manager.promotions.promoter.close()
+    manager.promotions.promoter = LookupPromoter(ctx, manager.index, manager.metrics)
     gen = torch.Generator().manual_seed(0)
     layer = torch.randint(-128, 127, (NUM_BLOCKS, PAGE), dtype=torch.int8, generator=gen)
     kv = CanonicalKVCaches(tensors=[CanonicalKVCacheTensor(layer, PAGE)],
@@ -111,7 +111,7 @@ def test_reads_past_the_budget_are_dropped_counted_and_never_outstanding(tmp_pat
     thread asks while the test's thread fills buffers back as they land: the bytes out (queued,
     reading, or read and not yet given back) never pass the budget, and every drop is counted."""
     ctx, manager, worker, _ = _pair(tmp_path, budget_chunks=2)
-    promoter, metrics = manager._promoter, manager.metrics  # asked directly here, not by lookups
+    promoter, metrics = manager.promotions.promoter, manager.metrics  # asked directly here, not by lookups
     chunk = ctx.plan.groups[0].chunk_bytes
     budget = ctx.config.io_queue_bytes
     assert budget == 2 * chunk
@@ -209,7 +209,7 @@ def test_a_dropped_promotion_is_a_disk_load_or_a_miss_never_a_wait(tmp_path: Pat
     assert [manager.lookup(k, rb) for k in (k1, k2, k3)] == [LookupResult.HIT_PENDING, other, other]
     assert manager.metrics.counts.get("promote_dropped") == 2
     assert manager.metrics.counts.get("promote_at_lookup") == 1
-    assert manager._promoter.drain(30)
+    assert manager.promotions.promoter.drain(30)
     manager.on_schedule_end(None)  # the step ends: k1's read lands in its cpu slot
     assert manager.metrics.counts.get("promoted_chunks_disk") == 1
     assert not manager.has_pending_work()

