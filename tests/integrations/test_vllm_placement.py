@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvtier.integrations.vllm.placement import Misplaced, header_span, place
+from kvtier.integrations.vllm.placement import Misplaced, consecutive_runs, header_span, place
 
 
 @dataclass(frozen=True)
@@ -77,3 +77,11 @@ def test_header_span_claims_only_the_positions_moved() -> None:
     assert header_span(256, 16, [(7, 0), (8, 1), (9, 2), (10, 3)]) == (256, 320)
     assert header_span(256, 16, [(7, 2), (8, 3)]) == (288, 320)  # a mid-chunk first chunk
     assert header_span(0, 64, [(5, 1)]) == (64, 128)
+
+
+def test_runs_are_consecutive_chunks_of_one_group_in_order() -> None:
+    # (group, index in group, blocks, slot): chunk 2 of group 0 is copied otherwise (a gap)
+    a, b, d = (0, 0, [(1, 3)], 7), (0, 1, [(2, 0)], 4), (0, 3, [(4, 0)], 5)
+    x, y = (1, 0, [(9, 0)], 0), (1, 1, [(10, 0)], 1)
+    assert consecutive_runs([y, d, b, x, a]) == [[a, b], [d], [x, y]]
+    assert consecutive_runs([]) == []

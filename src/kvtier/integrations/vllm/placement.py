@@ -7,7 +7,8 @@ many of them are that group's (`group_sizes`) and the logical index of the group
 vLLM's key order (group by group, prefix order within a group: the manager's
 `KvtierLoadStoreSpec`). `place` pairs them: per group, each item with its (block id, position in
 chunk) pairs. `header_span` is the token span a header of such an item claims: only the
-positions the job moves.
+positions the job moves. `consecutive_runs` groups the chunks vLLM's copy handler moves into its
+transfers (one per run of consecutive chunks of a group).
 
 Rejected alternative: carrying positions in the items (the manager knows them too). vLLM's
 block spec is the one source the worker copies from; deriving positions from it once, here,
@@ -89,3 +90,19 @@ def header_span(token_start: int, tokens_per_block: int, blocks: Blocks) -> tupl
     lo = min(p for _, p in blocks)
     hi = max(p for _, p in blocks) + 1
     return token_start + lo * tokens_per_block, token_start + hi * tokens_per_block
+
+
+Chunk = TypeVar("Chunk", bound=tuple)  # (group, index in group, blocks, ...)
+
+
+def consecutive_runs(chunks: Sequence[Chunk]) -> list[list[Chunk]]:
+    """Chunks (group, index in group, blocks, ...) in runs of consecutive chunks of one group,
+    in (group, index) order: vLLM's copy handler moves one run in one transfer (copier.py), and
+    only a run's first chunk may start mid-chunk."""
+    out: list[list[Chunk]] = []
+    for c in sorted(chunks, key=lambda c: (c[0], c[1])):
+        if out and out[-1][-1][0] == c[0] and out[-1][-1][1] == c[1] - 1:
+            out[-1].append(c)
+        else:  # a gap (a chunk copied otherwise) or another group
+            out.append([c])
+    return out

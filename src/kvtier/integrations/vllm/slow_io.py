@@ -21,8 +21,9 @@ from kvtier.store.payload import ChunkHeader
 from kvtier.store.tiers.base import Tier
 from kvtier.store.tiers.cpu import fence
 
-from .common import ChunkItem, Metrics
+from .common import ChunkItem
 from .copies import HostCopies
+from .counters import Metrics
 
 log = logging.getLogger("kvtier.vllm")
 

@@ -64,10 +64,11 @@ from kvtier.store.lane import Lane
 from kvtier.store.payload import make_header
 from kvtier.store.tiers.base import Tier
 
-from .common import ChunkItem, KvtierLoadStoreSpec, Metrics, SpecContext
+from .common import ChunkItem, KvtierLoadStoreSpec, SpecContext
 from .copier import EXPEDITED, LOAD, STORE
 from .copies import HostCopies, layer_refs
-from .placement import Misplaced, header_span, place
+from .counters import Metrics
+from .placement import Misplaced, consecutive_runs, header_span, place
 from .slow_io import SlowIO
 from .tiers import worker_tiers
 
@@ -256,19 +257,9 @@ class KvtierWorker(OffloadingWorker):
         copier = self._copier
         assert copier is not None
         tids: list[int] = []
-        run: list[tuple[int, int, list[tuple[int, int]], int]] = []
-
-        def flush() -> None:
-            if run:
-                bids = [b for _, _, blocks, _ in run for b, _ in blocks]
-                tids.append(copier.submit(direction, run[0][0], bids, run[0][2][0][1], [s for *_, s in run]))
-                run.clear()
-
-        for g, i, blocks, slot in sorted(chunks, key=lambda c: (c[0], c[1])):
-            if run and (run[-1][0] != g or run[-1][1] != i - 1):  # a gap: a chunk copied here
-                flush()
-            run.append((g, i, blocks, slot))
-        flush()
+        for run in consecutive_runs(chunks):  # placement.py
+            bids = [b for _, _, blocks, _ in run for b, _ in blocks]
+            tids.append(copier.submit(direction, run[0][0], bids, run[0][2][0][1], [s for *_, s in run]))
         return tids
 
     def _promote(self, g: int, blocks: list[tuple[int, int]], buf: torch.Tensor, tier: str,
