@@ -1,10 +1,13 @@
 """`kvtier bench redis`: the redis tier against raw redis-py on the same server, as ratios.
 
-Both sides move the same chunk payloads (seeded random bytes) in one pipeline per round:
-- save: `RedisTier.write_many` (header, checksum, one value per chunk, TTL-less SET) against a
-  raw pipelined `SET key <the payload's memoryview>` (redis-py sends a memoryview without a copy);
-- load: `RedisTier.read_many` into preallocated uint8 buffers (header + checksum verified, one
-  copy into the buffer) against a raw pipelined `GET` that returns bytes and stops there.
+Both sides move the same chunk payloads (seeded random bytes) in one batch per round:
+- save: `RedisTier.write_many` (header, checksum, MAC with --secret, one value per chunk,
+  TTL-less SET, streamed zero-copy with each value sealed while the previous one is sent:
+  `tiers/redis_wire.py`) against a raw pipelined `SET key <the payload's memoryview>` (redis-py
+  sends a memoryview without a copy);
+- load: `RedisTier.read_many` into preallocated uint8 buffers (header and checksum, or the MAC
+  alone with --secret, verified in the same pass as the one copy into the buffer) against a raw
+  pipelined `GET` that returns bytes and stops there.
 The two alternate within each round (which goes first flips every round) and the figures are
 medians over rounds; ratios are kvtier's throughput over raw's (1.0 = as fast). Without --url
 a redis-server is started on a free loopback port in a temp dir, with a random password (any
@@ -154,7 +157,7 @@ def measure(url: str, chunk_bytes: int, chunks: int, rounds: int, secret: bool =
         raw.ping()  # type: ignore[attr-defined]
     except Exception as exc:  # noqa: BLE001
         raise KvtierError(f"cannot reach Redis at {redact(url)}: {exc}") from None
-    from kvtier.store.integrity import Keyed
+    from kvtier.store.integrity import Keyed, mac_name
 
     tier = RedisTier(opts, namespace_id=BENCH_NS, keyed=Keyed(os.urandom(32)) if secret else None)
     try:
@@ -187,6 +190,7 @@ def measure(url: str, chunk_bytes: int, chunks: int, rounds: int, secret: bool =
         "chunk_bytes": chunk_bytes, "chunks": chunks, "rounds": rounds,
         "checksum": CHECKSUM_NAMES[DEFAULT_CHECKSUM], "hiredis": _has_hiredis(),
         "redis_py": redis.__version__, "keyed": secret,
+        "mac": mac_name() if secret else None,
     }
 
 
@@ -213,7 +217,7 @@ def run(args: argparse.Namespace) -> int:
     mib = args.chunk_bytes / (1 << 20)
     print(f"redis tier vs raw redis-py, {args.chunks} chunks of {mib:.2f} MiB per batch, "
           f"median of {args.rounds} rounds ({res['server']}; checksum {res['checksum']}"
-          + ("; keyed: a MAC on every value" if res["keyed"] else "") + ")")
+          + (f"; keyed: {res['mac']} on every value" if res["keyed"] else "") + ")")
     print(f"  save  kvtier {res['kvtier_save_gb_s']:.2f} GB/s  raw SET {res['raw_save_gb_s']:.2f} "
           f"GB/s  ratio {res['save_ratio']:.2f}")
     print(f"  load  kvtier {res['kvtier_load_gb_s']:.2f} GB/s  raw GET {res['raw_load_gb_s']:.2f} "

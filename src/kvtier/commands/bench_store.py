@@ -50,7 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "resident slots; the default) or preadv (always one preadv + one checksum pass)")
     p.add_argument("--secret", action="store_true",
                    help="key the disk tier with a random tenant secret: every payload MACed (keyed "
-                        "BLAKE2b) on save and verified on load; the disk ratios then show its cost")
+                        "BLAKE3, BLAKE2b without the blake3 package) on save and verified on load; the "
+                        "disk ratios then show its cost")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -145,6 +146,10 @@ def _run(args: argparse.Namespace) -> int:
         disk_mod.MAPPED_READS = args.disk_reads == "mapped"
     out["disk_reads"] = "mapped" if disk_mod.MAPPED_READS else "preadv"
     out["disk_keyed"] = bool(args.secret)
+    if args.secret:
+        from kvtier.store.integrity import mac_name
+
+        out["mac"] = mac_name()
 
     for tier in ("cpu", "disk"):
         # room for one prompt: from round 1 on every save evicts the previous round's chunk
@@ -250,7 +255,7 @@ def _run(args: argparse.Namespace) -> int:
     print(f"kvtier bench store: {geom.name}, chunk_tokens {C}, {n} chunks a prompt, "
           f"{save_bytes / 2**20:.0f} MiB saved / {load_bytes / 2**20:.0f} MiB loaded a round, "
           f"median of {rounds} rounds, fsync={args.fsync}, disk loads {out['disk_cache']}"
-          + (", disk keyed with a tenant secret (MAC on every payload)" if args.secret else ""))
+          + (f", disk keyed with a tenant secret ({out['mac']} on every payload)" if args.secret else ""))
     print(f"{'':6} {'save ratio':>10} {'load ratio':>10}   (kvtier GB/s vs plain GB/s)")
     for tier, what in (("cpu", "torch copy"), ("disk", "file I/O")):
         cpu_t = (f"; CPU-time ratios save {out[f'{tier}_save_cpu_time_ratio']}, load "

@@ -168,6 +168,11 @@ class MacStream:
         return None if hmac.compare_digest(self._h.digest(), self._want) else MAC_MISMATCH
 
 
+def mac_name() -> str:
+    """Which MAC a new `Keyed` computes here (what the benches report)."""
+    return "keyed BLAKE3-128" if _blake3 is not None else "keyed BLAKE2b-128 (blake3 not installed)"
+
+
 def _without_mac(h: ChunkHeader) -> ChunkHeader:
     return _with_mac(h, b"", 0) if h.mac or h.mac_kind else h
 

@@ -53,7 +53,7 @@ from kvtier.store.integrity import Keyed, mac_only
 from kvtier.store.payload import HASH_BYTES, HEADER_BYTES, ChunkHeader, decode_header, span_not_held
 from kvtier.store.tiers.base import LogOnce, Tier
 from kvtier.store.tiers.redis_codec import Arena, restore, u8_view, unknown_command
-from kvtier.store.tiers.redis_wire import set_stream
+from kvtier.store.tiers.redis_wire import SpareCore, set_stream
 from kvtier.store.tiers.redis_conn import (
     Breaker,
     RedisOptions,
@@ -108,6 +108,7 @@ class RedisTier(Tier):
         self._client_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None  # the save stream's sealing thread
         self._pool_pid = 0
+        self._spare_core = SpareCore()  # seal on that thread only while a core looks free
         self._getex = True  # GETEX reads and renews the TTL in one command (Redis >= 6.2)
         self._ttl_ms = int(self.options.ttl_s * 1000) if self.options.ttl_s is not None else None
 
@@ -393,9 +394,10 @@ class RedisTier(Tier):
         (`redis_wire`): no arena copy, and the checksum and MAC overlap the send."""
         total = sum(HEADER_BYTES + len(v) for v in views)
         bucket, extra = self._budget.charge(ns, total) if self._budget is not None else (0, [])
+        helper = self._helper if self._spare_core() else None
         res = self._call(lambda client: set_stream(
             client, [k for _, k, _ in part], [h for _, _, h in part], views, self.keyed,
-            self._ttl_ms, extra, self._helper), "skipped_saves", len(part))
+            self._ttl_ms, extra, helper), "skipped_saves", len(part))
         if res is None:
             self._count("failed_writes", len(part))
             return

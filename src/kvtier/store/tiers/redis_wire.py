@@ -15,8 +15,14 @@ its payload, so it is computed before the value is sent; on the caller's thread 
 the server waiting for it, value after value (measured on the 2-core build machine: the arena
 copy and the checksum were a third of a save's time, the MAC as much again; the server, not the
 client, bounds the send, so the client's core idles while a value is on the wire). A helper
-thread seals value k+1 while this thread sends value k (xxh3 and BLAKE3 release the GIL). This
-thread never returns while the helper can still read the caller's buffers.
+thread seals value k+1 while this thread sends value k (xxh3 and BLAKE3 release the GIL). The
+two claim values from one counter: a value the helper has not started when the sender needs it
+is sealed by the sender, so a helper that a busy host does not schedule never stalls the stream.
+This thread never returns while the helper can still read the caller's buffers. The helper is
+used only while a core looks free (`SpareCore`, the disk tier's `auto` rule): measured on the
+2-core build machine at load average 4-7, sealing on the helper was no faster than inline and at
+times slower (its CPU comes from the same busy cores, and the two threads hand the GIL back and
+forth), so a busy host seals inline.
 
 Rejected: waves of smaller redis-py pipelines, sealed one wave ahead: every wave waits for its
 replies before the next is sent, and 4 waves of a 16 MiB batch cost 9% of the send (measured);
@@ -26,7 +32,9 @@ payload again in APPEND, and the server's core is the one that bounds a save).
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 
@@ -38,6 +46,22 @@ CRLF = b"\r\n"
 # costs more than it would save
 OVERLAP_MIN_VALUES = 2
 OVERLAP_MIN_BYTES = 256 << 10
+
+
+class SpareCore:
+    """Whether a core looks free for the sealing thread: the load average (which counts this
+    process too) leaves half a core, on a host of at least 2; read at most once a second."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock, self._checked, self._free = clock, -1e9, False
+
+    def __call__(self) -> bool:
+        now = self._clock()
+        if now - self._checked >= 1.0:
+            self._checked = now
+            cores = len(os.sched_getaffinity(0))
+            self._free = cores >= 2 and cores - os.getloadavg()[0] >= 0.5
+        return self._free
 
 
 def seal_value(header: ChunkHeader, view: memoryview, keyed: Keyed | None) -> tuple[ChunkHeader, bytes]:
@@ -60,34 +84,53 @@ def _command(*args: bytes | str | int) -> bytes:
 
 
 class _Sealer:
-    """Seals the values of one stream in order (on the helper thread); the sender waits for
-    value k with `wait(k)`."""
+    """Seals the values of one stream, in order, from two ends: the helper thread runs `run`
+    (seal the next unclaimed value, repeat) while the sender asks `get(k)` for each value it is
+    about to send. A value the helper has not claimed yet is sealed by the sender itself, so a
+    helper the OS has not scheduled (a busy host) never stalls the stream: it only helps."""
 
     def __init__(self, headers: Sequence[ChunkHeader], views: Sequence[memoryview],
                  keyed: Keyed | None) -> None:
         self.headers, self.views, self.keyed = headers, views, keyed
-        self.out: list[bytes] = []
-        self.error: BaseException | None = None
+        n = len(headers)
+        self.out: list[bytes | None] = [None] * n
+        self.errors: list[BaseException | None] = [None] * n
+        self._done = [threading.Event() for _ in range(n)]
+        self._lock = threading.Lock()
+        self._next = 0  # the first value nobody has claimed
         self.stop = False
-        self._ready = threading.Semaphore(0)
+
+    def _claim(self, k: int | None = None) -> int | None:
+        """Claim value k (the sender) or the next one (the helper); None when taken or done."""
+        with self._lock:
+            if self.stop or self._next >= len(self.out) or (k is not None and self._next > k):
+                return None
+            k = self._next if k is None else k
+            self._next = k + 1
+            return k
+
+    def _seal(self, k: int) -> None:
+        try:
+            self.out[k] = seal_value(self.headers[k], self.views[k], self.keyed)[1]
+        except BaseException as exc:  # handed to the sender, which raises it
+            self.errors[k] = exc
+        finally:
+            self._done[k].set()
 
     def run(self) -> None:
-        try:
-            for h, v in zip(self.headers, self.views):
-                if self.stop:
-                    return
-                self.out.append(seal_value(h, v, self.keyed)[1])
-                self._ready.release()
-        except BaseException as exc:  # handed to the sender, which raises it
-            self.error = exc
-        finally:
-            self._ready.release(len(self.headers) + 1)  # nobody waits for ever
+        while (k := self._claim()) is not None:
+            self._seal(k)
 
-    def wait(self, k: int) -> bytes:
-        self._ready.acquire()
-        if k >= len(self.out):
-            raise self.error or RuntimeError("the sealing thread stopped early")
-        return self.out[k]
+    def get(self, k: int) -> bytes:
+        if self._claim(k) is not None:
+            self._seal(k)
+        self._done[k].wait()
+        err = self.errors[k]
+        if err is not None:
+            raise err
+        out = self.out[k]
+        assert out is not None
+        return out
 
 
 def get_connection(pool: object) -> object:
@@ -116,8 +159,6 @@ def set_stream(client: object, keys: Sequence[str], headers: Sequence[ChunkHeade
             fut = helper().submit(sealer.run)
         except RuntimeError:  # the executor shut down under us (tier closing): seal here
             fut = None
-    if fut is None:
-        sealer.run()
     px = b"" if ttl_ms is None else _bulk(b"PX") + _bulk(ttl_ms)
     nargs = b"*3\r\n" if ttl_ms is None else b"*5\r\n"
     pool = client.connection_pool  # type: ignore[attr-defined]
@@ -126,7 +167,7 @@ def set_stream(client: object, keys: Sequence[str], headers: Sequence[ChunkHeade
         try:
             tail = b""  # what ends the previous command, sent with the next one's head
             for k in range(n):
-                header = sealer.wait(k)
+                header = sealer.get(k)
                 key = keys[k].encode()
                 head = b"".join((tail, nargs, b"$3\r\nSET\r\n", _bulk(key),
                                  b"$%d\r\n" % (len(header) + len(views[k])), header))
@@ -146,7 +187,8 @@ def set_stream(client: object, keys: Sequence[str], headers: Sequence[ChunkHeade
         finally:
             pool.release(conn)  # type: ignore[attr-defined]
     finally:
-        sealer.stop = True
-        if fut is not None:
+        with sealer._lock:
+            sealer.stop = True  # claims nothing more
+        if fut is not None and not fut.cancel():  # not started yet: it never will
             fut.result()  # never return while the helper may still read the caller's buffers
     return [True if r in (b"OK", "OK", True) else r for r in replies]
