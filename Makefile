@@ -32,6 +32,7 @@ demo: $(VENV)/.stamp
 test: $(VENV)/.stamp
 	bash scripts/ensure-redis.sh
 	VENV=$(VENV) bash scripts/setup-vllm033.sh
+	bash scripts/setup-vllm-tests.sh
 	$(PY) -m pytest -q tests
 	$(MAKE) test-tf-latest
 
