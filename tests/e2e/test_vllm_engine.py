@@ -29,21 +29,24 @@ def _scenario(model: Path, kv: dict, ps: list[list[int]], directory: Path, **kw:
             "directory": str(directory), "max_tokens": 6, **kw}
 
 
-def test_tiny_llama_reload_from_cpu_tier_and_full_tier_skips(tmp_path: Path) -> None:
-    # 6 slots; two 600-token prompts store 4 chunks each (600 // 128) in the same step:
-    # the first gets 4 slots, the second 2, and its last 2 are skipped (every slot is pinned
-    # by an in-flight store): skipped and counted, not waited on.
+def test_tiny_llama_reload_from_cpu_tier_and_a_full_tier_refuses_then_stores_whole(tmp_path: Path) -> None:
+    # 6 slots; two 600-token prompts store 4 chunks each (600 // 128) in the same step. The first
+    # gets 4 slots; the second's 4 do not fit while the first's stores are in flight (their slots
+    # pinned): vLLM's contract, as its own manager, answers None (never a part of the call), vLLM
+    # offers the keys again at a later step, and once the first's stores landed the second is
+    # stored whole, evicting the first prompt's two oldest chunks.
     kv = kv_transfer_config(tmp_path, tiers="cpu", cpu_bytes=6 * CHUNK_BYTES)
     res = run_engine(_scenario(tiny_llama_dir(), kv, prompts(2, 600, seed=1), tmp_path))
     first, second = res["outputs"]
     assert first == second
     m1, m2 = res["metrics"]
-    assert m1["stored_chunks_cpu"] == 6
-    assert m1["store_skipped_full_cpu"] == 2
+    assert m1["stored_chunks_cpu"] == 8 and m1["evicted_cpu"] == 2, m1
+    assert m1["store_calls_refused"] >= 1 and m1["store_skipped_full_cpu"] >= 4, m1
     assert m1.get("loaded_blocks", 0) == 0
-    # second pass: prompt 0 hits all 4 chunks, prompt 1 the 2 it kept
-    assert m2["loaded_blocks"] == 6
-    assert m2["loaded_chunks_cpu"] == 6
+    # second pass: prompt 1 hits all 4 chunks; prompt 0 lost two of its four, which two depends on
+    # the order of vLLM's store job (its connector passes a Python set): its head (a hit of 0,
+    # and its tail is unreadable: LRU does not know prefix order) or its tail (a hit of 2)
+    assert m2["loaded_blocks"] in (4, 6) and m2["loaded_chunks_cpu"] == m2["loaded_blocks"], m2
     assert m2.get("load_jobs_failed", 0) == 0
 
 
