@@ -49,4 +49,4 @@ test-tf-latest: $(VENV_TF_LATEST)/.stamp-tf-latest
 		tests/e2e/test_transformers.py tests/e2e/test_transformers_restart.py
 
 clean:
-	rm -rf $(VENV) $(VENV_TF_LATEST) .vllm033 build src/*.egg-info
+	rm -rf $(VENV) $(VENV_TF_LATEST) .vllm033 .vllm-tests build src/*.egg-info
