@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -94,8 +95,6 @@ def test_a_busy_helper_never_stalls_the_stream(server) -> None:
     """The helper thread may not get to a save for a while (a busy host; here it is kept busy
     with another task): the sender seals each value it is about to send itself instead of waiting
     for it, and returns without waiting for the helper either (its queued task is cancelled)."""
-    import time
-
     gate = threading.Event()
     tier = RedisTier(RedisOptions(url=server.url), namespace_id=NS)
     tier._spare_core = lambda: True
@@ -179,3 +178,81 @@ def test_the_budget_counters_are_read_once_per_bucket_not_before_every_batch(ser
     r.close()
     a.close()
     b.close()
+
+
+def test_a_load_checks_each_value_on_the_helper_while_the_next_reply_is_read(server, monkeypatch) -> None:
+    """The reply parser bounds a load on the client: with a core free, value k is checked (MAC or
+    checksum, and copied into its buffer) on the helper thread while reply k+1 is read; here each
+    read of reply k+1 waits until value k was checked, which only the helper can do meanwhile. On a
+    busy host every value is checked inline. Before: all replies first, then every check in turn."""
+    import kvtier.store.tiers.redis as redis_tier
+
+    checked_on: list[str] = []
+    real_restore, real_conn = redis_tier.restore, redis_wire.get_connection
+
+    def spy(*a):  # noqa: ANN002, ANN202
+        out = real_restore(*a)
+        checked_on.append(threading.current_thread().name)
+        return out
+
+    def held_connection(pool):  # noqa: ANN001, ANN202
+        conn = real_conn(pool)
+        read_response = conn.read_response
+        calls = [0]
+
+        def wait_for_previous_check(*a, **k):  # noqa: ANN002, ANN003, ANN202
+            if calls[0]:
+                deadline = time.monotonic() + 10
+                while len(checked_on) < calls[0] and time.monotonic() < deadline:
+                    time.sleep(0.001)
+            calls[0] += 1
+            if calls[0] == 6:  # the pooled connection is itself again for the next caller
+                del conn.read_response
+            return read_response(*a, **k)
+
+        conn.read_response = wait_for_previous_check
+        return conn
+
+    n = 256 << 10
+    for secret in (None, SECRET):
+        tier = RedisTier(RedisOptions(url=server.url), namespace_id=NS, keyed=Keyed(secret) if secret else None)
+        assert write(tier, range(40, 46), n) == [True] * 6
+        monkeypatch.setattr(redis_tier, "restore", spy)
+        monkeypatch.setattr(redis_wire, "get_connection", held_connection)
+        checked_on.clear()
+        tier._spare_core = lambda: True
+        ok, outs = read(tier, range(40, 46), n)
+        assert ok == [True] * 6 and all(torch.equal(o, data(i, n)) for i, o in zip(range(40, 46), outs))
+        assert len(checked_on) == 6 and sum(t.startswith("kvtier-redis") for t in checked_on) >= 5
+        checked_on.clear()
+        monkeypatch.setattr(redis_wire, "get_connection", real_conn)
+        tier._spare_core = lambda: False  # busy host: inline
+        ok, _ = read(tier, range(40, 46), n)
+        assert ok == [True] * 6 and checked_on == [threading.current_thread().name] * 6
+        monkeypatch.setattr(redis_tier, "restore", real_restore)
+        tier.close()
+
+
+def test_a_load_whose_check_fails_is_a_counted_miss_and_the_connection_is_clean(server, monkeypatch) -> None:
+    """A check that raises (a bug, not a bad value) on the helper: the batch is a counted error,
+    every chunk a miss, no exception into the engine; the next load on the same one-connection
+    pool reads every value right."""
+    import kvtier.store.tiers.redis as redis_tier
+
+    real_restore = redis_tier.restore
+    tier = RedisTier(RedisOptions(url=server.url, max_connections=1), namespace_id=NS)
+    tier._spare_core = lambda: True
+    assert write(tier, range(50, 56), 64 << 10) == [True] * 6
+
+    def failing(header, raw, keyed, dst):  # noqa: ANN001, ANN202
+        if header.token_start == 64 * 52:
+            raise RuntimeError("check failed")
+        return real_restore(header, raw, keyed, dst)
+
+    monkeypatch.setattr(redis_tier, "restore", failing)
+    ok, _ = read(tier, range(50, 56), 64 << 10)
+    assert ok == [False] * 6 and tier.metrics()["errors"] == 1 and tier.metrics()["up"]
+    monkeypatch.setattr(redis_tier, "restore", real_restore)
+    ok, outs = read(tier, range(50, 56), 64 << 10)
+    assert ok == [True] * 6 and torch.equal(outs[2], data(52, 64 << 10))
+    tier.close()

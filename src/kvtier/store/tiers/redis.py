@@ -53,7 +53,7 @@ from kvtier.store.integrity import Keyed, mac_only
 from kvtier.store.payload import HASH_BYTES, HEADER_BYTES, ChunkHeader, decode_header, span_not_held
 from kvtier.store.tiers.base import LogOnce, Tier
 from kvtier.store.tiers.redis_codec import Arena, restore, u8_view, unknown_command
-from kvtier.store.tiers.redis_wire import SpareCore, set_stream
+from kvtier.store.tiers.redis_wire import SpareCore, get_stream, set_stream
 from kvtier.store.tiers.redis_conn import (
     Breaker,
     RedisOptions,
@@ -446,32 +446,53 @@ class RedisTier(Tier):
                     end: int, ok: list[bool]) -> None:
         names = [self.key(h) for _, _, h, _ in items[start:end]]
         ttl = self._ttl_ms if self.options.touch else None
-        self._count("reads", end - start)
+        n = end - start
+        self._count("reads", n)
+        dsts = []
+        for _, _, header, out in items[start:end]:
+            dst = u8_view(out)
+            if len(dst) < header.payload_bytes:  # the caller's mistake: raised before any I/O
+                raise ConfigError(f"read buffer of {len(dst)} bytes for a payload of "
+                                  f"{header.payload_bytes}; pass a uint8 buffer at least that large")
+            dsts.append(dst)
+        reasons: list[str | None] = ["not read"] * n
 
-        def build(p: object) -> None:
-            for k in names:
-                if ttl is not None and self._getex:
-                    p.getex(k, px=ttl)  # type: ignore[attr-defined]
-                else:
-                    p.get(k)  # type: ignore[attr-defined]
-            if ttl is not None and not self._getex:  # servers before Redis 6.2: GET + PEXPIRE
-                for k in names:
-                    p.pexpire(k, ttl)  # type: ignore[attr-defined]
+        def verify(j: int, raw: bytes) -> None:
+            # verified and copied in one pass; on any reason `dst` is unspecified: a miss
+            reasons[j] = restore(items[start + j][2], raw, self.keyed, dsts[j])
 
-        res = self._run(build, "skipped_reads", end - start)
+        def commands() -> list[tuple[str | int, ...]]:
+            if ttl is None:
+                return [("GET", k) for k in names]
+            if self._getex:
+                return [("GETEX", k, "PX", ttl) for k in names]
+            return [("GET", k) for k in names] + [("PEXPIRE", k, ttl) for k in names]
+
+        def call() -> list[object] | None:
+            if self.options.is_cluster:  # redis-py's cluster pipeline routes keys to their nodes
+                got = self._run(lambda p: [p.execute_command(*c) for c in commands()], "skipped_reads", n)
+                for j, raw in enumerate(got[:n] if got is not None else []):
+                    if isinstance(raw, bytes):
+                        verify(j, raw)
+                return got
+            helper = self._helper if self._spare_core() else None
+            return self._call(lambda client: get_stream(client, commands(), n, verify, helper),
+                              "skipped_reads", n)
+
+        res = call()
         if res is not None and self._getex and ttl is not None and unknown_command(res):
             self._getex = False  # GETEX is Redis >= 6.2 / Valkey; ask once more without it
             log.warning("redis tier: the server has no GETEX; renewing TTLs with PEXPIRE")
-            res = self._run(build, "skipped_reads", end - start)
+            res = call()
         if res is None:
-            self._count("misses", end - start)
+            self._count("misses", n)
             return
-        res = res[:end - start]  # the PEXPIRE replies, if any, follow the reads
+        res = res[:n]  # the PEXPIRE replies, if any, follow the reads
         bad: list[str] = []
         counts = dict.fromkeys(("misses", "vanished", "errors", "foreign_skipped", "corrupt_dropped",
                                 "bytes_read"), 0)
         for j, raw in enumerate(res):
-            _, _, header, out = items[start + j]
+            header = items[start + j][2]
             if raw is None:
                 counts["vanished"] += 1  # never stored, expired, or evicted since lookup
                 counts["misses"] += 1
@@ -482,16 +503,10 @@ class RedisTier(Tier):
                 self.last_error = describe_error(raw)
                 self._log.warn("error", f"redis tier read failed: {self.last_error}")
                 continue
-            dst = u8_view(out)
-            n = header.payload_bytes
-            if len(dst) < n:
-                raise ConfigError(f"read buffer of {len(dst)} bytes for a payload of {n}; "
-                                  "pass a uint8 buffer at least that large")
-            # verified and copied in one pass; on any reason `dst` is unspecified: a miss
-            reason = restore(header, raw, self.keyed, dst)
+            reason = reasons[j]
             if reason is None:
                 ok[start + j] = True
-                counts["bytes_read"] += n
+                counts["bytes_read"] += header.payload_bytes
                 continue
             counts["misses"] += 1
             if span_not_held(reason):  # valid for the blocks it holds: kept
