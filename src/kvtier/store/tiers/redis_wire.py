@@ -152,10 +152,11 @@ def set_stream(client: object, keys: Sequence[str], headers: Sequence[ChunkHeade
     this thread)."""
     from redis.exceptions import ResponseError
 
-    sealer = _Sealer(headers, views, keyed)
     n = len(keys)
+    sealer: _Sealer | None = None
     fut = None
     if helper is not None and n >= OVERLAP_MIN_VALUES and sum(len(v) for v in views) >= OVERLAP_MIN_BYTES:
+        sealer = _Sealer(headers, views, keyed)
         try:
             fut = helper().submit(sealer.run)
         except RuntimeError:  # the executor shut down under us (tier closing): seal here
@@ -168,7 +169,7 @@ def set_stream(client: object, keys: Sequence[str], headers: Sequence[ChunkHeade
         try:
             tail = b""  # what ends the previous command, sent with the next one's head
             for k in range(n):
-                header = sealer.get(k)
+                header = sealer.get(k) if sealer is not None else seal_value(headers[k], views[k], keyed)[1]
                 key = keys[k].encode()
                 head = b"".join((tail, nargs, b"$3\r\nSET\r\n", _bulk(key),
                                  b"$%d\r\n" % (len(header) + len(views[k])), header))
@@ -188,8 +189,9 @@ def set_stream(client: object, keys: Sequence[str], headers: Sequence[ChunkHeade
         finally:
             pool.release(conn)  # type: ignore[attr-defined]
     finally:
-        with sealer._lock:
-            sealer.stop = True  # claims nothing more
+        if sealer is not None:
+            with sealer._lock:
+                sealer.stop = True  # claims nothing more
         if fut is not None and not fut.cancel():  # not started yet: it never will
             fut.result()  # never return while the helper may still read the caller's buffers
     return [True if r in (b"OK", "OK", True) else r for r in replies]
