@@ -18,11 +18,14 @@ client, bounds the send, so the client's core idles while a value is on the wire
 thread seals value k+1 while this thread sends value k (xxh3 and BLAKE3 release the GIL). The
 two claim values from one counter: a value the helper has not started when the sender needs it
 is sealed by the sender, so a helper that a busy host does not schedule never stalls the stream.
-This thread never returns while the helper can still read the caller's buffers. The helper is
-used only while a core looks free (`SpareCore`, the disk tier's `auto` rule): measured on the
-2-core build machine at load average 4-7, sealing on the helper was no faster than inline and at
-times slower (its CPU comes from the same busy cores, and the two threads hand the GIL back and
-forth), so a busy host seals inline.
+This thread never returns while the helper can still read the caller's buffers. The tier hands
+work to the helper only with a secret (a BLAKE3 pass of ~75 us a 256 KiB value; without one the
+seal is one ~9 us xxh3 pass, and the Python around it, GIL held, costs as much as a hand-over
+saves) and only while a core looks free (`SpareCore`, the disk tier's `auto` rule): measured on
+the 2-core build machine at load average 4-7, sealing on the helper was no faster than inline and
+at times slower (its CPU comes from the same busy cores). Loads (`get_stream`) follow the same
+rules: with a secret and a free core, value k's MAC is checked on the helper while reply k+1 is
+parsed.
 
 Rejected: waves of smaller redis-py pipelines, sealed one wave ahead: every wave waits for its
 replies before the next is sent, and 4 waves of a 16 MiB batch cost 9% of the send (measured);
