@@ -55,6 +55,8 @@ class _Engine:
     kinds: dict[int, tuple[str, int | None]] = field(default_factory=dict)  # group -> (kind, window)
     held: dict[tuple[int, int], set[str]] = field(default_factory=dict)  # (group, hash) -> tiers
     children: dict[int | None, dict[tuple[int, ...], int]] = field(default_factory=dict)  # chain
+    link: dict[int, tuple[int | None, tuple[int, ...]]] = field(default_factory=dict)  # hash -> its place in children
+    groups_of: dict[int, set[int]] = field(default_factory=dict)  # hash -> groups holding it in some tier
     ignored: int = 0  # GPU events and unreadable ones
 
 
@@ -110,10 +112,12 @@ class PrefixIndex:
             e.kinds[g] = ("unknown", None)
         key = _h(hashes[-1])  # type: ignore[index]
         e.held.setdefault((g, key), set()).add(tier)
+        e.groups_of.setdefault(key, set()).add(g)
         tokens = ev.get("token_ids") or []
         if tokens:  # a self-describing chunk: its place in the chain of hashes
-            parent = ev.get("parent_block_hash")
-            e.children.setdefault(None if parent is None else _h(parent), {})[tuple(tokens)] = key  # type: ignore[arg-type]
+            parent = None if ev.get("parent_block_hash") is None else _h(ev.get("parent_block_hash"))
+            e.children.setdefault(parent, {})[tuple(tokens)] = key  # type: ignore[arg-type]
+            e.link[key] = (parent, tuple(tokens))  # type: ignore[arg-type]
             if not e.chunk_tokens:
                 e.chunk_tokens = len(tokens)  # type: ignore[arg-type]
 
@@ -123,12 +127,25 @@ class PrefixIndex:
         if tier is None or group is None:
             e.ignored += 1
             return
-        for h in ev.get("block_hashes") or []:  # type: ignore[union-attr]
-            tiers = e.held.get((int(group), _h(h)))  # type: ignore[call-overload]
-            if tiers is not None:
-                tiers.discard(tier)
-                if not tiers:
-                    del e.held[(int(group), _h(h))]  # type: ignore[call-overload]
+        g = int(group)  # type: ignore[call-overload]
+        for h in map(_h, ev.get("block_hashes") or []):  # type: ignore[arg-type]
+            tiers = e.held.get((g, h))
+            if tiers is None:
+                continue
+            tiers.discard(tier)
+            if tiers:
+                continue
+            del e.held[(g, h)]
+            groups = e.groups_of[h]
+            groups.discard(g)
+            if not groups:  # held nowhere: its chain link goes too, so the index stays bounded
+                del e.groups_of[h]  # (a walk past it needs a full group to hold it anyway)
+                parent, tokens = e.link.pop(h, (None, None))
+                kids = e.children.get(parent)
+                if tokens is not None and kids is not None and kids.get(tokens) == h:
+                    del kids[tokens]
+                    if not kids:
+                        del e.children[parent]
 
     # -- queries -------------------------------------------------------------------------------
 
@@ -206,7 +223,7 @@ class PrefixIndex:
     def _blind_need(self, e: _Engine, chain: list[int], k: int) -> set[str] | None:
         tiers: set[str] = set()
         for j in range(k):
-            held = set().union(*(ts for (g, h), ts in e.held.items() if h == chain[j]))
+            held = set().union(*(e.held[(g, chain[j])] for g in e.groups_of.get(chain[j], ())))
             if not held:
                 return None
             tiers.add(min(held, key=lambda x: _TIER_ORDER.get(x, 9)))

@@ -171,3 +171,16 @@ def test_engines_are_ranked_by_what_they_restore() -> None:
     a = _prompt_a()
     index.apply("e1", _wire([_stored(0, 2000, None, a[:C], "full_attention", None)]))
     assert [(r.engine, r.tokens) for r in index.longest_prefix(a + [1])] == [("e0", 8 * C), ("e1", C)]
+
+
+def test_the_index_forgets_a_chunk_no_tier_holds_any_more() -> None:
+    """A router runs for days: a chunk removed from every tier and group leaves nothing behind
+    (its hash's chain link goes too), so the index is bounded by what the engines hold."""
+    index = _index_after_a()
+    a = _prompt_a()
+    gone = [BlockRemoved(block_hashes=[1000 + j], medium="CPU", group_idx=0) for j in range(8)]
+    gone += [BlockRemoved(block_hashes=[1000 + j], medium="CPU", group_idx=1) for j in (5, 6, 7)]
+    index.apply("e0", _wire(gone))
+    e = index._engines["e0"]
+    assert e.held == {} and e.groups_of == {} and e.link == {} and e.children == {}
+    assert index.longest_prefix(a + [1])[0].tokens == 0
