@@ -190,7 +190,7 @@ def test_refused_evictions_are_reported_with_the_next_call() -> None:
     m = _kvtier()
     held = [_key(i) for i in range(1, 5)]
     _store(m, held, "A")
-    m._evicted_later.append(_key(99))  # as a failed promotion's lost source is noted
+    m.held.later.append(_key(99))  # as a failed promotion's lost source is noted
     assert _store(m, [_key(i) for i in range(10, 15)], "B") is None
     out = _store(m, [], "C")
     assert out is not None and out.evicted_keys == [_key(99)]

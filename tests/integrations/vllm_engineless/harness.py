@@ -588,7 +588,7 @@ def _pins(h: Harness) -> int:
     manager = h.sched.connector.scheduler.manager
     stats = manager.index.stats()
     index_pins = sum(g["pinned"] for tier in stats["tiers"].values() for g in tier["groups"].values())
-    return index_pins + sum(len(v) for v in manager._pins.values())
+    return index_pins + manager.loads.pins()
 
 
 def run_lifecycle(sc: dict) -> dict:
@@ -1042,7 +1042,7 @@ def run_lookups(sc: dict) -> dict:
         info = manager.config_info() if hasattr(manager, "config_info") else None
     spec_cls = type(h.wconn.connector_worker.spec)
     keys = spec_cls.config_info_keys({}) if hasattr(spec_cls, "config_info_keys") else None
-    return {"lookups": n, "okey": len(manager._okey), "split": len(manager._split),
+    return {"lookups": n, "okey": len(manager.held.key_of), "split": len(manager._split),
             "config_info": info, "config_info_keys": list(keys) if keys is not None else None}
 
 

@@ -59,7 +59,7 @@ class VllmTierConfig:
     io_queue_bytes: int = IO_QUEUE_BYTES
     host_region: str = "auto"  # "auto", "off", or a directory (kvtier.host_region)
     # vLLM 0.33's sync_load_budget_bytes is set: every hit is served from the cpu tier only
-    # (manager.py, "Host-only loads"), so no load, synchronous or not, reads disk or Redis
+    # (host_only.py), so no load, synchronous or not, reads disk or Redis
     host_only_loads: bool = False
 
     @property

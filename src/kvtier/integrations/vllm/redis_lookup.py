@@ -5,31 +5,30 @@ never makes that round trip itself: it queues the key and answers RETRY; a backg
 asks Redis for every queued key in one pipeline and records the answers, which the next lookup of
 the key (vLLM retries the next step) consumes. An answer that takes longer than
 REDIS_LOOKUP_TIMEOUT_S is a counted miss, so a hung Redis never holds a request back; an answer
-is kept for REDIS_ANSWER_TTL_S, so every request waiting on it uses it, then asked again.
+is kept for REDIS_ANSWER_TTL_S, so every request waiting on it uses it, then asked again. A
+chunk Redis holds is adopted into the manager's index (`adopt`), tracked like its own entries.
+
+The client comes from the one tier factory (store/tiers/factory.py, through tiers.py), with the
+settings of every other Redis client of the engine: the URL (TLS with `rediss://`), the password
+(`kvtier.redis_password_file` or the environment) and the namespace. Without the tenant secret:
+EXISTS reads no payload, so there is nothing to check a MAC of.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
+from kvtier.index.index import Index
 from kvtier.store.lane import Lane
 
 from .common import SPLIT_MEMO_KEYS, SpecContext
 from .counters import Metrics
+from .tiers import redis_tier
 
 REDIS_LOOKUP_TIMEOUT_S = 2.0  # a Redis answer later than this is a counted miss
 REDIS_ANSWER_TTL_S = 1.0  # an answer not used within this is asked again
-
-
-def _open(ctx: SpecContext):  # noqa: ANN202 - a RedisTier
-    from kvtier.store.tiers.redis import RedisTier  # no torch; the client connects lazily
-
-    from .config import redis_password
-
-    # shared with other engines: a key this index lacks may still be in Redis
-    return RedisTier.from_url(str(ctx.config.redis_url), namespace_id=ctx.namespace.id,
-                              password=redis_password(ctx.config))
 
 
 class RedisLookup:
@@ -39,7 +38,7 @@ class RedisLookup:
     def __init__(self, ctx: SpecContext, metrics: Metrics) -> None:
         self.ctx = ctx
         self.metrics = metrics
-        self.redis = _open(ctx)
+        self.redis = redis_tier(ctx, ctx.namespace.id)  # the client connects lazily
         self.lock = threading.Lock()
         self._want: list[tuple[bytes, int]] = []
         self._asked: dict[tuple[bytes, int], float] = {}
@@ -72,6 +71,21 @@ class RedisLookup:
                 self._check_queued = self.lane.submit(self._check)
             self.metrics.add("redis_lookups_queued")
             return None
+
+    def adopt(self, index: Index, split: tuple[bytes, int], gone: Callable[[bytes, int], None]) -> bool | None:
+        """Whether chunk `split` is in Redis and now tracked by `index` like its own entries, or
+        None while Redis is being asked (`answer`). `gone(h, g)`: an entry the adoption evicted.
+        False also while every tracked Redis entry of its group is pinned (tried next time)."""
+        answer = self.answer(split)
+        if not answer:
+            return answer
+        r = index.put(*split, "redis")
+        for e in r.evicted:
+            gone(e.chunk_hash, e.group)
+        if r.slot is None and r.status != "present":
+            return False
+        self.metrics.add("adopted_from_redis", group=split[1])
+        return True
 
     def _check(self) -> None:
         """On the lane: one pipelined EXISTS for every key queued since the last check. With
@@ -109,7 +123,7 @@ class RedisLookup:
         with self.lock:
             self.ctx = ctx
             self.redis.close()
-            self.redis = _open(ctx)
+            self.redis = redis_tier(ctx, ctx.namespace.id)
             self._want.clear()
             self._asked.clear()
             self._answers.clear()

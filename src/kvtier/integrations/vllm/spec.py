@@ -140,7 +140,7 @@ class KvtierOffloadingSpec(OffloadingSpec):
     @classmethod
     def config_info_keys(cls, extra_config: object) -> tuple[str, ...]:
         """vLLM 0.33: the labels of kvtier's config info series (filled by the manager)."""
-        from .manager import CONFIG_INFO_KEYS
+        from .stats import CONFIG_INFO_KEYS
 
         return CONFIG_INFO_KEYS
 

@@ -40,10 +40,29 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadPromMetrics,
 )
 
+from kvtier.index.index import Index
+
+from .common import SpecContext
 from .config import TIERS
 
 PREFIX = "vllm:kvtier_"
 TIER_AND_GROUP = ("tier", "group")
+CONFIG_INFO_KEYS = ("kvtier_namespace", "kvtier_chunk_tokens", "kvtier_tiers", "kvtier_group_slots",
+                    "kvtier_chunk_bytes")
+
+
+def config_info(ctx: SpecContext, index: Index) -> list[dict[str, str | int]]:
+    """vLLM 0.33's kv_offload config info series (the manager's `config_info`): the plan and each
+    slot tier's slots per group, labelled by CONFIG_INFO_KEYS."""
+    slots = ";".join(
+        f"{tier}:" + ",".join(f"g{gp.index}={index.slots(gp.index, tier) if gp.cacheable else 0}"
+                              for gp in ctx.plan.groups)
+        for tier in ctx.config.tiers if tier != "redis")
+    return [{"kvtier_namespace": ctx.namespace.id,
+             "kvtier_chunk_tokens": ctx.plan.chunk_tokens,
+             "kvtier_tiers": ",".join(ctx.config.tiers),
+             "kvtier_group_slots": slots,
+             "kvtier_chunk_bytes": ",".join(str(gp.chunk_bytes) for gp in ctx.plan.groups)}]
 
 
 @dataclass(frozen=True, slots=True)

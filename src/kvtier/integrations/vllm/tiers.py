@@ -5,7 +5,8 @@ The worker owns every tier: its cpu tier's slabs live in a host region (a file t
 process maps too, host_region.py) when there is something to promote, else in private memory;
 page-locked on a GPU as vLLM's own CPU tier locks its region (its `host_register`, which clears
 CUDA's error state when registration fails), not through PyTorch's power-of-two allocator. The
-scheduler's lookup promoter opens readers beside them: the disk directory read-only, and Redis.
+scheduler's lookup promoter opens readers beside them: the disk directory read-only, and Redis;
+its Redis presence cache (redis_lookup.py) a Redis client of its own (`redis_tier`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def worker_tiers(ctx: SpecContext, pin: bool) -> dict[str, Tier]:
     tiers: dict[str, Tier] = {}
     for name in ctx.config.tiers:
         if name == "redis":  # key-addressed: no slots to lay out
-            tiers[name] = make_tier("redis", None, _redis_options(ctx, ctx.namespace.id, keyed))
+            tiers[name] = redis_tier(ctx, ctx.namespace.id, keyed)
         elif name == "cpu":
             layout = ctx.tier_layout(name)
             register = None
@@ -63,18 +64,21 @@ def reader_tiers(ctx: SpecContext, namespace_id: str) -> dict[str, Tier]:
         except Exception as exc:  # noqa: BLE001 - no reader: disk chunks are promoted at load
             log.warning("kvtier: cannot read the disk tier from the scheduler (%s)", exc)
     if "redis" in ctx.config.tiers:
-        out["redis"] = make_tier("redis", None, _redis_options(ctx, namespace_id, keyed))
+        out["redis"] = redis_tier(ctx, namespace_id, keyed)
     return out
 
 
-def _redis_options(ctx: SpecContext, namespace_id: str, keyed) -> TierOptions:  # noqa: ANN001
-    return TierOptions(namespace_id=namespace_id, keyed=keyed, redis_url=str(ctx.config.redis_url),
-                       redis_password=redis_password(ctx.config))
+def redis_tier(ctx: SpecContext, namespace_id: str, keyed=None) -> Tier:  # noqa: ANN001 - Keyed | None
+    """The Redis tier under one rank's namespace: `kvtier.redis_url`, the password (`redis_password`),
+    the tenant secret `keyed` for tiers that read or write payloads (redis_lookup.py only asks EXISTS)."""
+    return make_tier("redis", None, TierOptions(namespace_id=namespace_id, keyed=keyed,
+                                                redis_url=str(ctx.config.redis_url),
+                                                redis_password=redis_password(ctx.config)))
 
 
 def host_region(layout: TierLayout, ctx: SpecContext):  # noqa: ANN201 - a HostRegion or None
     """The cpu tier's slabs in a file the scheduler's process maps (promotion at lookup,
-    manager.py), or None (no region for this engine, or it cannot be made: then the slabs are
+    promotion.py), or None (no region for this engine, or it cannot be made: then the slabs are
     private memory and promotion happens at load; the warning says how to fix it)."""
     name = ctx.new_region_name()
     base = ctx.config.host_region_dir
