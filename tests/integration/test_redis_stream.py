@@ -1,8 +1,9 @@
-"""The redis tier's save stream (`redis_wire`) and its write budget, against a real redis-server:
-values go to the socket without a copy in the client, each sealed (checksum, MAC) on the helper
-thread while the one before it is sent; a stream that fails halfway never leaves a half-written
-command on a pooled connection; the budget's counters are read once per bucket, not before every
-batch."""
+"""The redis tier's save and load streams (`redis_wire`, `redis_reader`) and its write budget,
+against a real redis-server: values go to the socket without a copy in the client, sealed
+(checksum, MAC) inline or, for a slow MAC, on the helper thread while the one before it is sent;
+loads land each payload in the caller's buffer straight off the socket; a stream that fails
+halfway never leaves a half-written command or a half-read reply on a pooled connection; the
+budget's counters are read once per bucket, not before every batch."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import redis
 import torch
 
 from kvtier.store.integrity import Keyed
-from kvtier.store.payload import HEADER_BYTES, decode_header
+from kvtier.store.payload import HEADER_BYTES, MAC_BLAKE3, MAC_GMAC, decode_header
 from kvtier.store.tiers import redis_wire
 from kvtier.store.tiers.redis import RedisOptions, RedisTier
 
@@ -35,13 +36,17 @@ def server():  # noqa: ANN201
         yield srv
 
 
-@pytest.mark.parametrize("secret", [None, SECRET])
-def test_a_save_streams_its_values_without_copying_them(server, monkeypatch, secret) -> None:
+@pytest.mark.parametrize("kind", [None, MAC_GMAC, MAC_BLAKE3])
+def test_a_save_streams_its_values_without_copying_them(server, monkeypatch, kind) -> None:
     """8 values of 512 KiB: nothing is laid out in the arena (before: every payload was copied
-    into it, then the batch was sent); with a secret, while value 0 is on the wire (held here until
-    then), the helper thread seals values 1-7 (their MACs); without one every value is sealed
-    inline (one xxh3 pass: not worth a hand-over); each stored value is header + the caller's
-    bytes, bit for bit."""
+    into it, then the batch was sent); with a slow MAC (keyed BLAKE3), while value 0 is on the
+    wire (held here until then), the helper thread seals values 1-7; without a secret or with
+    AES-GMAC every value is sealed inline (one short pass: not worth a hand-over); each stored
+    value is header + the caller's bytes, bit for bit."""
+    if kind == MAC_BLAKE3:
+        pytest.importorskip("blake3")
+    secret = SECRET if kind else None
+    on_helper_expected = kind == MAC_BLAKE3
     sealed_on: list[str] = []
     all_sealed = threading.Event()
     real_seal, real_conn = redis_wire.seal_value, redis_wire.get_connection
@@ -66,15 +71,16 @@ def test_a_save_streams_its_values_without_copying_them(server, monkeypatch, sec
         return conn
 
     monkeypatch.setattr(redis_wire, "seal_value", spy)
-    if secret:
+    if on_helper_expected:
         monkeypatch.setattr(redis_wire, "get_connection", held_connection)
     n = 512 << 10
-    tier = RedisTier(RedisOptions(url=server.url), namespace_id=NS, keyed=Keyed(secret) if secret else None)
+    tier = RedisTier(RedisOptions(url=server.url), namespace_id=NS,
+                     keyed=Keyed(secret, kind=kind) if secret else None)
     tier._spare_core = lambda: True  # a core is free (the load average may say otherwise here)
     assert write(tier, range(8), n) == [True] * 8
     assert len(tier._arena._buf) == 0  # no copy of any payload was made
     on_helper = sum(name.startswith("kvtier-redis") for name in sealed_on)
-    assert len(sealed_on) == 8 and (on_helper >= 7 if secret else on_helper == 0)
+    assert len(sealed_on) == 8 and (on_helper >= 7 if on_helper_expected else on_helper == 0)
     # on a busy host (no core free) every value is sealed by the sender, inline
     sealed_on.clear()
     all_sealed.set()
@@ -86,7 +92,7 @@ def test_a_save_streams_its_values_without_copying_them(server, monkeypatch, sec
         raw = r.get(tier.key(hdr(i, n)))
         h = decode_header(raw[:HEADER_BYTES])
         assert raw[HEADER_BYTES:] == data(i, n).numpy().tobytes() and h.payload_bytes == n
-        assert bool(h.mac) == (secret is not None)
+        assert bool(h.mac) == (secret is not None) and h.mac_kind == (kind or 0)
     ok, outs = read(tier, range(8), n)
     assert ok == [True] * 8 and all(torch.equal(o, data(i, n)) for i, o in zip(range(8), outs))
     assert tier.metrics()["writes"] == 16 and tier.metrics()["bytes_written"] == 16 * n
@@ -100,7 +106,8 @@ def test_a_busy_helper_never_stalls_the_stream(server) -> None:
     with another task): the sender seals each value it is about to send itself instead of waiting
     for it, and returns without waiting for the helper either (its queued task is cancelled)."""
     gate = threading.Event()
-    tier = RedisTier(RedisOptions(url=server.url), namespace_id=NS, keyed=Keyed(SECRET))
+    pytest.importorskip("blake3")
+    tier = RedisTier(RedisOptions(url=server.url), namespace_id=NS, keyed=Keyed(SECRET, kind=MAC_BLAKE3))
     tier._spare_core = lambda: True
     busy = tier._helper().submit(gate.wait, 30)
     t0 = time.monotonic()
@@ -184,85 +191,71 @@ def test_the_budget_counters_are_read_once_per_bucket_not_before_every_batch(ser
     b.close()
 
 
-def test_a_load_checks_each_value_on_the_helper_while_the_next_reply_is_read(server, monkeypatch) -> None:
-    """The reply parser bounds a load on the client: with a secret and a core free, value k is
-    checked (its MAC, fused with the copy into its buffer) on the helper thread while reply k+1 is
-    read; here each read of reply k+1 waits until value k was checked, which only the helper can do
-    meanwhile. On a busy host, or without a secret (one xxh3 pass), every value is checked inline.
-    Before: all replies first, then every check in turn."""
+@pytest.mark.parametrize("secret", [None, SECRET])
+def test_a_load_lands_each_payload_straight_off_the_socket(server, monkeypatch, secret) -> None:
+    """Before: redis-py's parser read each reply into its buffer and sliced a `bytes` out of it,
+    which kvtier copied into the caller's buffer (the parser was 80% of a load). Now the replies
+    are read off the socket by `redis_reader` and the payload lands in the caller's buffer: the
+    parser and the bytes path (`restore`) are never used, with or without a secret, with TTL
+    renewal (GETEX) or without; the values are right bit for bit and the pooled connection is
+    clean for the next caller."""
     import kvtier.store.tiers.redis as redis_tier
 
-    checked_on: list[str] = []
-    real_restore, real_conn = redis_tier.restore, redis_wire.get_connection
+    def never(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("a load went through redis-py's parser / the bytes path")
 
-    def spy(*a):  # noqa: ANN002, ANN202
-        out = real_restore(*a)
-        checked_on.append(threading.current_thread().name)
-        return out
+    real_conn = redis_wire.get_connection
 
-    def held_connection(pool):  # noqa: ANN001, ANN202
+    def no_parser(pool):  # noqa: ANN001, ANN202
         conn = real_conn(pool)
-        read_response = conn.read_response
-        calls = [0]
+        send = conn.send_packed_command
 
-        def wait_for_previous_check(*a, **k):  # noqa: ANN002, ANN003, ANN202
-            if calls[0]:
-                deadline = time.monotonic() + 10
-                while len(checked_on) < calls[0] and time.monotonic() < deadline:
-                    time.sleep(0.001)
-            calls[0] += 1
-            if calls[0] == 6:  # the pooled connection is itself again for the next caller
-                del conn.read_response
-            return read_response(*a, **k)
+        def send_then_no_parser(*a, **k):  # noqa: ANN002, ANN003, ANN202
+            send(*a, **k)  # its health check may use the parser: the replies may not
+            conn.read_response = never
 
-        conn.read_response = wait_for_previous_check
+        conn.send_packed_command = send_then_no_parser
         return conn
 
     n = 256 << 10
-    tier = RedisTier(RedisOptions(url=server.url), namespace_id=NS, keyed=Keyed(SECRET))
-    assert write(tier, range(40, 46), n) == [True] * 6
-    monkeypatch.setattr(redis_tier, "restore", spy)
-    monkeypatch.setattr(redis_wire, "get_connection", held_connection)
-    tier._spare_core = lambda: True
-    ok, outs = read(tier, range(40, 46), n)
-    assert ok == [True] * 6 and all(torch.equal(o, data(i, n)) for i, o in zip(range(40, 46), outs))
-    assert len(checked_on) == 6 and sum(t.startswith("kvtier-redis") for t in checked_on) >= 5
-    monkeypatch.setattr(redis_wire, "get_connection", real_conn)
-    main = [threading.current_thread().name] * 6
-    checked_on.clear()
-    tier._spare_core = lambda: False  # a busy host: inline
-    ok, _ = read(tier, range(40, 46), n)
-    assert ok == [True] * 6 and checked_on == main
-    tier.close()
-    plain = RedisTier(RedisOptions(url=server.url), namespace_id=NS)
-    plain._spare_core = lambda: True
-    assert write(plain, range(60, 66), n) == [True] * 6
-    checked_on.clear()
-    ok, _ = read(plain, range(60, 66), n)
-    assert ok == [True] * 6 and checked_on == main  # no secret: one xxh3 pass, inline
-    plain.close()
+    for ttl in (None, 60.0):
+        tier = RedisTier(RedisOptions(url=server.url, max_connections=1, ttl_s=ttl), namespace_id=NS,
+                         keyed=Keyed(secret) if secret else None)
+        assert write(tier, range(40, 46), n) == [True] * 6
+        monkeypatch.setattr(redis_tier, "restore", never)
+        monkeypatch.setattr(redis_wire, "get_connection", no_parser)
+        ok, outs = read(tier, range(40, 46), n)
+        assert ok == [True] * 6 and all(torch.equal(o, data(i, n)) for i, o in zip(range(40, 46), outs))
+        monkeypatch.undo()
+        for conn in tier._get_client().connection_pool._available_connections:
+            conn.__dict__.pop("read_response", None)
+            conn.__dict__.pop("send_packed_command", None)
+        assert tier.metrics()["bytes_read"] == 6 * n and tier.metrics()["up"]
+        assert tier._get_client().ping()  # the one pooled connection is in step
+        tier.close()
 
 
-def test_a_load_whose_check_fails_is_a_counted_miss_and_the_connection_is_clean(server, monkeypatch) -> None:
-    """A check that raises (a bug, not a bad value) on the helper: the batch is a counted error,
-    every chunk a miss, no exception into the engine; the next load on the same one-connection
-    pool reads every value right."""
+def test_a_load_whose_check_raises_is_a_counted_miss_and_the_connection_is_clean(server, monkeypatch) -> None:
+    """A check that raises (a bug, not a bad value) halfway through a reply: the batch is a
+    counted error, every chunk a miss, no exception into the engine; the half-read connection is
+    dropped, never pooled, so the next load on the same one-connection pool reads every value
+    right."""
     import kvtier.store.tiers.redis as redis_tier
 
-    real_restore = redis_tier.restore
+    real = redis_tier.read_value
     tier = RedisTier(RedisOptions(url=server.url, max_connections=1), namespace_id=NS, keyed=Keyed(SECRET))
-    tier._spare_core = lambda: True
     assert write(tier, range(50, 56), 64 << 10) == [True] * 6
 
-    def failing(header, raw, keyed, dst):  # noqa: ANN001, ANN202
+    def failing(r, length, header, dst, keyed):  # noqa: ANN001, ANN202
         if header.token_start == 64 * 52:
+            r.into(dst[:100])  # part of the value read, the rest left on the socket
             raise RuntimeError("check failed")
-        return real_restore(header, raw, keyed, dst)
+        return real(r, length, header, dst, keyed)
 
-    monkeypatch.setattr(redis_tier, "restore", failing)
+    monkeypatch.setattr(redis_tier, "read_value", failing)
     ok, _ = read(tier, range(50, 56), 64 << 10)
     assert ok == [False] * 6 and tier.metrics()["errors"] == 1 and tier.metrics()["up"]
-    monkeypatch.setattr(redis_tier, "restore", real_restore)
+    monkeypatch.setattr(redis_tier, "read_value", real)
     ok, outs = read(tier, range(50, 56), 64 << 10)
     assert ok == [True] * 6 and torch.equal(outs[2], data(52, 64 << 10))
     tier.close()

@@ -16,10 +16,16 @@ Layout (`HEADER_BYTES` = 128, every integer little-endian):
      68    8 payload byte length
      76    8 checksum of the payload bytes
      84    8 created (unix time in ns; for `kvtier inspect` ages and rebuild order)
-     92   16 MAC: keyed BLAKE2b-128 of bytes 0..123 (MAC and flag zeroed) and the payload
-    108    1 MAC kind (0: written without a secret; 1: keyed BLAKE2b-128; 2: keyed BLAKE3-128)
-    109   15 reserved (zero)
+     92   16 MAC of bytes 0..123 (MAC and MAC kind zeroed) and the payload (`integrity`)
+    108    1 MAC kind (0: written without a secret; 1: keyed BLAKE2b-128; 2: keyed BLAKE3-128;
+             3: AES-256-GMAC under a key derived per value from the salt; format 2 only)
+    109   12 MAC salt (format 2, MAC kind 3: random per value; zero otherwise)
+    121    3 reserved (zero)
     124    4 crc32 of bytes 0..123 (the header's own checksum)
+
+Format versions: 1 (MAC kinds 0-2; bytes 109..123 zero) and 2 (format 1 plus the MAC salt and
+MAC kind 3). A writer writes 2 only for a payload MACed with kind 3, so unkeyed values stay
+readable by a kvtier that reads format 1 alone; this kvtier reads both.
 
 Never pickle: a payload is bytes described by this header and nothing else. Decoding never
 raises on bad input; a bad header is a `Rejected(reason)` value the caller counts as a corrupt
@@ -71,11 +77,13 @@ except ImportError:  # pragma: no cover - exercised where it was not compiled
 FUSED_MIN_BYTES = 241  # _xxcopy's long-input path; shorter payloads go to python-xxhash
 
 MAGIC = b"KVTC"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # what an unsalted header is written as (see the module docstring)
+FORMAT_SALTED = 2  # a header carrying a MAC salt (MAC kind 3)
+FORMATS_READ = (FORMAT_VERSION, FORMAT_SALTED)
 HEADER_BYTES = 128
 HASH_BYTES = 32
 
-_FMT = "<4sHH8s32sHBBQQQQQ16sB15s"
+_FMT = "<4sHH8s32sHBBQQQQQ16sB12s3s"
 _BODY = struct.Struct(_FMT)
 _CRC = struct.Struct("<I")
 assert _BODY.size == HEADER_BYTES - _CRC.size
@@ -115,7 +123,8 @@ class ChunkHeader:
     created_ns: int = 0
     format_version: int = FORMAT_VERSION
     mac: bytes = b""  # 16 bytes when written with a secret (`Keyed.sign`)
-    mac_kind: int = 0  # MAC_BLAKE2B or MAC_BLAKE3 with a MAC, 0 without
+    mac_kind: int = 0  # MAC_BLAKE2B, MAC_BLAKE3 or MAC_GMAC with a MAC, 0 without
+    mac_salt: bytes = b""  # MAC_SALT_BYTES random bytes with MAC_GMAC (format 2), else empty
 
     @property
     def key(self) -> tuple[bytes, int]:
@@ -263,14 +272,14 @@ def sealed_with(header: ChunkHeader, value: int, kind: int = DEFAULT_CHECKSUM) -
     creation time filled in."""
     h = header  # a direct constructor call: dataclasses.replace costs ~10 us on the hot path
     return ChunkHeader(h.namespace_id, h.chunk_hash, h.group, h.token_start, h.token_end,
-                       h.payload_bytes, h.dtype, value, kind, time.time_ns(), h.format_version)
+                       h.payload_bytes, h.dtype, value, kind, time.time_ns())
     # (no MAC: a new checksum invalidates any; `Keyed.sign` adds one after sealing)
 
 
 def encode_header(header: ChunkHeader) -> bytes:
     body = _BODY.pack(
         MAGIC,
-        header.format_version,
+        FORMAT_SALTED if header.mac_salt else FORMAT_VERSION,
         HEADER_BYTES,
         bytes.fromhex(header.namespace_id),
         header.chunk_hash.ljust(HASH_BYTES, b"\0"),
@@ -284,7 +293,8 @@ def encode_header(header: ChunkHeader) -> bytes:
         header.created_ns,
         header.mac.ljust(MAC_BYTES, b"\0") if header.mac else bytes(MAC_BYTES),
         header.mac_kind if header.mac else 0,
-        bytes(15),
+        header.mac_salt.ljust(MAC_SALT_BYTES, b"\0") if header.mac_salt else bytes(MAC_SALT_BYTES),
+        bytes(3),
     )
     return body + _CRC.pack(zlib.crc32(body))
 
@@ -299,14 +309,14 @@ def decode_header(buf: bytes | bytearray | memoryview) -> ChunkHeader | Rejected
             return Rejected("empty slot (no header)")
         return Rejected(f"bad magic {bytes(view[0:4])!r}")
     version = int.from_bytes(view[4:6], "little")
-    if version != FORMAT_VERSION:
-        newer = "newer" if version > FORMAT_VERSION else "older"
-        return Rejected(f"{newer} format version {version} (this kvtier reads {FORMAT_VERSION})")
+    if version not in FORMATS_READ:
+        newer = "newer" if version > FORMAT_SALTED else "older"
+        return Rejected(f"{newer} format version {version} (this kvtier reads {FORMAT_VERSION} and {FORMAT_SALTED})")
     body = view[: _BODY.size]
     (stored_crc,) = _CRC.unpack_from(view, _BODY.size)
     if zlib.crc32(body) != stored_crc:
         return Rejected("header checksum mismatch")
-    (_, _, hbytes, ns, chash, group, dcode, ckind, t0, t1, nbytes, csum, created, mac, flag, _) = (
+    (_, _, hbytes, ns, chash, group, dcode, ckind, t0, t1, nbytes, csum, created, mac, flag, salt, _) = (
         _BODY.unpack(body)
     )
     if hbytes != HEADER_BYTES:
@@ -315,8 +325,10 @@ def decode_header(buf: bytes | bytearray | memoryview) -> ChunkHeader | Rejected
         return Rejected(f"unknown dtype code {dcode}")
     if ckind not in CHECKSUM_NAMES:
         return Rejected(f"unknown checksum kind {ckind}")
-    if flag not in (0, MAC_BLAKE2B, MAC_BLAKE3):
+    if flag not in (0, MAC_BLAKE2B, MAC_BLAKE3, MAC_GMAC):
         return Rejected(f"unknown MAC kind {flag}")
+    if (flag == MAC_GMAC) != (version == FORMAT_SALTED):  # a salt only where a kind-3 MAC needs one
+        return Rejected(f"MAC kind {flag} in a format {version} header")
     return ChunkHeader(
         namespace_id=ns.hex(),
         chunk_hash=chash,
@@ -331,6 +343,7 @@ def decode_header(buf: bytes | bytearray | memoryview) -> ChunkHeader | Rejected
         format_version=version,
         mac=mac if flag else b"",
         mac_kind=flag,
+        mac_salt=salt if flag == MAC_GMAC else b"",
     )
 
 
@@ -392,4 +405,6 @@ def unverifiable(header: ChunkHeader) -> str | None:
 MAC_BYTES = 16
 MAC_BLAKE2B = 1
 MAC_BLAKE3 = 2
+MAC_GMAC = 3  # AES-256-GMAC, one key per value derived from the secret and the header's salt
+MAC_SALT_BYTES = 12
 HEADER_BODY_BYTES = _BODY.size  # the header bytes before its own CRC (what a MAC covers)

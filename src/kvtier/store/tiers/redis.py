@@ -53,6 +53,8 @@ from kvtier.store.integrity import Keyed, mac_only
 from kvtier.store.payload import HASH_BYTES, HEADER_BYTES, ChunkHeader, decode_header, span_not_held
 from kvtier.store.tiers.base import LogOnce, Tier
 from kvtier.store.tiers.redis_codec import Arena, restore, u8_view, unknown_command
+from kvtier.store.payload import MAC_GMAC
+from kvtier.store.tiers.redis_reader import ReplyReader, Streamed, read_value
 from kvtier.store.tiers.redis_wire import SpareCore, get_stream, set_stream
 from kvtier.store.tiers.redis_conn import (
     Breaker,
@@ -230,12 +232,12 @@ class RedisTier(Tier):
             return self._pool
 
     def _overlap(self) -> Callable[[], ThreadPoolExecutor] | None:
-        """The helper for a save's sealing or a load's checks, or None (this thread does them).
-        Only with a secret, whose BLAKE3 pass (~75 us a 256 KiB value, GIL released) is worth a
-        hand-over; without one a value's xxh3 takes ~9 us and its Python around it (header,
-        GIL held) as long, so a helper only contended with the reply parser for the GIL (measured:
-        load ratio 0.86 with it against 0.91 without). And only while a core looks free."""
-        return self._helper if self.keyed is not None and self._spare_core() else None
+        """The helper that seals a save stream's values ahead of the sender, or None (the sender
+        seals them). Only with a secret whose MAC is slow: a keyed BLAKE3 pass (~75 us a 256 KiB
+        value, GIL released) is worth a hand-over; xxh3 (~9 us) or AES-GMAC (~10 us) is not, the
+        Python around it (header, GIL held) costs as long. And only while a core looks free."""
+        slow = self.keyed is not None and self.keyed.kind != MAC_GMAC
+        return self._helper if slow and self._spare_core() else None
 
     def close(self) -> None:
         """Drop the client (a later call builds a new one) and join the helper thread."""
@@ -468,6 +470,12 @@ class RedisTier(Tier):
             # verified and copied in one pass; on any reason `dst` is unspecified: a miss
             reasons[j] = restore(items[start + j][2], raw, self.keyed, dsts[j])
 
+        def direct(j: int, reader: ReplyReader, length: int) -> Streamed:
+            # straight off the socket into dsts[j], checked as it lands (redis_reader)
+            got = read_value(reader, length, items[start + j][2], dsts[j], self.keyed)
+            reasons[j] = got.why
+            return got
+
         def commands() -> list[tuple[str | int, ...]]:
             if ttl is None:
                 return [("GET", k) for k in names]
@@ -482,8 +490,7 @@ class RedisTier(Tier):
                     if isinstance(raw, bytes):
                         verify(j, raw)
                 return got
-            return self._call(lambda client: get_stream(client, commands(), n, verify, self._overlap()),
-                              "skipped_reads", n)
+            return self._call(lambda client: get_stream(client, commands(), n, direct, verify), "skipped_reads", n)
 
         res = call()
         if res is not None and self._getex and ttl is not None and unknown_command(res):
@@ -503,7 +510,7 @@ class RedisTier(Tier):
                 counts["vanished"] += 1  # never stored, expired, or evicted since lookup
                 counts["misses"] += 1
                 continue
-            if not isinstance(raw, bytes):  # an error reply for this key
+            if not isinstance(raw, (bytes, Streamed)):  # an error reply for this key
                 counts["errors"] += 1
                 counts["misses"] += 1
                 self.last_error = describe_error(raw)

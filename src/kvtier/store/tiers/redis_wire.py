@@ -23,9 +23,10 @@ work to the helper only with a secret (a BLAKE3 pass of ~75 us a 256 KiB value; 
 seal is one ~9 us xxh3 pass, and the Python around it, GIL held, costs as much as a hand-over
 saves) and only while a core looks free (`SpareCore`, the disk tier's `auto` rule): measured on
 the 2-core build machine at load average 4-7, sealing on the helper was no faster than inline and
-at times slower (its CPU comes from the same busy cores). Loads (`get_stream`) follow the same
-rules: with a secret and a free core, value k's MAC is checked on the helper while reply k+1 is
-parsed.
+at times slower (its CPU comes from the same busy cores). With the AES-GMAC of a current
+writer (~10 us a 256 KiB value) a hand-over no longer pays either: the helper seals only for the
+older, slower MAC kinds. Loads (`get_stream`) read the replies off the socket straight into the
+caller's buffers, checked as they land (`redis_reader`): no helper.
 
 Rejected: waves of smaller redis-py pipelines, sealed one wave ahead: every wave waits for its
 replies before the next is sent, and 4 waves of a 16 MiB batch cost 9% of the send (measured);
@@ -36,14 +37,14 @@ payload again in APPEND, and the server's core is the one that bounds a save).
 from __future__ import annotations
 
 import os
-import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor, Future
+from concurrent.futures import Executor
 
 from kvtier.store.integrity import Keyed
 from kvtier.store.payload import CHECKSUM_NONE, ChunkHeader, encode_header, seal
+from kvtier.store.tiers.redis_reader import ReplyReader, Streamed, read_reply, socket_of
 
 CRLF = b"\r\n"
 # a batch of fewer values (or fewer bytes) is sealed on the caller's thread: waking the helper
@@ -200,86 +201,42 @@ def set_stream(client: object, keys: Sequence[str], headers: Sequence[ChunkHeade
     return [True if r in (b"OK", "OK", True) else r for r in replies]
 
 
-class _Verifier:
-    """Checks the values of a load stream as their replies arrive: `put` queues one for the
-    helper thread (`run`) while the sender reads the next reply; `finish` takes back whatever the
-    helper has not started (a busy host may not have scheduled it) and waits for the one it is on,
-    so no check runs after the stream returns."""
-
-    def __init__(self, check: Callable[[int, bytes], None]) -> None:
-        self._check = check
-        self._q: queue.SimpleQueue[tuple[int, bytes] | None] = queue.SimpleQueue()
-        self.error: BaseException | None = None
-
-    def put(self, k: int, raw: bytes) -> None:
-        self._q.put((k, raw))
-
-    def _do(self, item: tuple[int, bytes]) -> None:
-        try:
-            self._check(*item)
-        except BaseException as exc:  # raised by `finish`, on the reader's thread
-            self.error = self.error or exc
-
-    def run(self) -> None:
-        while (item := self._q.get()) is not None:
-            self._do(item)
-
-    def finish(self, fut: Future[None]) -> None:
-        while True:
-            try:
-                item = self._q.get_nowait()
-            except queue.Empty:
-                break
-            if item is not None:
-                self._do(item)
-        self._q.put(None)
-        if not fut.cancel():  # not started yet: it never will
-            fut.result()
-        if self.error is not None:
-            raise self.error
-
-
 def get_stream(client: object, commands: Sequence[tuple[bytes | str | int, ...]], n: int,
-               check: Callable[[int, bytes], None], helper: Callable[[], Executor] | None,
-               ) -> list[object]:
+               direct: Callable[[int, ReplyReader, int], Streamed],
+               check: Callable[[int, bytes], None]) -> list[object]:
     """Send `commands` (the GET or GETEX of n keys, maybe followed by PEXPIREs) on one connection
-    of `client`'s pool and read the replies one by one; each of the first n that is a value goes to
-    `check(k, raw)` as it arrives: queued for the helper thread while the next reply is read (the
-    reply parser is the client's bottleneck, the check's hashing releases the GIL), or run here
-    without a helper. Returns every reply, an error reply as its ResponseError; raises what the
-    connection raises, after dropping it."""
+    of `client`'s pool and read every reply in order. Off the connection's socket
+    (`redis_reader`): value k goes to `direct(k, reader, length)`, which lands and checks it in
+    the caller's buffer and returns its `Streamed` verdict. Where redis-py keeps no plain socket,
+    through its parser: value k arrives as bytes and goes to `check(k, raw)`. Returns every
+    reply, an error reply as its ResponseError; raises what the connection raises, after
+    dropping it."""
     from redis.exceptions import ResponseError
 
-    verifier = _Verifier(check)
-    fut = None
-    if helper is not None and n >= OVERLAP_MIN_VALUES:
-        try:
-            fut = helper().submit(verifier.run)
-        except RuntimeError:  # the executor shut down under us (tier closing): check here
-            fut = None
     pool = client.connection_pool  # type: ignore[attr-defined]
     replies: list[object] = []
+    conn = get_connection(pool)
     try:
-        conn = get_connection(pool)
-        try:
-            conn.send_packed_command([b"".join(_command(*c) for c in commands)])  # type: ignore[attr-defined]
+        conn.send_packed_command([b"".join(_command(*c) for c in commands)])  # type: ignore[attr-defined]
+        sock = socket_of(conn)
+        if sock is not None:
+            reader = ReplyReader(sock)
             for i in range(len(commands)):
-                try:
-                    r = conn.read_response()  # type: ignore[attr-defined]
-                except ResponseError as exc:  # this key's error (WRONGTYPE, ...): a value
-                    r = exc
-                replies.append(r)
-                if i < n and isinstance(r, bytes):
-                    if fut is None:
-                        check(i, r)
-                    else:
-                        verifier.put(i, r)
-        except BaseException:
-            conn.disconnect()  # type: ignore[attr-defined]  # never hand back a half-read stream
-            raise
-        finally:
-            pool.release(conn)  # type: ignore[attr-defined]
+                value = (lambda r, length, i=i: direct(i, r, length)) if i < n else None
+                replies.append(read_reply(reader, value))
+            reader.done()
+            return replies
+        for i in range(len(commands)):
+            try:
+                r = conn.read_response()  # type: ignore[attr-defined]
+            except ResponseError as exc:  # this key's error (WRONGTYPE, ...): a value
+                r = exc
+            replies.append(r)
+            if i < n and isinstance(r, bytes):
+                check(i, r)
+    except BaseException:
+        conn.disconnect()  # type: ignore[attr-defined]  # never hand back a half-read stream
+        raise
     finally:
-        if fut is not None:
-            verifier.finish(fut)
+        pool.release(conn)  # type: ignore[attr-defined]
     return replies

@@ -1,0 +1,134 @@
+"""The AES-GMAC kind of the keyed MAC (integrity.MAC_GMAC, header format 2): what it covers, that
+every value gets its own key, and that values MACed by the older kinds still restore."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import pytest
+
+from kvtier.store import integrity as I
+from kvtier.store import payload as P
+
+pytest.importorskip("cryptography")
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM  # noqa: E402
+
+NS = "0123456789abcdef"
+SECRET = b"s" * 32
+
+
+def _signed(data: bytes, keyed: I.Keyed | None = None) -> tuple[P.ChunkHeader, I.Keyed]:
+    k = keyed or I.Keyed(SECRET)
+    h = P.seal(P.make_header(NS, b"\x07" * 32, 1, 0, 128, len(data)), data)
+    return k.sign(h, data), k
+
+
+def _through_bytes(h: P.ChunkHeader) -> P.ChunkHeader:
+    got = P.decode_header(P.encode_header(h))
+    assert isinstance(got, P.ChunkHeader), got
+    return got
+
+
+def test_a_keyed_write_is_gmac_in_format_2_and_round_trips() -> None:
+    data = os.urandom(300_000)
+    h, k = _signed(data)
+    assert (h.mac_kind, len(h.mac), len(h.mac_salt)) == (P.MAC_GMAC, 16, 12)
+    raw = P.encode_header(h)
+    assert int.from_bytes(raw[4:6], "little") == P.FORMAT_SALTED
+    back = _through_bytes(h)
+    assert (back.mac, back.mac_salt, back.mac_kind) == (h.mac, h.mac_salt, P.MAC_GMAC)
+    assert k.check(back, data) is None
+    dst = memoryview(bytearray(len(data)))
+    assert k.copy_check(back, data, dst) is None and bytes(dst) == data
+    s = k.stream(back)
+    for a in range(0, len(data), 4096):
+        s.update(data[a:a + 4096])
+    assert s.verdict() is None
+
+
+def test_the_mac_is_the_gcm_tag_over_header_and_payload_under_the_values_own_key() -> None:
+    """Pins the construction against an independent computation (the one-shot AEAD API): a key
+    derived from the secret and the salt, nonce zero, associated data = the 124 header bytes with
+    MAC and kind zeroed (salt kept) followed by the payload."""
+    data = os.urandom(70_000)
+    h, _ = _signed(data)
+    head = bytearray(P.encode_header(h)[:P.HEADER_BODY_BYTES])
+    head[92:109] = bytes(17)  # MAC and MAC kind
+    root = hashlib.blake2b(SECRET, digest_size=64, person=b"kvtier-gmac-v1").digest()
+    key = hashlib.blake2b(h.mac_salt, key=root, digest_size=32, person=b"kvtier-gmac-key").digest()
+    assert AESGCM(key).encrypt(bytes(12), b"", bytes(head) + data)[:16] == h.mac
+
+
+def test_every_value_gets_its_own_salt_so_no_gcm_key_tags_two_values() -> None:
+    data = b"x" * 4096
+    salts = {_signed(data)[0].mac_salt for _ in range(200)}
+    assert len(salts) == 200
+    assert bytes(12) not in salts
+
+
+@pytest.mark.parametrize("where", ["payload", "salt", "header", "mac"])
+def test_any_changed_byte_fails_the_mac(where: str) -> None:
+    data = bytearray(os.urandom(50_000))
+    h, k = _signed(bytes(data))
+    if where == "payload":
+        data[31_337] ^= 1
+    elif where == "salt":
+        h = P.ChunkHeader(**{**_fields(h), "mac_salt": bytes([h.mac_salt[0] ^ 1]) + h.mac_salt[1:]})
+    elif where == "header":
+        h = P.ChunkHeader(**{**_fields(h), "token_end": h.token_end + 128})
+    else:
+        h = P.ChunkHeader(**{**_fields(h), "mac": bytes([h.mac[0] ^ 1]) + h.mac[1:]})
+    h = _through_bytes(h)
+    assert k.check(h, bytes(data)) == I.MAC_MISMATCH
+    assert k.copy_check(h, bytes(data), memoryview(bytearray(len(data)))) == I.MAC_MISMATCH
+
+
+def test_another_tenants_secret_does_not_verify_and_is_a_mac_only_miss() -> None:
+    data = os.urandom(10_000)
+    h, _ = _signed(data)
+    why = I.integrity(I.Keyed(b"t" * 32), h, data)
+    assert why == I.MAC_MISMATCH and I.mac_only(why)
+
+
+@pytest.mark.parametrize("kind", [P.MAC_BLAKE3, P.MAC_BLAKE2B])
+def test_values_macd_by_the_older_kinds_still_restore(kind: int) -> None:
+    pytest.importorskip("blake3")
+    data = os.urandom(100_000)
+    old, _ = _signed(data, I.Keyed(SECRET, kind=kind))
+    raw = P.encode_header(old)
+    assert int.from_bytes(raw[4:6], "little") == P.FORMAT_VERSION and raw[109:124] == bytes(15)
+    reader = I.Keyed(SECRET)  # writes GMAC, reads every kind
+    assert reader.kind == P.MAC_GMAC
+    assert reader.check(_through_bytes(old), data) is None
+    data2 = bytearray(data)
+    data2[0] ^= 1
+    assert reader.check(_through_bytes(old), bytes(data2)) == I.MAC_MISMATCH
+
+
+def test_a_salt_only_comes_with_the_gmac_kind() -> None:
+    """A format-2 header must carry MAC kind 3 and a kind-3 MAC a format-2 header: a header that
+    mixes them is rejected (a corrupt miss), never checked under the wrong rule."""
+    import struct
+    import zlib
+
+    data = os.urandom(1000)
+    h, _ = _signed(data)
+    raw = bytearray(P.encode_header(h))
+    raw[108] = P.MAC_BLAKE3
+    struct.pack_into("<I", raw, 124, zlib.crc32(bytes(raw[:124])))
+    assert P.decode_header(raw) == P.Rejected("MAC kind 2 in a format 2 header")
+    raw = bytearray(P.encode_header(h))
+    struct.pack_into("<H", raw, 4, P.FORMAT_VERSION)
+    struct.pack_into("<I", raw, 124, zlib.crc32(bytes(raw[:124])))
+    assert P.decode_header(raw) == P.Rejected("MAC kind 3 in a format 1 header")
+
+
+def test_unkeyed_values_stay_format_1() -> None:
+    h = P.seal(P.make_header(NS, b"\x07" * 32, 1, 0, 128, 3), b"abc")
+    raw = P.encode_header(h)
+    assert int.from_bytes(raw[4:6], "little") == P.FORMAT_VERSION and raw[92:124] == bytes(32)
+
+
+def _fields(h: P.ChunkHeader) -> dict:
+    return {f: getattr(h, f) for f in P.ChunkHeader.__slots__}
