@@ -18,14 +18,11 @@ client, bounds the send, so the client's core idles while a value is on the wire
 thread seals value k+1 while this thread sends value k (xxh3 and BLAKE3 release the GIL). The
 two claim values from one counter: a value the helper has not started when the sender needs it
 is sealed by the sender, so a helper that a busy host does not schedule never stalls the stream.
-This thread never returns while the helper can still read the caller's buffers. The tier hands
-work to the helper only with a secret (a BLAKE3 pass of ~75 us a 256 KiB value; without one the
-seal is one ~9 us xxh3 pass, and the Python around it, GIL held, costs as much as a hand-over
-saves) and only while a core looks free (`SpareCore`, the disk tier's `auto` rule): measured on
-the 2-core build machine at load average 4-7, sealing on the helper was no faster than inline and
-at times slower (its CPU comes from the same busy cores). With the AES-GMAC of a current
-writer (~10 us a 256 KiB value) a hand-over no longer pays either: the helper seals only for the
-older, slower MAC kinds. Loads (`get_stream`) read the replies off the socket straight into the
+This thread never returns while the helper can still read the caller's buffers. The tier
+hands work to the helper only while a core looks free (`SpareCore`, the disk tier's `auto`
+rule): on the idle 2-core build machine it took a save without a secret from 0.73-0.77 of raw
+redis-py to 0.90-1.01; at load average 4-7 it was no faster than inline (its CPU comes from the
+same busy cores). Loads (`get_stream`) read the replies off the socket straight into the
 caller's buffers, checked as they land (`redis_reader`): no helper.
 
 Rejected: waves of smaller redis-py pipelines, sealed one wave ahead: every wave waits for its
