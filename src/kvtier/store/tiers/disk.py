@@ -71,7 +71,7 @@ from kvtier.store.payload import (
     unverifiable,
     verify,
 )
-from kvtier.store.integrity import NO_SECRET_FOR_MAC, PIPE_PIECE, Keyed, MacStream, integrity
+from kvtier.store.integrity import NO_SECRET_FOR_MAC, Keyed, MacStream, integrity
 from kvtier.store.tiers.base import SlotTier, TierLayout
 from kvtier.store.tiers.disk_files import (
     DATA_OFFSET,
@@ -304,11 +304,7 @@ class DiskTier(SlotTier):
                         assert m is not None
                         self.mapped_reads += 1
                         start = off + DATA_OFFSET
-                        if n >= 2 * PIPE_PIECE and self._use_helper():  # copy and MAC on two cores
-                            self.helper_ios += 1
-                            why = keyed.copy_check_on_two(stored, m[1][start:start + n], dst, self._helper())
-                        else:
-                            why = keyed.copy_check(stored, m[1][start:start + n], dst)
+                        why = keyed.copy_check(stored, m[1][start:start + n], dst)
                     elif first == n:
                         why = keyed.check(stored, dst)
                     else:
