@@ -356,6 +356,10 @@ def test_auth_and_tls(tmp_path: Path, clock: FakeClock) -> None:
             assert write(tier, range(2)) == [True, True]
             ok, outs = read(tier, range(2))
             assert ok == [True, True] and torch.equal(outs[1], data(1))
+            big = 1 << 20  # many TLS records a value: read straight off the TLS socket, in step
+            assert write(tier, range(10, 13), big) == [True] * 3
+            ok, outs = read(tier, range(10, 13), big)
+            assert ok == [True] * 3 and all(torch.equal(o, data(i, big)) for i, o in zip(range(10, 13), outs))
             tier.close()
         wrong = make(srv.url, clock, password="nope", tls_ca_path=str(srv.tls.ca))
         assert write(wrong, range(1)) == [False]  # refused: a counted failure, one log line
