@@ -240,7 +240,7 @@ def test_a_cpu_slot_taken_before_its_disk_write_runs_never_lands_other_bytes(tmp
     cpu_slot = dict(item.places)["cpu"]
     # the disk slot held another chunk before (one the index evicted): after the skipped write,
     # it must read as empty, a plain miss, not as a foreign chunk dropped as corrupt
-    prev = worker._header(ChunkItem(0, b"\x55" * 32, 0, TPB * BPC, ()), [(1, 0), (2, 1)])
+    prev = worker.ctx.blocks_header(ChunkItem(0, b"\x55" * 32, 0, TPB * BPC, ()), [(1, 0), (2, 1)])
     assert worker.tiers["disk"].write(0, dict(item.places)["disk"], prev,
                                       torch.ones(ctx.plan.groups[0].chunk_bytes, dtype=torch.uint8))
     gate = threading.Event()
@@ -269,7 +269,7 @@ def test_a_cpu_slot_taken_before_its_disk_write_runs_never_lands_other_bytes(tmp
     # the disk slot the scheduler reserved for chunk 0 serves nothing
     disk_slot = dict(item.places)["disk"]
     buf = torch.zeros(ctx.plan.groups[0].chunk_bytes, dtype=torch.uint8)
-    header = worker._header(item, [(1, 0), (2, 1)])
+    header = worker.ctx.blocks_header(item, [(1, 0), (2, 1)])
     assert not worker.tiers["disk"].read(0, disk_slot, header, buf)
     assert worker.tiers["disk"].corrupt_dropped == 0  # freed when the write was skipped
     # and chunk 0's own bytes were never what the cpu slot held at the end: chunk 9/10's are
@@ -634,7 +634,7 @@ def test_shutdown_ends_the_copies_even_when_tier_io_is_still_running(tmp_path: P
         def shutdown(self) -> None:
             calls.append(f"{self.name}.shutdown")
 
-    worker.copies.stream, worker._copier = _Recorder("stream"), _Recorder("copier")  # type: ignore[assignment]
+    worker.copies.stream, worker.copies.copier = _Recorder("stream"), _Recorder("copier")  # type: ignore[assignment]
     gate = threading.Event()
     assert worker.slow.lane.submit(lambda: gate.wait(30))  # a disk write that hangs
     worker.slow.lane.close = functools.partial(worker.slow.lane.close, timeout=0.2)  # type: ignore[method-assign]
@@ -646,7 +646,7 @@ def test_shutdown_ends_the_copies_even_when_tier_io_is_still_running(tmp_path: P
         assert not disk_closed  # the hung write may still use it
     finally:
         gate.set()
-    worker.copies.stream = worker._copier = None
+    worker.copies.stream = worker.copies.copier = None
     calls.clear()
     worker.shutdown()  # the lane has stopped now: the tiers close
     assert disk_closed == [True]
@@ -811,7 +811,7 @@ def test_waiting_for_a_tier_load_keeps_polling_the_copies_a_store_write_waits_fo
     worker = KvtierWorker(_ctx(tmp_path, "cpu,disk"), _kv()[0], Metrics("worker0", None))
     h = _Handler()
     copier = _copier_over(h, [7])
-    worker._copier = copier  # type: ignore[assignment]
+    worker.copies.copier = copier  # type: ignore[assignment]
     assert worker.slow.lane.submit(lambda: copier.wait_polling([7]))  # the store write
     worker._reading.add(99)  # the load vLLM waits for, read after it on the lane
     assert worker.slow.lane.submit(lambda: worker._reading.discard(99))
@@ -822,7 +822,7 @@ def test_waiting_for_a_tier_load_keeps_polling_the_copies_a_store_write_waits_fo
         assert not t.is_alive(), "wait() and the store write waited on each other"
     finally:
         copier._owner.clear()  # (frees a stuck lane either way)
-        worker._copier = None
+        worker.copies.copier = None
         worker.shutdown()
 
 

@@ -23,6 +23,7 @@ from kvtier.core.keys import Namespace, chunk_hashes_from_block_hashes
 from kvtier.core.plan import Plan
 
 from .config import VllmTierConfig
+from .placement import header_span
 # kept importable from here for code written against it before counters.py (worker.py, the
 # vLLM upstream tests); new code imports it from .counters
 from .counters import Metrics  # noqa: F401
@@ -166,16 +167,29 @@ class SpecContext:
             return 0, 0
         return max(0, end - self.span(group)), end
 
+    def chunk_header(self, chunk_hash: bytes, group: int, start: int, end: int):  # noqa: ANN201 - a ChunkHeader
+        """The header of chunk `(chunk_hash, group)` claiming tokens [start, end): the one place
+        either side makes one (the scheduler's whole chunks, the worker's job blocks)."""
+        from kvtier.store.payload import make_header
+
+        return make_header(self.namespace.id, chunk_hash, group, start, end, self.plan.groups[group].chunk_bytes,
+                           "uint8")
+
     def whole_chunk_header(self, chunk_hash: bytes, group: int, end: int | None):  # noqa: ANN201 - a ChunkHeader
         """The header of the whole chunk `(chunk_hash, group)` ending at token `end`, or None when
         vLLM gave no position or the span is not a whole chunk."""
         start, end = self.chunk_span(group, end)
         if end - start != self.span(group):
             return None
-        from kvtier.store.payload import make_header
+        return self.chunk_header(chunk_hash, group, start, end)
 
-        return make_header(self.namespace.id, chunk_hash, group, start, end, self.plan.groups[group].chunk_bytes,
-                           "uint8")
+    def blocks_header(self, item: ChunkItem, blocks: list[tuple[int, int]]):  # noqa: ANN201 - a ChunkHeader
+        """The header of `item` covering only the block positions in `blocks` (the worker's:
+        placement.header_span; a store records the span it holds, a load asks for the span it
+        needs)."""
+        tokens_per_block = self.plan.groups[item.group].group.tokens_per_block
+        return self.chunk_header(item.chunk_hash, item.group,
+                                 *header_span(item.token_start, tokens_per_block, blocks))
 
     @property
     def disk_root(self) -> Path | None:

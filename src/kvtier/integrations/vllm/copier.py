@@ -11,11 +11,11 @@ ordinary loads), each over views of its group's slab:
     slot s of group g, layer ref r (page bytes P, byte offset O in the chunk):
         slab[g][s, O : O + P * blocks_per_chunk]   viewed (num_slots, P * blocks_per_chunk), int8
 
-which is exactly the layout the worker's own `_copy_out`/`_copy_in` write on CPU (worker.py), so a
+which is exactly the layout the worker's own `copy_out`/`copy_in` write on CPU (copies.py), so a
 chunk stored by one path is read by the other. vLLM's KV tensors are passed as (num_blocks, P)
 views of their rows (a row may be wider than a ref's page: only P bytes move).
 
-Rules the worker keeps (worker.py):
+Rules the worker keeps (worker.py, copies.py):
 - a transfer covers consecutive chunks of one group that all have a cpu slot (a "run"); only a
   run's first chunk may start mid-chunk (vLLM's `block_indices`, the handler's skip count);
 - one handler runs its transfers in submission order; different handlers run in any order, so

@@ -8,12 +8,16 @@ chunk) pairs (placement.py); a copy moves only those positions.
 On CPU a copy is one `index_select` a layer, done when it returns. On a GPU it is an async
 gather + device<->host copy on a side stream (copier.SideStream), into or out of page-locked
 memory; the worker records the stream's event and a job ends when it has. Chunks in cpu slots
-on a GPU go through vLLM's own handlers instead (copier.py), which write exactly this layout.
+on a GPU go through vLLM's own handlers instead (copier.SlabCopier, `copier` here), which write
+exactly this layout: one transfer per run of consecutive chunks of a group (`submit_runs`). A
+job's copies are an (event, transfer ids) pair: `ended` polls it, `wait` blocks on it, `waiter`
+is what a store's disk and Redis writes wait on, on the I/O thread.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +25,8 @@ import torch
 from kvtier.core.plan import Plan
 from kvtier.errors import ConfigError
 
-from .copier import SideStream
+from .copier import SideStream, SlabCopier
+from .placement import consecutive_runs
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,15 +64,22 @@ def layer_refs(tensors: Sequence[torch.Tensor], group_data_refs: Sequence[Sequen
 
 class HostCopies:
     """Copies of one worker's blocks into and out of host chunk rows (`stream`: the side stream
-    on a GPU, None on CPU)."""
+    on a GPU, None on CPU) and, on a GPU, into and out of the cpu tier's slots (`copier`)."""
 
-    def __init__(self, refs: list[list[Ref]], blocks_per_chunk: int, device: torch.device) -> None:
+    def __init__(self, refs: list[list[Ref]], blocks_per_chunk: int, device: torch.device,
+                 slots=None) -> None:  # noqa: ANN001 - a CpuTier or None
+        """`slots`: the cpu tier whose slots vLLM's handlers fill, where the KV tensors are on a
+        GPU (None: every chunk is copied here)."""
         self.refs = refs
         self.bpc = blocks_per_chunk
         self.device = device
         self.pin = device.type == "cuda"
         self.stream: SideStream | None = SideStream(device) if self.pin else None
         self._block_bytes = [sum(r.page_bytes for r in group) for group in refs]  # every layer's page
+        self.copier: SlabCopier | None = None
+        if slots is not None:
+            self.copier = SlabCopier([[(r.tensor, r.page_bytes, r.offset) for r in group] for group in refs],
+                                     slots.slabs, slots.locked, blocks_per_chunk)
 
     def moved_bytes(self, g: int, blocks: list[tuple[int, int]]) -> int:
         """The bytes a transfer moves for these blocks of group g: what vLLM's transfer_size
@@ -128,3 +140,60 @@ class HostCopies:
                   row[ref.offset + lo * ref.page_bytes:ref.offset + (lo + n) * ref.page_bytes].view(n, ref.page_bytes))
                  for ref in self.refs[g]]
         return bids, pages
+
+    # -- chunks in cpu slots on a GPU: vLLM's handlers (copier.py) -----------------------------
+
+    def by_copier(self, g: int, slot: int | None) -> bool:
+        """Whether a chunk of group g in cpu slot `slot` (None: no slot) moves through vLLM's
+        handlers (a GPU), not through `copy_out`/`copy_in`."""
+        return slot is not None and self.copier is not None and self.copier.covers(g)
+
+    def submit_runs(self, direction: int, chunks: list[tuple[int, int, list[tuple[int, int]], int]]) -> list[int]:
+        """Hand chunks the copier moves (g, index in group, blocks, slot; `by_copier`) to it,
+        one transfer per run of consecutive chunks of a group; the transfer ids."""
+        copier = self.copier
+        assert copier is not None
+        tids: list[int] = []
+        for run in consecutive_runs(chunks):  # placement.py
+            bids = [b for _, _, blocks, _ in run for b, _ in blocks]
+            tids.append(copier.submit(direction, run[0][0], bids, run[0][2][0][1], [s for *_, s in run]))
+        return tids
+
+    # -- a job's copies: (the side stream's event or None, the copier's transfer ids) ----------
+
+    def poll(self) -> None:
+        if self.copier is not None:
+            self.copier.poll()
+
+    def ended(self, event, tids: list[int]) -> bool:  # noqa: ANN001 - a torch.cuda.Event or None
+        """Whether a job's copies ended (call `poll` first)."""
+        return (event is None or event.query()) and (
+            not tids or self.copier.finished(tids))  # type: ignore[union-attr]
+
+    def wait(self, event, tids: list[int]) -> None:  # noqa: ANN001
+        """Block until a job's copies ended, on the engine thread."""
+        if event is not None:
+            event.synchronize()
+        if tids:
+            self.copier.wait(tids)  # type: ignore[union-attr]
+
+    def waiter(self, event, tids: list[int]) -> Callable[[], None] | None:  # noqa: ANN001
+        """What a store's disk and Redis writes run first on the I/O thread: block until the
+        store's device->host copies ended, without spinning a core; None when none run."""
+        if event is None and not tids:
+            return None
+
+        def wait() -> None:
+            with torch.cuda.device(self.device) if self.pin else contextlib.nullcontext():  # never a context on another GPU
+                if event is not None:
+                    event.synchronize()
+                if tids:
+                    self.copier.wait_polling(tids)  # type: ignore[union-attr]
+        return wait
+
+    def shutdown(self) -> None:
+        """End every copy, before vLLM frees its KV tensors."""
+        if self.stream is not None:
+            self.stream.synchronize()
+        if self.copier is not None:
+            self.copier.shutdown()  # drains every transfer before the slabs go

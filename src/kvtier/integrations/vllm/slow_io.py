@@ -35,7 +35,7 @@ class SlowIO:
     def __init__(self, tiers: Mapping[str, Tier], metrics: Metrics, pool: BufferPool, copies: HostCopies,
                  chunk_bytes: Sequence[int], header: Callable[[ChunkItem, list[tuple[int, int]]], ChunkHeader],
                  lane: Lane | None) -> None:
-        """`header(item, blocks)`: the header of `item` over those blocks (the worker's);
+        """`header(item, blocks)`: the header of `item` over those blocks (SpecContext.blocks_header);
         `lane`: None when there is no disk or Redis tier."""
         self.tiers = tiers
         self.metrics = metrics

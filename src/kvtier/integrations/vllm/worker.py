@@ -7,9 +7,11 @@ layers. A chunk payload of group g is, for each layer ref of g in vLLM's order, 
 chunk's `blocks_per_chunk` blocks back to back: `sum(page_bytes) * blocks_per_chunk` bytes, the
 group's own size (not a row sized for all groups). Around the job lifecycle kept here:
 - placement.py: which block of a job goes to which position of which chunk (pure arithmetic);
-- copies.py: this process's copies between blocks and host chunk rows (a side stream on a GPU);
-- copier.py: vLLM's own copy handlers, for chunks in cpu slots on a GPU;
+- common.py: a job's chunk headers (`SpecContext.blocks_header`, the scheduler's maker too);
+- copies.py: the copies between blocks and host chunk rows: its own (a side stream on a GPU) and,
+  for chunks in cpu slots on a GPU, vLLM's copy handlers (copier.py), and waiting for them;
 - slow_io.py: disk and Redis reads and write-behind on one background thread (store/lane.py);
+- promotion.py: a verified disk or Redis chunk copied into its reserved cpu slot (`fill_at_load`);
 - store/buffers.py: the pool of host staging buffers (`POOL_BUFFERS` per size);
 - tiers.py: the tiers, built by store/tiers/factory.py.
 
@@ -29,7 +31,7 @@ scheduler's process maps too (`kvtier.host_region`, host_region.py; one per tens
 the scheduler fills slots it reserved for promotions started at lookup (manager.py). The index
 gives each slot to one writer at a time, so the two processes never write the same slot at once.
 On a GPU, a chunk in a cpu slot moves through vLLM's own copy handlers (copier.py: one batched
-copy per run of consecutive chunks of a group, `_submit_runs`), straight between the blocks and
+copy per run of consecutive chunks of a group, `HostCopies.submit_runs`), straight between the blocks and
 the page-locked slot; any other chunk through a pooled pinned buffer on a side stream (copies.py).
 Nothing synchronizes in `submit_*`: a job finishes when its transfers and its event have ended
 (`get_finished` polls). The tests run this path on CPU tensors that claim CUDA
@@ -43,11 +45,10 @@ asserts success; `KvtierConnector` (connector.py) turns the failure into vLLM's
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -61,14 +62,14 @@ from vllm.v1.kv_offload.base import (
 
 from kvtier.store.buffers import BufferPool
 from kvtier.store.lane import Lane
-from kvtier.store.payload import make_header
 from kvtier.store.tiers.base import Tier
 
 from .common import ChunkItem, KvtierLoadStoreSpec, SpecContext
 from .copier import EXPEDITED, LOAD, STORE
 from .copies import HostCopies, layer_refs
 from .counters import Metrics
-from .placement import Misplaced, consecutive_runs, header_span, place
+from .placement import Misplaced, place
+from .promotion import fill_at_load
 from .slow_io import SlowIO
 from .tiers import worker_tiers
 
@@ -104,21 +105,13 @@ class KvtierWorker(OffloadingWorker):
         # (copies.py). A job finishes when its transfers and its event have ended (get_finished
         # polls); a store's disk and Redis writes wait for them on the lane. On CPU every job
         # finishes inside submit_*.
-        self.copies = HostCopies(self.refs, self.bpc, self.device)
-        self._pin = self.copies.pin
-        self._copier = None
-        cpu = self._cpu
-        if tensors[0].is_cuda and cpu is not None:
-            from .copier import SlabCopier
-
-            self._copier = SlabCopier([[(r.tensor, r.page_bytes, r.offset) for r in refs] for refs in self.refs],
-                                      cpu.slabs, cpu.locked, self.bpc)
+        self.copies = HostCopies(self.refs, self.bpc, self.device, self._cpu if tensors[0].is_cuda else None)
         self._in_flight: list[_Job] = []
         self._finished: list[TransferResult] = []
-        self._pool = BufferPool(POOL_BUFFERS, pin=self._pin)  # staging buffers, reused by size
+        self._pool = BufferPool(POOL_BUFFERS, pin=self.copies.pin)  # staging buffers, reused by size
         slow = [t for t in self.tiers if t != "cpu"]
         self.slow = SlowIO(self.tiers, metrics, self._pool, self.copies,
-                           [gp.chunk_bytes for gp in plan.groups], self._header,
+                           [gp.chunk_bytes for gp in plan.groups], ctx.blocks_header,
                            Lane("tier-io", ctx.config.io_queue_bytes) if slow else None)
         # loads whose disk/Redis reads finished on the lane: (job id, start, placement, read result)
         self._read_done: deque[tuple[int, float, list, tuple[bool, list, int]]] = deque()
@@ -131,7 +124,8 @@ class KvtierWorker(OffloadingWorker):
         t0 = time.perf_counter()
         assert isinstance(dst_spec, KvtierLoadStoreSpec)
         ok, nbytes, event, tids, later = self._store(src_spec, dst_spec.items)
-        self._queue_slow(later, event, tids)
+        if later:  # each write first waits there for the copies (slow_io.py)
+            self.slow.queue(later, self.copies.waiter(event, tids))
         if event is not None or tids:  # device->host copies in flight
             self._in_flight.append(_Job(job_id, event, tids, [], nbytes, t0, "store"))
         else:
@@ -201,7 +195,7 @@ class KvtierWorker(OffloadingWorker):
                 tier, slot = item.places[0]
                 if tier != "cpu":
                     continue
-                if cpu is None or not cpu.holds(g, slot, self._header(item, blocks)):
+                if cpu is None or not cpu.holds(g, slot, self.ctx.blocks_header(item, blocks)):
                     self.metrics.add("load_miss_cpu", group=g)  # evicted, or not the span needed
                     ok = False
                     break
@@ -214,7 +208,7 @@ class KvtierWorker(OffloadingWorker):
             self._done(job_id, False, 0, t0, "load")
             return
         for g, i, blocks, buf, tier, item in staged:
-            row, slot = self._promote(g, blocks, buf, tier, item)
+            row, slot = fill_at_load(self.ctx, cpu, self.metrics, g, blocks, buf, tier, item)
             if row is None:
                 sources.append((g, i, blocks, buf, tier, None))
                 held.append(buf)
@@ -222,9 +216,9 @@ class KvtierWorker(OffloadingWorker):
                 sources.append((g, i, blocks, row, tier, slot))
                 self._pool.give(buf)
         # chunks in cpu slots: vLLM's handlers, one transfer a run; the rest copied here
-        runs = [(g, i, blocks, slot) for g, i, blocks, _, _, slot in sources if self._by_copier(g, slot)]
-        tids = self._submit_runs(EXPEDITED if expedited else LOAD, runs) if runs else []
-        copied = [s for s in sources if not self._by_copier(s[0], s[5])]
+        runs = [(g, i, blocks, slot) for g, i, blocks, _, _, slot in sources if self.copies.by_copier(g, slot)]
+        tids = self.copies.submit_runs(EXPEDITED if expedited else LOAD, runs) if runs else []
+        copied = [s for s in sources if not self.copies.by_copier(s[0], s[5])]
         if copied and self.copies.stream is not None:  # blocks just allocated may still be zeroed on the compute stream
             self.copies.stream.wait_compute()
         for g, _, blocks, row, _, _ in copied:
@@ -246,42 +240,6 @@ class KvtierWorker(OffloadingWorker):
         # the slot rows stay valid: the manager keeps them pinned until this load ends
         self._in_flight.append(_Job(job_id, event, tids, held, nbytes, t0, "load"))
 
-    def _by_copier(self, g: int, slot: int | None) -> bool:
-        """Whether a chunk of group g in cpu slot `slot` (None: no slot) moves through vLLM's
-        handlers (a GPU), not through `_copy_out`/`_copy_in`."""
-        return slot is not None and self._copier is not None and self._copier.covers(g)
-
-    def _submit_runs(self, direction: int, chunks: list[tuple[int, int, list[tuple[int, int]], int]]) -> list[int]:
-        """Hand chunks the copier moves (g, index in group, blocks, slot; `_by_copier`) to it,
-        one transfer per run of consecutive chunks of a group; the transfer ids."""
-        copier = self._copier
-        assert copier is not None
-        tids: list[int] = []
-        for run in consecutive_runs(chunks):  # placement.py
-            bids = [b for _, _, blocks, _ in run for b, _ in blocks]
-            tids.append(copier.submit(direction, run[0][0], bids, run[0][2][0][1], [s for *_, s in run]))
-        return tids
-
-    def _promote(self, g: int, blocks: list[tuple[int, int]], buf: torch.Tensor, tier: str,
-                 item: ChunkItem) -> tuple[torch.Tensor | None, int | None]:
-        """On the engine thread: copy a verified chunk read from disk or Redis into the cpu slot
-        the scheduler reserved for it, if any; (the slot's row, the slot), or (None, None). A chunk the
-        load needs only part of is not promoted (its header would claim blocks whose bytes were
-        not checked for this load): the slot is left empty, a later read of it a counted miss."""
-        cpu = self._cpu
-        slot = next((s for t, s in item.places[1:] if t == "cpu"), None)
-        if cpu is None or slot is None:
-            return None, None
-        if len(blocks) != self.bpc:
-            cpu.free(g, slot)
-            self.metrics.add("promote_skipped_partial", group=g)
-            return None, None
-        row = cpu.begin(g, slot)
-        row.copy_(buf)
-        cpu.commit(g, slot, self._header(item, blocks))
-        self.metrics.add(f"promoted_chunks_{tier}", group=g)
-        return row, slot
-
     def _finish_reads(self) -> None:
         while self._read_done:  # loads whose tier reads finished on the lane
             job_id, t0, placement, read = self._read_done.popleft()
@@ -291,12 +249,10 @@ class KvtierWorker(OffloadingWorker):
     def get_finished(self) -> list[TransferResult]:
         self._finish_reads()
         if self._in_flight:
-            if self._copier is not None:
-                self._copier.poll()
+            self.copies.poll()
             running = []
             for job in self._in_flight:
-                if (job.event is not None and not job.event.query()) or (
-                        job.tids and not self._copier.finished(job.tids)):  # type: ignore[union-attr]
+                if not self.copies.ended(job.event, job.tids):
                     running.append(job)
                     continue
                 for buf in job.bufs:  # host buffers may go now
@@ -311,15 +267,11 @@ class KvtierWorker(OffloadingWorker):
             # only when vLLM asks to wait for a load on disk or Redis. A store write queued before
             # it may wait for the copier's poll (copier.wait_polling): keep polling meanwhile
             while not self.slow.lane.drain(0.005):
-                if self._copier is not None:
-                    self._copier.poll()
+                self.copies.poll()
             self._finish_reads()
         for job in self._in_flight:
             if job.job_id in job_ids:
-                if job.event is not None:
-                    job.event.synchronize()
-                if job.tids:
-                    self._copier.wait(job.tids)  # type: ignore[union-attr]
+                self.copies.wait(job.event, job.tids)
 
     def drain(self, timeout: float | None = 30.0) -> bool:
         """Wait until every disk and Redis write and read queued so far has run."""
@@ -328,10 +280,7 @@ class KvtierWorker(OffloadingWorker):
     def shutdown(self) -> None:
         # the copies end before vLLM frees its KV tensors, whether or not the lane will finish;
         # first, so that no queued store write still waits for one
-        if self.copies.stream is not None:
-            self.copies.stream.synchronize()
-        if self._copier is not None:
-            self._copier.shutdown()  # drains every transfer before the slabs go
+        self.copies.shutdown()
         lane_closed = self.slow.lane is None or self.slow.lane.close()
         self.metrics.flush(force=True)
         if not lane_closed:
@@ -359,15 +308,6 @@ class KvtierWorker(OffloadingWorker):
             return None
         return placed
 
-    def _header(self, item: ChunkItem, blocks: list[tuple[int, int]]):  # noqa: ANN202 - a ChunkHeader
-        """The header of `item` covering only the block positions in `blocks`
-        (placement.header_span: a store records the span it holds, a load asks for the span it
-        needs)."""
-        gp = self.ctx.plan.groups[item.group]
-        start, end = header_span(item.token_start, gp.group.tokens_per_block, blocks)
-        return make_header(self.ctx.namespace.id, item.chunk_hash, item.group, start, end,
-                           gp.chunk_bytes, "uint8")
-
     @property
     def _cpu(self):  # noqa: ANN202 - the CpuTier, or None without a cpu tier
         return self.tiers.get("cpu")
@@ -378,7 +318,7 @@ class KvtierWorker(OffloadingWorker):
         without a cpu slot, into a zeroed host buffer. Returns (ok, bytes, the side stream's event
         or None, the copier's transfer ids, the disk/Redis writes to queue): a write waits for
         the copies first, and one of a chunk in a cpu slot copies the slot and goes ahead only if
-        the slot still holds that chunk (`_write_slow`)."""
+        the slot still holds that chunk (`SlowIO.write_slow`)."""
         placement = self._placement(spec, items)
         if placement is None:
             return False, 0, None, [], []
@@ -391,13 +331,13 @@ class KvtierWorker(OffloadingWorker):
         for g, placed in placement:
             nbytes = self.ctx.plan.groups[g].chunk_bytes
             for i, (item, blocks) in enumerate(placed):
-                header = self._header(item, blocks)
+                header = self.ctx.blocks_header(item, blocks)
                 total += self.copies.moved_bytes(g, blocks)
                 slow = [(t, slot) for t, slot in item.places if t != "cpu"]
                 cpu_slot = next((slot for t, slot in item.places if t == "cpu"), None)
                 if cpu is not None and cpu_slot is not None:
                     row = cpu.begin(g, cpu_slot)
-                    if self._by_copier(g, cpu_slot):
+                    if self.copies.by_copier(g, cpu_slot):
                         to_slots.append((g, i, blocks, cpu_slot))
                     else:
                         self.copies.copy_out(g, blocks, row)
@@ -415,26 +355,11 @@ class KvtierWorker(OffloadingWorker):
                     self.copies.copy_out(g, blocks, buf)
                     copied = True
                     later.append((g, slow, nbytes, ("buf", buf, header)))
-        tids = self._submit_runs(STORE, to_slots) if to_slots else []
+        tids = self.copies.submit_runs(STORE, to_slots) if to_slots else []
         event = None
         if copied and self.copies.stream is not None:
             event = self.copies.stream.record(blocking=True)  # the lane waits on it without spinning a core
         return True, total, event, tids, later
-
-    def _queue_slow(self, later: list[tuple], event, tids: list[int]) -> None:  # noqa: ANN001
-        """Queue a store's disk and Redis writes on the lane (slow_io.py); each first waits there
-        for the store's device->host copies (`event` on the side stream, `tids` in the copier)."""
-        if not later:
-            return
-        wait: Callable[[], None] | None = None
-        if event is not None or tids:
-            def wait() -> None:
-                with torch.cuda.device(self.device) if self._pin else contextlib.nullcontext():  # never a context on another GPU
-                    if event is not None:
-                        event.synchronize()
-                    if tids:
-                        self._copier.wait_polling(tids)  # type: ignore[union-attr]
-        self.slow.queue(later, wait)
 
 
 class SyncLoadError(RuntimeError):
