@@ -1,10 +1,13 @@
 """The import order of kvtier's planes (docs/interfaces.md, "Layout"):
 
-    errors <- core <- index <- store <- replay / integrations / loadgen / router <- commands <- cli
+    errors <- core <- index <- store <- local_models <- replay / integrations / loadgen / router
+        <- commands <- cli
 
 A module may import kvtier modules of its own package or of a plane below it, never above it
-nor beside it (replay, integrations, loadgen and router do not import each other). core and index import only the
-standard library (no torch, no numpy, no engine, no redis client); store never imports an engine,
+nor beside it (replay, integrations, loadgen and router do not import each other). local_models
+(local model directories for demos, benches and tests) imports only errors; the demo's runner
+and `kvtier bench vllm` use it. core and index import only the standard library (no torch, no
+numpy, no engine, no redis client); store never imports an engine,
 nor does router (it reads vLLM's KV events in a router process without vLLM).
 Imports inside functions count too: a lazy import is still a dependency. No import circle
 between modules, lazy or not. `import kvtier` itself loads only errors and core.
@@ -22,8 +25,8 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "kvtier"
 
-PLANES = {"errors": 0, "core": 1, "index": 2, "store": 3, "replay": 4, "integrations": 4, "loadgen": 4, "router": 4,
-          "commands": 5, "cli": 6, "__main__": 7}
+PLANES = {"errors": 0, "core": 1, "index": 2, "store": 3, "local_models": 4,
+          "replay": 5, "integrations": 5, "loadgen": 5, "router": 5, "commands": 6, "cli": 7, "__main__": 8}
 STDLIB_ONLY = {"core", "index"}
 NO_ENGINE = {"store", "router"}
 ENGINES = {"torch", "transformers", "vllm", "accelerate", "gguf", "safetensors"}

@@ -1,6 +1,6 @@
 """End-to-end fixtures: real (tiny, random-weight) transformers models, real stores.
 
-Tiny model directories are built once per machine under the kvtier cache (`kvtier.integrations.models`),
+Tiny model directories are built once per machine under the kvtier cache (`kvtier.local_models`),
 each with the SmolLM2 tokenizer; a session loads each model once.
 """
 
@@ -39,7 +39,7 @@ def load_tiny(tiny_models: dict[str, object]):  # type: ignore[no-untyped-def]
     """load_tiny(family) -> the model (float32, eval), loaded once per session."""
     from transformers import AutoModelForCausalLM
 
-    from kvtier.integrations.models import tiny_random_dir
+    from kvtier.local_models import tiny_random_dir
 
     def load(family: str, dtype: str = "float32"):  # type: ignore[no-untyped-def]
         key = f"{family}-{dtype}"

@@ -247,7 +247,7 @@ def test_prefill_to_an_earlier_end_restores_only_up_to_it(load_tiny, prompt) -> 
 def test_tiny_random_dir_is_deterministic_and_checks_the_family(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from safetensors.torch import load_file
 
-    from kvtier.integrations.models import tiny_random_dir
+    from kvtier.local_models import tiny_random_dir
 
     a = tiny_random_dir("llama", tmp_path / "a", seed=7)
     b = tiny_random_dir("llama", tmp_path / "b", seed=7)

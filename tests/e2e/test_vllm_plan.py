@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_plan_engine_vllm_gemma3_270m() -> None:
-    from kvtier.integrations.models import gemma3_270m_dir
+    from kvtier.local_models import gemma3_270m_dir
 
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     proc = subprocess.run(

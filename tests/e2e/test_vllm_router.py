@@ -52,7 +52,7 @@ def _run(model: Path) -> list[list[int]]:
 
 
 def test_the_router_predicts_every_restore_from_the_events_alone(tmp_path: Path) -> None:
-    from kvtier.integrations.models import gemma3_270m_dir
+    from kvtier.local_models import gemma3_270m_dir
     from kvtier.loadgen.servers import free_port
 
     model = gemma3_270m_dir(progress=False)

@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _model_dir(name: str) -> str:
-    from kvtier.integrations import models
+    from kvtier import local_models as models
 
     if name == "smollm2":
         return str(models.smollm2_135m_dir(progress=sys.stderr.isatty()))

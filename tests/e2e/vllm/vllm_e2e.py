@@ -22,9 +22,9 @@ ENGINE_TIMEOUT_S = 420
 def tiny_llama_dir() -> Path:
     """A tiny random Llama vLLM's CPU backend can run, with the SmolLM2 tokenizer.
 
-    kvtier.integrations.models' tiny Llama has head_dim 16, which vLLM's CPU attention refuses (it supports
+    kvtier.local_models' tiny Llama has head_dim 16, which vLLM's CPU attention refuses (it supports
     32, 64, 80, ...); this one has head_dim 32 and is built once under kvtier's cache."""
-    from kvtier.integrations.models import cache_root, is_complete, tokenizer_dir
+    from kvtier.local_models import cache_root, is_complete, tokenizer_dir
 
     target = cache_root() / "tiny" / "vllm-llama-h32-s0-float32"
     if is_complete(target):
@@ -42,7 +42,7 @@ def tiny_llama_dir() -> Path:
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
     model.save_pretrained(str(tmp))
     tok.save_pretrained(str(tmp))
-    (tmp / ".kvtier-complete").write_text("ok\n")  # kvtier.integrations.models.is_complete marker
+    (tmp / ".kvtier-complete").write_text("ok\n")  # kvtier.local_models.is_complete marker
     try:
         tmp.rename(target)
     except OSError:  # another process finished first

@@ -72,7 +72,7 @@ def load_model(path: str | None, dtype: str = "float32", progress: bool = True,
     try:
         bar.set_postfix_str(steps[0])
         if path is None:
-            from kvtier.integrations.models import gemma3_270m_dir, models_root
+            from kvtier.local_models import gemma3_270m_dir, models_root
 
             if not (models_root() / "gemma3-270m").exists():
                 bar.set_postfix_str("converting the GGUF once (about a minute)")

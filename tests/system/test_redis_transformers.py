@@ -28,7 +28,7 @@ def child(url: str) -> dict[str, object]:
     from transformers import AutoModelForCausalLM
 
     from kvtier.integrations.transformers import PrefixCache
-    from kvtier.integrations.models import tiny_random_dir
+    from kvtier.local_models import tiny_random_dir
     from kvtier.store.tiers.redis import RedisTier
 
     model = AutoModelForCausalLM.from_pretrained(tiny_random_dir("gemma3"), dtype=torch.float32)

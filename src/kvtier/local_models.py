@@ -13,7 +13,7 @@
 
 Directories are built in a temporary sibling and renamed into place, so a crash or two
 processes racing never leave a half-written model that later loads as garbage.
-torch/transformers are imported inside the functions: `import kvtier.integrations.models` stays light.
+torch/transformers are imported inside the functions: `import kvtier.local_models` stays light.
 """
 
 from __future__ import annotations
