@@ -24,11 +24,11 @@ each cpu-tier chunk's header and copies the slot's pages into the blocks in plac
 thread (no store can take the slot in between); chunks on disk or in Redis are read and verified
 on the background thread first, and copied in `get_finished`. vLLM keeps the request waiting
 meanwhile, as it does for any asynchronous load. Such a chunk is also promoted when the scheduler
-reserved a cpu slot for it (a second place `("cpu", slot)` in its item, manager.py): the verified
+reserved a cpu slot for it (a second place `("cpu", slot)` in its item, promotion.py): the verified
 bytes are copied into that slot on the engine thread and the blocks are filled from the slot, so
 the next hit reads host memory. The cpu tier's slabs and slot table live in a file the
 scheduler's process maps too (`kvtier.host_region`, host_region.py; one per tensor-parallel rank):
-the scheduler fills slots it reserved for promotions started at lookup (manager.py). The index
+the scheduler fills slots it reserved for promotions started at lookup (promotion.py). The index
 gives each slot to one writer at a time, so the two processes never write the same slot at once.
 On a GPU, a chunk in a cpu slot moves through vLLM's own copy handlers (copier.py: one batched
 copy per run of consecutive chunks of a group, `HostCopies.submit_runs`), straight between the blocks and
@@ -136,7 +136,7 @@ class KvtierWorker(OffloadingWorker):
                     expedited: bool = False) -> bool:
         """vLLM 0.33 passes `expedited=True` for a load it waits on within the step (a sync load,
         with `sync_load_budget_bytes`): its request runs on these blocks this very step and vLLM
-        cannot hear that the load failed. The manager then hands out host-only loads (manager.py),
+        cannot hear that the load failed. The manager then hands out host-only loads (host_only.py),
         so such a load reads verified cpu slots only, in this call; one that would read disk or
         Redis, or that fails, stops the engine (SyncLoadError) rather than let a request run on
         KV that was never restored. 0.32 never passes the argument."""
