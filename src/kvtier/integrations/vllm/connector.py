@@ -2,13 +2,17 @@
 
 vLLM 0.32's OffloadingConnector asserts that every transfer succeeds. A tier can miss (a disk
 slot overwritten by another process, a corrupt payload, an I/O error), and a KV cache must
-never restore wrong bytes, so this subclass changes exactly two things:
+never restore wrong bytes, so this subclass changes these things:
 - worker side: a load job that finished with `success=False` is reported through vLLM's
   `failed_recving` (with `kv_load_failure_policy: "recompute"` the scheduler recomputes the
   request; the engine keeps serving) instead of tripping the assert;
 - scheduler side: the manager forgets the chunks of that load, so the next request is not
   offered the same bad hit.
-Besides, it hands kvtier's counters to vLLM's stats path (stats.py): each side's
+- the handshake: the worker's page layout goes to the scheduler once
+  (`get_handshake_metadata` / `set_xfer_handshake_metadata` -> `manager.adopt_worker_layout`);
+- KV events: every tier's commits, evictions and removals reach vLLM's event stream
+  (`take_events`, events.py), with each group's kind and window filled in.
+It also hands kvtier's counters to vLLM's stats path (stats.py): each side's
 `get_kv_connector_stats()` is what the stock connector reports plus kvtier's counts since the
 last step, and `build_prom_metrics()` registers kvtier's Prometheus counters beside vLLM's.
 Everything else (scheduling, chunking, hybrid groups) is the stock OffloadingConnector.

