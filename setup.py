@@ -4,9 +4,15 @@ kvtier.store._xxcopy copies a payload and computes its XXH3-64 checksum in one p
 verified loads; src/kvtier/store/_xxcopy.c). It is optional: where it cannot be compiled (no C
 compiler), kvtier installs without it and checksums with python-xxhash (slower loads, the same
 values).
+
+kvtier.store._gmac computes the AES-256-GMAC of a keyed payload (a tenant secret) in one pass that
+also copies it (keyed loads) with the CPU's carry-less multiply (src/kvtier/store/_gmac.c); also
+optional: without it the `cryptography` package computes the same tags.
 """
 
 from setuptools import Extension, setup
 
 setup(ext_modules=[Extension("kvtier.store._xxcopy", ["src/kvtier/store/_xxcopy.c"], optional=True,
+                             extra_compile_args=["-O3"]),
+                   Extension("kvtier.store._gmac", ["src/kvtier/store/_gmac.c"], optional=True,
                              extra_compile_args=["-O3"])])

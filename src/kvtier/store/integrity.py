@@ -13,7 +13,10 @@ kind travels in the header, so every reader checks every kind it can compute:
   no counter to keep across writers and restarts (a random nonce under one fleet-wide key would
   cap a secret at 2^32 values). GHASH with the CPU's carry-less multiply runs at 25-30 GB/s on a
   core of the build machine, 4-5x keyed BLAKE3, as fast as the xxh3 checksum: a keyed tier moves
-  bytes at nearly its unkeyed speed (issue 31; docs/store.md, "Cost").
+  bytes at nearly its unkeyed speed (issue 31; docs/store.md, "Cost"). Where kvtier's C
+  extension `_gmac` runs (x86-64 with AES-NI and PCLMULQDQ) it computes the same tags in one C
+  call per value, fused with the load's copy; `cryptography` stays the reference and streams
+  the MAC of cold reads that land piece by piece.
 - MAC_BLAKE3 (keyed BLAKE3, 6-8 GB/s a core) where `cryptography` is not installed and `blake3`
   is, and MAC_BLAKE2B (the standard library's, ~0.4 GB/s) where neither is: both still read. See docs/store.md, "Threat model". Split from `payload` (the format) because
 the secret and its checks are their own job.
@@ -62,6 +65,12 @@ try:  # optional: AES-GMAC is ~4x keyed BLAKE3 where the CPU multiplies carry-le
     from cryptography.hazmat.primitives.ciphers import modes as _modes
 except ImportError:  # pragma: no cover - exercised where cryptography is absent
     _Cipher = None
+try:  # optional C extension (src/kvtier/store/_gmac.c): the same GMAC in one pass that also copies
+    from kvtier.store import _gmac as _gmac_c
+    if _gmac_c.mode() == 0:  # no AES-NI / carry-less multiply on this CPU: cryptography's
+        _gmac_c = None
+except ImportError:  # pragma: no cover - exercised where it was not compiled
+    _gmac_c = None
 _GCM_NONCE = bytes(12)  # every GMAC key tags one value (module docstring): one nonce is enough
 NO_SECRET_FOR_MAC = "payload carries a MAC and this reader has no secret"
 NO_MAC = "payload written without the secret (no MAC)"
@@ -97,18 +106,23 @@ class Keyed:
         return "Keyed(<secret>)"
 
     def mac(self, header: ChunkHeader, data: object, kind: int | None = None) -> bytes:
-        h = self._hasher(header, self.kind if kind is None else kind)
+        kind = self.kind if kind is None else kind
+        if kind == MAC_GMAC and _gmac_c is not None:
+            return _gmac_c.gmac(self._gmac_key(header), _covered(header),  # type: ignore[no-any-return]
+                                as_bytes_view(data)[:header.payload_bytes])
+        h = self._hasher(header, kind)
         h.update(as_bytes_view(data)[:header.payload_bytes])
         return h.digest()
 
+    def _gmac_key(self, header: ChunkHeader) -> bytes:
+        """One key per value: keyed BLAKE2b of the secret over the header's salt (module docstring)."""
+        return hashlib.blake2b(header.mac_salt, key=self._keyg, digest_size=32, person=b"kvtier-gmac-key").digest()
+
     def _hasher(self, header: ChunkHeader, kind: int) -> _Digest | _Gmac:
         """The keyed hash of `kind`, fed the header (its MAC fields zeroed, its salt kept) already."""
-        head = encode_header(_without_mac(header))[:HEADER_BODY_BYTES]
+        head = _covered(header)
         if kind == MAC_GMAC:
-            # one key per value: keyed BLAKE2b of the secret over the salt (module docstring)
-            key = hashlib.blake2b(header.mac_salt, key=self._keyg, digest_size=32,
-                                  person=b"kvtier-gmac-key").digest()
-            g = _Cipher(_algorithms.AES(key), _modes.GCM(_GCM_NONCE)).encryptor()
+            g = _Cipher(_algorithms.AES(self._gmac_key(header)), _modes.GCM(_GCM_NONCE)).encryptor()
             g.authenticate_additional_data(head)
             return _Gmac(g)
         if kind == MAC_BLAKE3:
@@ -134,9 +148,10 @@ class Keyed:
         return MacStream(self._hasher(header, header.mac_kind), header.mac)
 
     def copy_check(self, header: ChunkHeader, src: object, dst: memoryview) -> str | None:
-        """Copy the payload `src` into `dst` and check its MAC in the same pass: each MAC_PIECE is
-        copied, then hashed from `dst` while it is still in the core's L2, so the bytes come from
-        memory once. None when the MAC verifies; else why not, and `dst` then holds bytes that
+        """Copy the payload `src` into `dst` and check its MAC in the same pass: for AES-GMAC where
+        the C extension runs, one call that loads each line once, stores it and folds it into
+        GHASH (as fast as a plain copy); otherwise each MAC_PIECE is copied, then hashed from
+        `dst` while it is still in the core's L2, so the bytes come from memory once. None when the MAC verifies; else why not, and `dst` then holds bytes that
         must not be used (the caller reports a miss). The MAC covers header and bytes, so no
         checksum pass is needed besides it (module docstring)."""
         why = self.unverifiable(header)
@@ -146,6 +161,9 @@ class Keyed:
         n = header.payload_bytes
         if len(view) != n or len(dst) < n:
             return f"payload truncated: {len(view)} of {n} bytes"
+        if header.mac_kind == MAC_GMAC and _gmac_c is not None:  # one C pass: copy and GHASH
+            tag = _gmac_c.gmac(self._gmac_key(header), _covered(header), view, dst[:n])
+            return None if hmac.compare_digest(tag, header.mac) else MAC_MISMATCH
         mac = self.stream(header)
         for a in range(0, n, MAC_PIECE):
             b = min(a + MAC_PIECE, n)
@@ -248,6 +266,12 @@ def mac_name() -> str:
     """Which MAC a new `Keyed` computes here (what the benches report)."""
     return {MAC_GMAC: "AES-256-GMAC (a key per value)", MAC_BLAKE3: "keyed BLAKE3-128 (cryptography not installed)",
             MAC_BLAKE2B: "keyed BLAKE2b-128 (cryptography and blake3 not installed)"}[default_kind()]
+
+
+def _covered(h: ChunkHeader) -> bytes:
+    """The header bytes a MAC covers, before the payload: the encoded header with MAC and MAC kind
+    zeroed and the salt kept (`_without_mac`)."""
+    return encode_header(_without_mac(h))[:HEADER_BODY_BYTES]
 
 
 def _without_mac(h: ChunkHeader) -> ChunkHeader:
