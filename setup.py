@@ -5,14 +5,12 @@ verified loads; src/kvtier/store/_xxcopy.c). It is optional: where it cannot be 
 compiler), kvtier installs without it and checksums with python-xxhash (slower loads, the same
 values).
 
-kvtier.store._gmac computes the AES-256-GMAC of a keyed payload (a tenant secret) in one pass that
-also copies it (keyed loads) with the CPU's carry-less multiply (src/kvtier/store/_gmac.c); also
-optional: without it the `cryptography` package computes the same tags.
+The same module computes the AES-256-GMAC of a keyed payload (a tenant secret) in one pass that
+also copies it (keyed loads) or checksums it (keyed saves), with AES-NI and the CPU's carry-less
+multiply (src/kvtier/store/_ghash.h); without it the `cryptography` package computes the same tags.
 """
 
 from setuptools import Extension, setup
 
 setup(ext_modules=[Extension("kvtier.store._xxcopy", ["src/kvtier/store/_xxcopy.c"], optional=True,
-                             extra_compile_args=["-O3"]),
-                   Extension("kvtier.store._gmac", ["src/kvtier/store/_gmac.c"], optional=True,
-                             extra_compile_args=["-O3"])])
+                             depends=["src/kvtier/store/_ghash.h"], extra_compile_args=["-O3"])])

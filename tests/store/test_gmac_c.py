@@ -1,4 +1,5 @@
-"""kvtier.store._gmac: AES-256-GMAC in C, bit for bit cryptography's GCM tag, fused with a copy."""
+"""AES-256-GMAC in C (kvtier.store._xxcopy, _ghash.h): bit for bit cryptography's GCM tag, alone,
+fused with a copy, and fused with the XXH3-64 checksum that seals a payload."""
 
 from __future__ import annotations
 
@@ -6,14 +7,15 @@ import os
 
 import numpy as np
 import pytest
+import xxhash
 
 from kvtier.store import integrity
 from kvtier.store.integrity import MAC_MISMATCH, Keyed
 from kvtier.store.payload import MAC_GMAC, ChunkHeader, seal
 
 gm = integrity._gmac_c
-needs_c = pytest.mark.skipif(gm is None, reason="kvtier.store._gmac not built or no AES-NI/PCLMULQDQ here")
-MODES = list(range(1, gm.mode() + 1)) if gm is not None else []
+needs_c = pytest.mark.skipif(gm is None, reason="kvtier.store._xxcopy not built or no AES-NI/PCLMULQDQ here")
+MODES = list(range(1, gm.gmac_mode() + 1)) if gm is not None else []
 # the header's length decides where the payload's first bytes fall in a block (124: kvtier's);
 # payload lengths cover every tail of a block, one and several 512-byte steps of the wide kernel
 HEADS = [0, 5, 16, 124, 128]
@@ -32,9 +34,9 @@ def reference(key: bytes, head: bytes, src: object) -> bytes:
 
 def test_the_extension_runs_where_make_test_runs() -> None:
     # `pip install -e .` compiles it (setup.py); this x86-64 build machine has AES-NI and PCLMULQDQ
-    from kvtier.store import _gmac
+    from kvtier.store import _xxcopy
 
-    assert _gmac.mode() >= 1, "kvtier.store._gmac found no AES-NI/PCLMULQDQ on this x86-64 CPU"
+    assert _xxcopy.gmac_mode() >= 1, "kvtier.store._xxcopy found no AES-NI/PCLMULQDQ on this x86-64 CPU"
 
 
 @needs_c
@@ -50,6 +52,28 @@ def test_tags_equal_cryptography_and_the_copy_is_exact(mode: int) -> None:
             assert gm.gmac(key, head, src, dst, mode) == want, (hlen, n)
             assert np.array_equal(dst, src), (hlen, n)
             assert gm.gmac(key, head, src, None, mode) == want, (hlen, n)
+
+
+@needs_c
+@pytest.mark.parametrize("mode", MODES)
+def test_sealing_tags_equal_cryptography_over_the_header_with_its_checksum(mode: int) -> None:
+    """seal_gmac's one pass: XXH3-64 of the payload, and the tag of the header with that checksum
+    written into it, then the payload: the tag cryptography gives for those bytes."""
+    rng = np.random.default_rng(6)
+    for hlen, at in ((124, 76), (128, 0), (100, 92), (33, 25), (16, 8)):
+        for n in [241, 242, 255, 256, 257, 1023, 1024, 1025, 16380, 16384, 16388, 16400, 70001,
+                  (256 << 10) + 3, 1 << 20]:
+            key, head = os.urandom(32), bytearray(os.urandom(hlen))
+            head[at:at + 8] = bytes(8)
+            src = rng.integers(0, 256, n, dtype=np.uint8)
+            value, tag = gm.seal_gmac(key, bytes(head), src, at, mode)
+            assert value == xxhash.xxh3_64_intdigest(src), (hlen, n)
+            head[at:at + 8] = value.to_bytes(8, "little")
+            assert tag == reference(key, bytes(head), src), (hlen, n)
+    with pytest.raises(ValueError, match="240"):
+        gm.seal_gmac(bytes(32), bytes(124), np.zeros(240, np.uint8), 76)
+    with pytest.raises(ValueError, match="checksum bytes"):
+        gm.seal_gmac(bytes(32), bytes(124), np.zeros(300, np.uint8), 120)
 
 
 @needs_c
@@ -78,7 +102,7 @@ def test_bad_arguments_are_one_line_errors() -> None:
     with pytest.raises(ValueError, match="length"):
         gm.gmac(bytes(32), b"", src, np.zeros(99, np.uint8))
     with pytest.raises(ValueError, match="mode"):
-        gm.gmac(bytes(32), b"", src, None, gm.mode() + 1)
+        gm.gmac(bytes(32), b"", src, None, gm.gmac_mode() + 1)
 
 
 @needs_c
@@ -103,3 +127,44 @@ def test_keyed_values_cross_the_c_and_cryptography_paths(monkeypatch: pytest.Mon
         bad[-1] ^= 1
         assert k.check(signed, bad) == MAC_MISMATCH
         assert k.copy_check(signed, bad, memoryview(np.zeros_like(data))) == MAC_MISMATCH
+
+
+def test_with_seal_writes_what_encode_header_writes() -> None:
+    from kvtier.store.payload import CHECKSUM_XXH3, HEADER_BODY_BYTES, encode_header, with_seal
+
+    h = ChunkHeader("0123456789abcdef", b"\x09" * 32, 2, 256, 512, 4096, "bfloat16", 0, CHECKSUM_XXH3,
+                    123456789, 2, b"", 0, b"\x01" * 12)
+    full = ChunkHeader(*[getattr(h, f) for f in ChunkHeader.__slots__][:7], 0xDEADBEEF12345678, CHECKSUM_XXH3,
+                       123456789, 2, b"\xab" * 16, MAC_GMAC, b"\x01" * 12)
+    assert with_seal(encode_header(h)[:HEADER_BODY_BYTES], 0xDEADBEEF12345678, b"\xab" * 16, MAC_GMAC) == \
+        encode_header(full)
+
+
+@needs_c
+def test_keyed_seal_is_checksum_and_mac_in_one_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keyed.seal's header decodes to the caller's header with the payload's XXH3-64, a fresh salt
+    and a MAC that verifies on the C and the cryptography path; any changed byte fails it."""
+    from kvtier.store.payload import CHECKSUM_XXH3, decode_header, verify
+
+    k = Keyed(os.urandom(32), kind=MAC_GMAC)
+    data = np.random.default_rng(9).integers(0, 256, (256 << 10) + 5, dtype=np.uint8)
+    h = ChunkHeader("0123456789abcdef", b"\x07" * 32, 1, 0, 256, data.size, "bfloat16")
+    raw = k.seal(h, data)
+    got = decode_header(raw)
+    assert isinstance(got, ChunkHeader)
+    assert (got.namespace_id, got.chunk_hash, got.group, got.token_start, got.token_end, got.payload_bytes,
+            got.dtype) == (h.namespace_id, h.chunk_hash, h.group, h.token_start, h.token_end, h.payload_bytes,
+                           h.dtype)
+    assert got.checksum_kind == CHECKSUM_XXH3 and got.checksum == xxhash.xxh3_64_intdigest(data)
+    assert verify(got, data) is None  # the unkeyed reader's check: intact
+    assert got.mac_kind == MAC_GMAC and len(got.mac_salt) == 12 and got.created_ns > 0
+    assert decode_header(k.seal(h, data)).mac_salt != got.mac_salt  # type: ignore[union-attr]
+    assert k.check(got, data) is None
+    with monkeypatch.context() as m:
+        m.setattr(integrity, "_gmac_c", None)
+        assert k.check(got, data) is None  # cryptography agrees
+        assert k.seal(h, data) is None  # no C: the caller seals, then signs
+    bad = data.copy()
+    bad[3] ^= 1  # in the block the payload shares with the header
+    assert k.check(got, bad) == MAC_MISMATCH
+    assert Keyed(os.urandom(32), kind=MAC_GMAC).check(got, data) == MAC_MISMATCH

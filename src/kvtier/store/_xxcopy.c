@@ -1,5 +1,6 @@
 /*
- * kvtier.store._xxcopy: copy a payload and compute its XXH3-64 checksum in one pass.
+ * kvtier.store._xxcopy: copy a payload and compute its XXH3-64 checksum in one pass; and (with
+ * _ghash.h) its AES-256-GMAC, alone, fused with a copy, or fused with the XXH3-64 that seals it.
  *
  * A verified load is a copy plus a checksum of the same bytes. Done as two passes (the kernel's
  * copy, then python-xxhash), the checksum reads every byte a second time; here each 64-byte
@@ -28,6 +29,7 @@
 #else
 #define KV_X86 0
 #endif
+#include "_ghash.h" /* AES-256-GMAC: gmac_run, the GHASH kernels (keyed payloads) */
 
 #define STRIPE 64
 #define SECRET_SIZE 192
@@ -325,6 +327,123 @@ static PyObject *py_pwrite_xxh3(PyObject *self, PyObject *args) {
     return PyLong_FromUnsignedLongLong(h);
 }
 
+static PyObject *py_gmac(PyObject *self, PyObject *args, PyObject *kw) {
+    static char *names[] = {"key", "head", "src", "dst", "mode", NULL};
+    Py_buffer key, head, src, dst = {0};
+    PyObject *dst_arg = Py_None;
+    int mode = -1;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "y*y*y*|Oi", names, &key, &head, &src, &dst_arg, &mode)) return NULL;
+    int have_dst = dst_arg != Py_None;
+    if (have_dst && PyObject_GetBuffer(dst_arg, &dst, PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&key);
+        PyBuffer_Release(&head);
+        PyBuffer_Release(&src);
+        return NULL;
+    }
+    int best = gmac_mode();
+    if (mode < 0) mode = best;
+    const char *err = NULL;
+    if (key.len != 32)
+        err = "gmac needs a 32-byte key";
+    else if (have_dst && dst.len != src.len)
+        err = "gmac's dst must have src's length";
+    else if (mode < 1 || mode > best)
+        err = "gmac mode not available on this CPU (see gmac_mode())";
+    PyObject *out = NULL;
+    if (err) {
+        PyErr_SetString(PyExc_ValueError, err);
+    } else {
+#if KV_X86
+        uint8_t tag[16];
+        Py_BEGIN_ALLOW_THREADS
+        gmac_run((const uint8_t *)key.buf, (const uint8_t *)head.buf, (size_t)head.len, (const uint8_t *)src.buf,
+                 have_dst ? (uint8_t *)dst.buf : NULL, (size_t)src.len, mode, tag);
+        Py_END_ALLOW_THREADS
+        out = PyBytes_FromStringAndSize((const char *)tag, 16);
+#endif
+    }
+    if (have_dst) PyBuffer_Release(&dst);
+    PyBuffer_Release(&key);
+    PyBuffer_Release(&head);
+    PyBuffer_Release(&src);
+    return out;
+}
+
+/* seal_gmac(key, head, src, at, mode=-1) -> (xxh3, tag): XXH3-64 of src (> 240 bytes) and the GMAC
+ * tag of head || src under key, where head's 8 bytes at `at` (the header's checksum field, zero in
+ * the head given) hold that XXH3-64, little-endian. One pass over src: GHASH cannot wait for the
+ * checksum it covers, so it hashes src's blocks first (P) and the header's last (Q), and
+ * GHASH(head || src) = Q H^k ^ P, k the number of src's blocks after the one it shares with head
+ * (GHASH is linear: every block is multiplied by H to the power of its distance from the end). */
+#define SEAL_PIECE (16 << 10) /* XXH3 then GHASH each 16 KiB while it is in L1 */
+#define SEAL_HEAD_MAX 256
+static PyObject *py_seal_gmac(PyObject *self, PyObject *args, PyObject *kw) {
+    static char *names[] = {"key", "head", "src", "at", "mode", NULL};
+    Py_buffer key, head, src;
+    Py_ssize_t at;
+    int mode = -1;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "y*y*y*n|i", names, &key, &head, &src, &at, &mode)) return NULL;
+    int best = gmac_mode();
+    if (mode < 0) mode = best;
+    const char *err = NULL;
+    if (key.len != 32)
+        err = "seal_gmac needs a 32-byte key";
+    else if (src.len <= 240)
+        err = "seal_gmac hashes payloads of more than 240 bytes";
+    else if (head.len > SEAL_HEAD_MAX || at < 0 || at + 8 > head.len)
+        err = "seal_gmac needs a head of at most 256 bytes holding 8 checksum bytes at `at`";
+    else if (mode < 1 || mode > best)
+        err = "gmac mode not available on this CPU (see gmac_mode())";
+    PyObject *out = NULL;
+    if (err) {
+        PyErr_SetString(PyExc_ValueError, err);
+    } else {
+#if KV_X86
+        uint8_t tag[16];
+        uint64_t h = 0;
+        int simd = have_avx2();
+        const uint8_t *p = (const uint8_t *)src.buf;
+        size_t n = (size_t)src.len, hlen = (size_t)head.len;
+        Py_BEGIN_ALLOW_THREADS
+        ghash_key g;
+        ghash_setup(&g, (const uint8_t *)key.buf, mode);
+        size_t lead = hlen % 16 ? 16 - hlen % 16 : 0; /* src's bytes in head's last block */
+        const uint8_t *s = p + lead;
+        size_t nb = (n - lead) / 16, tail = n - lead - 16 * nb, hashed = 0;
+        uint64_t acc[8];
+        memcpy(acc, k_init, sizeof acc);
+        __m128i P = _mm_setzero_si128();
+        for (size_t a = 0; a < n; a += SEAL_PIECE) {
+            size_t b = a + SEAL_PIECE < n ? a + SEAL_PIECE : n;
+            xxh3_range(acc, NULL, p, n, a, b, simd, &h);
+            size_t upto = b == n ? nb : (b - lead) / 16; /* src's whole blocks read so far */
+            P = ghash_span(&g, P, s + 16 * hashed, NULL, upto - hashed);
+            hashed = upto;
+        }
+        size_t k = nb;
+        if (tail) {
+            P = ghash_partial(&g, P, s + 16 * nb, tail);
+            k++;
+        }
+        uint8_t hb[SEAL_HEAD_MAX + 16];
+        memcpy(hb, head.buf, hlen);
+        for (int i = 0; i < 8; i++) hb[at + i] = (uint8_t)(h >> (8 * i));
+        memcpy(hb + hlen, p, lead);
+        __m128i Q = ghash_span(&g, _mm_setzero_si128(), hb, NULL, (hlen + lead) / 16);
+        __m128i X = k ? _mm_xor_si128(gfmul(Q, ghash_pow(&g, k)), P) : Q;
+        ghash_tag(&g, X, (uint64_t)(hlen + n), tag);
+        Py_END_ALLOW_THREADS
+        out = Py_BuildValue("Ky#", (unsigned long long)h, (const char *)tag, (Py_ssize_t)16);
+#endif
+    }
+    PyBuffer_Release(&key);
+    PyBuffer_Release(&head);
+    PyBuffer_Release(&src);
+    return out;
+}
+
+static PyObject *py_gmac_mode(PyObject *self, PyObject *unused) { return PyLong_FromLong(gmac_mode()); }
+
 static PyObject *py_simd(PyObject *self, PyObject *unused) { return PyBool_FromLong(have_avx2()); }
 
 /* A full memory barrier (the cpu tier's seqlock, cpu.py: on ARM a lock's acquire and release
@@ -343,6 +462,15 @@ static PyMethodDef methods[] = {
     {"pwrite_xxh3", py_pwrite_xxh3, METH_VARARGS,
      "pwrite_xxh3(fd, src, offset, piece) -> int: pwrite src at offset, piece bytes at a time, "
      "checksumming each piece right after it is written; returns XXH3-64 of src."},
+    {"gmac", (PyCFunction)(void (*)(void))py_gmac, METH_VARARGS | METH_KEYWORDS,
+     "gmac(key, head, src, dst=None, mode=-1) -> bytes: the 16-byte AES-256-GMAC tag (zero 12-byte nonce) "
+     "of head + src as associated data, copying src into dst (same length) on the way; mode 1 or 2 forces "
+     "a kernel (at most gmac_mode())."},
+    {"seal_gmac", (PyCFunction)(void (*)(void))py_seal_gmac, METH_VARARGS | METH_KEYWORDS,
+     "seal_gmac(key, head, src, at, mode=-1) -> (int, bytes): XXH3-64 of src and the GMAC tag of head + src "
+     "with that XXH3-64 written little-endian into head's 8 bytes at `at`; one pass over src."},
+    {"gmac_mode", py_gmac_mode, METH_NOARGS,
+     "gmac_mode() -> int: 2 (VPCLMULQDQ, AVX-512), 1 (PCLMULQDQ) or 0 (neither: use cryptography)."},
     {"fence", py_fence, METH_NOARGS, "fence(): a sequentially consistent memory barrier."},
     {"simd", py_simd, METH_NOARGS, "simd() -> bool: whether the AVX2 code runs on this CPU."},
     {NULL, NULL, 0, NULL},

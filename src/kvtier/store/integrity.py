@@ -14,7 +14,7 @@ kind travels in the header, so every reader checks every kind it can compute:
   cap a secret at 2^32 values). GHASH with the CPU's carry-less multiply runs at 25-30 GB/s on a
   core of the build machine, 4-5x keyed BLAKE3, as fast as the xxh3 checksum: a keyed tier moves
   bytes at nearly its unkeyed speed (issue 31; docs/store.md, "Cost"). Where kvtier's C
-  extension `_gmac` runs (x86-64 with AES-NI and PCLMULQDQ) it computes the same tags in one C
+  extension (`_xxcopy`, src/kvtier/store/_ghash.h) runs (x86-64 with AES-NI and PCLMULQDQ) it computes the same tags in one C
   call per value, fused with the load's copy; `cryptography` stays the reference and streams
   the MAC of cold reads that land piece by piece.
 - MAC_BLAKE3 (keyed BLAKE3, 6-8 GB/s a core) where `cryptography` is not installed and `blake3`
@@ -42,10 +42,13 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import time
 
 from kvtier.errors import ConfigError
-from kvtier.store.payload import (HEADER_BODY_BYTES, MAC_BLAKE2B, MAC_BLAKE3, MAC_BYTES, MAC_GMAC,
-                                  MAC_SALT_BYTES, ChunkHeader, as_bytes_view, encode_header)
+from kvtier.store.payload import (CHECKSUM_AT, CHECKSUM_NONE, CHECKSUM_XXH3, DEFAULT_CHECKSUM, FORMAT_SALTED,
+                                  FUSED_MIN_BYTES, HEADER_BODY_BYTES, MAC_BLAKE2B, MAC_BLAKE3, MAC_BYTES,
+                                  MAC_GMAC, MAC_SALT_BYTES, ChunkHeader, as_bytes_view, encode_header,
+                                  with_seal)
 
 
 SECRET_MIN_BYTES = 16
@@ -65,9 +68,9 @@ try:  # optional: AES-GMAC is ~4x keyed BLAKE3 where the CPU multiplies carry-le
     from cryptography.hazmat.primitives.ciphers import modes as _modes
 except ImportError:  # pragma: no cover - exercised where cryptography is absent
     _Cipher = None
-try:  # optional C extension (src/kvtier/store/_gmac.c): the same GMAC in one pass that also copies
-    from kvtier.store import _gmac as _gmac_c
-    if _gmac_c.mode() == 0:  # no AES-NI / carry-less multiply on this CPU: cryptography's
+try:  # optional C extension (src/kvtier/store/_ghash.h): the same GMAC, fused with a copy or a seal
+    from kvtier.store import _xxcopy as _gmac_c
+    if _gmac_c.gmac_mode() == 0:  # no AES-NI / carry-less multiply on this CPU: cryptography's
         _gmac_c = None
 except ImportError:  # pragma: no cover - exercised where it was not compiled
     _gmac_c = None
@@ -177,6 +180,25 @@ class Keyed:
         if self.kind == MAC_GMAC:
             header = _with_mac(header, b"", 0, os.urandom(MAC_SALT_BYTES))
         return _with_mac(header, self.mac(header, data), self.kind, header.mac_salt)
+
+    def seal(self, header: ChunkHeader, data: object) -> bytes | None:
+        """The encoded header of `data` under `header` (unsealed): its checksum, creation time, salt
+        and MAC, in one pass over the bytes (C: the checksum and GHASH fused, then the header's
+        own GHASH, `seal_gmac`); what `encode_header(sign(seal(header, data), data))` gives. None
+        where that pass does not run here (another MAC kind, no C extension, a payload of at
+        most 240 bytes, a header sealed already): the caller seals, then signs."""
+        view = as_bytes_view(data)
+        if (self.kind != MAC_GMAC or _gmac_c is None or header.checksum_kind != CHECKSUM_NONE
+                or DEFAULT_CHECKSUM != CHECKSUM_XXH3 or len(view) < FUSED_MIN_BYTES
+                or len(view) != header.payload_bytes):
+            return None
+        h = header
+        h = ChunkHeader(h.namespace_id, h.chunk_hash, h.group, h.token_start, h.token_end, h.payload_bytes,
+                        h.dtype, 0, CHECKSUM_XXH3, time.time_ns(), FORMAT_SALTED, b"", 0,
+                        os.urandom(MAC_SALT_BYTES))
+        covered = encode_header(h)[:HEADER_BODY_BYTES]
+        value, tag = _gmac_c.seal_gmac(self._gmac_key(h), covered, view, CHECKSUM_AT)
+        return with_seal(covered, value, tag, MAC_GMAC)
 
     def check(self, header: ChunkHeader, data: object) -> str | None:
         """Why `data` under `header` is not this secret's writing, or None when the MAC verifies."""

@@ -1,5 +1,6 @@
 /*
- * kvtier.store._gmac: AES-256-GMAC of a header and a payload, copying the payload as it hashes.
+ * _ghash.h: AES-256-GMAC of a header and a payload, copying the payload as it hashes (included by
+ * _xxcopy.c, which holds the Python functions: gmac, seal_gmac, gmac_mode).
  *
  * A keyed load is a copy plus a MAC of the same bytes. With `cryptography` the MAC is a second
  * pass (OpenSSL's GHASH over the copied bytes) and a handful of Python calls per value; here the
@@ -21,21 +22,14 @@
  * blocks (the shift and the reduction are linear, so unreduced products add up):
  *   mode 2: n = 32 (512 bytes), four blocks per VPCLMULQDQ on 512-bit registers (AVX-512);
  *   mode 1: n = 8, PCLMULQDQ on 128-bit registers (any x86-64 with AES-NI and PCLMULQDQ).
- * `mode()` says the best this CPU runs (0: neither: the caller uses `cryptography`). Both release
+ * `gmac_mode()` says the best this CPU runs (0: neither: the caller uses `cryptography`). Both release
  * the GIL. The key schedule (AES-NI) and the powers of H are computed per call: a value has its
  * own key (integrity.py), and they cost well under a microsecond.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#ifndef KV_GHASH_H
+#define KV_GHASH_H
 #include <stdint.h>
 #include <string.h>
-
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#include <immintrin.h>
-#define KV_X86 1
-#else
-#define KV_X86 0
-#endif
 
 #if KV_X86
 #define T_BASE __attribute__((target("aes,pclmul,ssse3,sse4.1")))
@@ -193,43 +187,80 @@ T_BASE static __m128i load_padded(const uint8_t *a, size_t na, const uint8_t *b,
     return bswap128(_mm_loadu_si128((const __m128i *)blk));
 }
 
+/* A value's GMAC key: the powers of H it hashes with and the mask of its tag. */
+typedef struct {
+    __m128i hp[33]; /* hp[i] = H^i, i = 1..8 (mode 1) or 1..32 (mode 2) */
+    __m128i ekj0;   /* AES_K(J0) */
+    int mode;
+} ghash_key;
+
+T_BASE static void ghash_setup(ghash_key *g, const uint8_t *key, int mode) {
+    __m128i ks[15];
+    expand256(key, ks);
+    static const uint8_t j0[16] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1};
+    g->ekj0 = aes256(ks, _mm_loadu_si128((const __m128i *)j0));
+    g->hp[1] = bswap128(aes256(ks, _mm_setzero_si128()));
+    g->mode = mode;
+    int powers = mode == 2 ? 32 : 8;
+    for (int i = 2; i <= powers; i++) g->hp[i] = gfmul(g->hp[i - 1], g->hp[1]);
+}
+
+/* GHASH state X after nb more whole blocks of src, copied to dst when not NULL. */
+T_BASE static __m128i ghash_span(const ghash_key *g, __m128i X, const uint8_t *src, uint8_t *dst, size_t nb) {
+    size_t done = 0;
+    if (g->mode == 2) X = ghash_z32(X, src, dst, nb, g->hp, &done);
+    return ghash_x8(X, src + 16 * done, dst ? dst + 16 * done : NULL, nb - done, g->hp);
+}
+
+/* GHASH state X after one last partial block of n < 16 bytes (zero-padded). */
+T_BASE static __m128i ghash_partial(const ghash_key *g, __m128i X, const uint8_t *src, size_t n) {
+    return gfmul(_mm_xor_si128(X, load_padded(src, n, NULL, 0)), g->hp[1]);
+}
+
+/* H^e for e >= 1 (square and multiply). */
+T_BASE static __m128i ghash_pow(const ghash_key *g, size_t e) {
+    int top = 63 - __builtin_clzll((unsigned long long)e);
+    __m128i r = g->hp[1];
+    for (int bit = top - 1; bit >= 0; bit--) {
+        r = gfmul(r, r);
+        if ((e >> bit) & 1) r = gfmul(r, g->hp[1]);
+    }
+    return r;
+}
+
+/* The tag from the state after every associated byte (aad_len of them; nothing encrypted). */
+T_BASE static void ghash_tag(const ghash_key *g, __m128i X, uint64_t aad_len, uint8_t *tag) {
+    uint8_t lens[16] = {0};
+    uint64_t bits = aad_len * 8; /* len(A) in bits, big-endian; len(C) = 0 */
+    for (int i = 0; i < 8; i++) lens[i] = (uint8_t)(bits >> (56 - 8 * i));
+    X = gfmul(_mm_xor_si128(X, bswap128(_mm_loadu_si128((const __m128i *)lens))), g->hp[1]);
+    _mm_storeu_si128((__m128i *)tag, _mm_xor_si128(bswap128(X), g->ekj0));
+}
+
 /* The GMAC tag of head || src under key, copying src to dst (when not NULL). */
 T_BASE static void gmac_run(const uint8_t *key, const uint8_t *head, size_t hlen, const uint8_t *src, uint8_t *dst,
                             size_t n, int mode, uint8_t *tag) {
-    __m128i ks[15], hp[33];
-    expand256(key, ks);
-    static const uint8_t j0[16] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1};
-    __m128i ekj0 = aes256(ks, _mm_loadu_si128((const __m128i *)j0));
-    hp[1] = bswap128(aes256(ks, _mm_setzero_si128()));
-    int powers = mode == 2 ? 32 : 8;
-    for (int i = 2; i <= powers; i++) hp[i] = gfmul(hp[i - 1], hp[1]);
-    __m128i X = ghash_x8(_mm_setzero_si128(), head, NULL, hlen / 16, hp);
+    ghash_key g;
+    ghash_setup(&g, key, mode);
+    __m128i X = ghash_span(&g, _mm_setzero_si128(), head, NULL, hlen / 16);
     size_t rem = hlen % 16, lead = 0;
     if (rem) { /* the header's last bytes and the payload's first ones share a block */
         lead = 16 - rem < n ? 16 - rem : n;
-        X = gfmul(_mm_xor_si128(X, load_padded(head + hlen - rem, rem, src, lead)), hp[1]);
+        X = gfmul(_mm_xor_si128(X, load_padded(head + hlen - rem, rem, src, lead)), g.hp[1]);
         if (dst && lead) memcpy(dst, src, lead);
     }
     const uint8_t *s = src + lead;
     uint8_t *d = dst ? dst + lead : NULL;
-    size_t nb = (n - lead) / 16, done = 0;
-#if KV_X86
-    if (mode == 2) X = ghash_z32(X, s, d, nb, hp, &done);
-#endif
-    X = ghash_x8(X, s + 16 * done, d ? d + 16 * done : NULL, nb - done, hp);
-    size_t tail = n - lead - 16 * nb;
+    size_t nb = (n - lead) / 16, tail = n - lead - 16 * nb;
+    X = ghash_span(&g, X, s, d, nb);
     if (tail) {
-        X = gfmul(_mm_xor_si128(X, load_padded(s + 16 * nb, tail, NULL, 0)), hp[1]);
+        X = ghash_partial(&g, X, s + 16 * nb, tail);
         if (d) memcpy(d + 16 * nb, s + 16 * nb, tail);
     }
-    uint8_t lens[16] = {0};
-    uint64_t bits = (uint64_t)(hlen + n) * 8; /* len(A) in bits, big-endian; len(C) = 0 */
-    for (int i = 0; i < 8; i++) lens[i] = (uint8_t)(bits >> (56 - 8 * i));
-    X = gfmul(_mm_xor_si128(X, bswap128(_mm_loadu_si128((const __m128i *)lens))), hp[1]);
-    _mm_storeu_si128((__m128i *)tag, _mm_xor_si128(bswap128(X), ekj0));
+    ghash_tag(&g, X, (uint64_t)(hlen + n), tag);
 }
 
-static int best_mode(void) {
+static int gmac_mode(void) {
     static int cached = -1;
     if (cached < 0) {
         __builtin_cpu_init();
@@ -246,63 +277,7 @@ static int best_mode(void) {
     return cached;
 }
 #else
-static int best_mode(void) { return 0; }
-#endif
+static int gmac_mode(void) { return 0; }
+#endif /* KV_X86 */
 
-static PyObject *py_gmac(PyObject *self, PyObject *args, PyObject *kw) {
-    static char *names[] = {"key", "head", "src", "dst", "mode", NULL};
-    Py_buffer key, head, src, dst = {0};
-    PyObject *dst_arg = Py_None;
-    int mode = -1;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "y*y*y*|Oi", names, &key, &head, &src, &dst_arg, &mode)) return NULL;
-    int have_dst = dst_arg != Py_None;
-    if (have_dst && PyObject_GetBuffer(dst_arg, &dst, PyBUF_WRITABLE) < 0) {
-        PyBuffer_Release(&key);
-        PyBuffer_Release(&head);
-        PyBuffer_Release(&src);
-        return NULL;
-    }
-    int best = best_mode();
-    if (mode < 0) mode = best;
-    const char *err = NULL;
-    if (key.len != 32)
-        err = "gmac needs a 32-byte key";
-    else if (have_dst && dst.len != src.len)
-        err = "gmac's dst must have src's length";
-    else if (mode < 1 || mode > best)
-        err = "gmac mode not available on this CPU (see mode())";
-    PyObject *out = NULL;
-    if (err) {
-        PyErr_SetString(PyExc_ValueError, err);
-    } else {
-#if KV_X86
-        uint8_t tag[16];
-        Py_BEGIN_ALLOW_THREADS
-        gmac_run((const uint8_t *)key.buf, (const uint8_t *)head.buf, (size_t)head.len, (const uint8_t *)src.buf,
-                 have_dst ? (uint8_t *)dst.buf : NULL, (size_t)src.len, mode, tag);
-        Py_END_ALLOW_THREADS
-        out = PyBytes_FromStringAndSize((const char *)tag, 16);
-#endif
-    }
-    if (have_dst) PyBuffer_Release(&dst);
-    PyBuffer_Release(&key);
-    PyBuffer_Release(&head);
-    PyBuffer_Release(&src);
-    return out;
-}
-
-static PyObject *py_mode(PyObject *self, PyObject *unused) { return PyLong_FromLong(best_mode()); }
-
-static PyMethodDef methods[] = {
-    {"gmac", (PyCFunction)(void (*)(void))py_gmac, METH_VARARGS | METH_KEYWORDS,
-     "gmac(key, head, src, dst=None, mode=-1) -> bytes: the 16-byte AES-256-GMAC tag (zero 12-byte nonce) "
-     "of head + src as associated data, copying src into dst (same length) on the way; mode 1 or 2 forces "
-     "a kernel (at most mode())."},
-    {"mode", py_mode, METH_NOARGS,
-     "mode() -> int: 2 (VPCLMULQDQ, AVX-512), 1 (PCLMULQDQ) or 0 (neither: use cryptography)."},
-    {NULL, NULL, 0, NULL},
-};
-
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_gmac", NULL, -1, methods};
-
-PyMODINIT_FUNC PyInit__gmac(void) { return PyModule_Create(&module); }
+#endif /* KV_GHASH_H */
