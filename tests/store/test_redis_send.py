@@ -1,0 +1,60 @@
+"""redis_wire.send_all: a value's RESP head and payload leave whole and in order, with one gather
+write a pass, through short writes (a small send buffer, a slow reader)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+
+from kvtier.store.tiers.redis_wire import send_all
+
+
+def test_short_writes_go_on_where_they_stopped() -> None:
+    a, b = socket.socketpair()
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)  # every sendmsg writes a part of the rest
+    a.settimeout(10)  # as redis-py sets it: a send returns what fit (blocking, it would wait for all)
+    parts = [b"", b"*3\r\n$3\r\nSET\r\n", memoryview(os.urandom(1 << 20)), b"", memoryview(os.urandom(77)), b"\r\n"]
+    want = b"".join(bytes(p) for p in parts)
+    got = bytearray()
+
+    def reader() -> None:
+        while len(got) < len(want):
+            chunk = b.recv(3000)  # slower than the writer: short writes on its side
+            if not chunk:
+                break
+            got.extend(chunk)
+
+    t = threading.Thread(target=reader)
+    t.start()
+    calls = []
+    real = a.sendmsg
+
+    class Counting:  # counts the passes (socket.sendmsg cannot be patched on the object)
+        def sendmsg(self, bufs):  # noqa: ANN001, ANN202
+            calls.append(sum(len(x) for x in bufs))
+            return real(bufs)
+
+    send_all(Counting(), parts)  # type: ignore[arg-type]
+    t.join(10)
+    a.close()
+    b.close()
+    assert bytes(got) == want
+    assert len(calls) > 1 and calls[0] == len(want)  # short writes happened, the first pass offered all
+    assert all(x > y for x, y in zip(calls, calls[1:]))  # each pass offered only what was left
+
+
+def test_everything_in_one_pass_when_it_fits() -> None:
+    a, b = socket.socketpair()
+    calls = []
+    real = a.sendmsg
+
+    class Counting:
+        def sendmsg(self, bufs):  # noqa: ANN001, ANN202
+            calls.append(len(bufs))
+            return real(bufs)
+
+    send_all(Counting(), [b"head", memoryview(b"payload"), b"\r\n"])  # type: ignore[arg-type]
+    assert b.recv(100) == b"headpayload\r\n" and calls == [3]
+    a.close()
+    b.close()
