@@ -46,7 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="bytes per chunk payload (default 256 KiB)")
     p.add_argument("--chunks", type=int, default=64, metavar="N",
                    help="chunk payloads per round, in one batch (default 64)")
-    p.add_argument("--rounds", type=int, default=7, metavar="N", help="rounds (default 7)")
+    # 31: a round's save is ~7 ms of a 2-core machine; over 7 rounds one scheduling hiccup moved
+    # the median by up to 0.2 (keyed save 0.70-0.89 for the same code), over 31 by ~0.04
+    p.add_argument("--rounds", type=int, default=31, metavar="N", help="rounds (default 31)")
     p.add_argument("--secret", action="store_true",
                    help="key the tier with a random tenant secret (a MAC on every value): the ratios "
                         "then show what the key costs")
