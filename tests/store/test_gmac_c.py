@@ -77,8 +77,11 @@ def test_sealing_tags_equal_cryptography_over_the_header_with_its_checksum(mode:
             assert tag == reference(key, bytes(head), src), (hlen, n)
     with pytest.raises(ValueError, match="240"):
         gm.seal_gmac(bytes(32), bytes(124), np.zeros(240, np.uint8), 76)
+    for at in (120, -1, (1 << 63) - 8, (1 << 63) - 1):  # past the head, or overflowing at + 8
+        with pytest.raises((ValueError, OverflowError), match="checksum bytes|too large|overflow"):
+            gm.seal_gmac(bytes(32), bytes(124), np.zeros(300, np.uint8), at)
     with pytest.raises(ValueError, match="checksum bytes"):
-        gm.seal_gmac(bytes(32), bytes(124), np.zeros(300, np.uint8), 120)
+        gm.seal_gmac(bytes(32), bytes(4), np.zeros(300, np.uint8), 0)
 
 
 @needs_c

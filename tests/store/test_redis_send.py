@@ -58,3 +58,23 @@ def test_everything_in_one_pass_when_it_fits() -> None:
     assert b.recv(100) == b"headpayload\r\n" and calls == [3]
     a.close()
     b.close()
+
+
+def test_parts_of_wide_items_are_counted_in_bytes() -> None:
+    """A part whose items are wider than a byte (uint16 here) is sent whole: short writes are
+    counted in bytes, not items."""
+    import numpy as np
+
+    a, b = socket.socketpair()
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    a.settimeout(10)
+    wide = np.arange(1 << 18, dtype=np.uint16)
+    want = b"hd" + wide.tobytes()
+    got = bytearray()
+    t = threading.Thread(target=lambda: [got.extend(b.recv(65536)) for _ in iter(lambda: len(got) < len(want), False)])
+    t.start()
+    send_all(a, [b"hd", wide])  # type: ignore[list-item]
+    t.join(10)
+    a.close()
+    b.close()
+    assert bytes(got) == want

@@ -180,11 +180,9 @@ T_WIDE static __m128i ghash_z32(__m128i X, const uint8_t *src, uint8_t *dst, siz
     return X;
 }
 
-T_BASE static __m128i load_padded(const uint8_t *a, size_t na, const uint8_t *b, size_t nb) {
-    uint8_t blk[16] = {0};
-    memcpy(blk, a, na);
-    if (nb) memcpy(blk + na, b, nb);
-    return bswap128(_mm_loadu_si128((const __m128i *)blk));
+/* GHASH state X after the block blk (16 bytes, zero-padded by the caller). */
+T_BASE static inline __m128i hash_block(__m128i X, const uint8_t *blk, __m128i h) {
+    return gfmul(_mm_xor_si128(X, bswap128(_mm_loadu_si128((const __m128i *)blk))), h);
 }
 
 /* A value's GMAC key: the powers of H it hashes with and the mask of its tag. */
@@ -212,9 +210,14 @@ T_BASE static __m128i ghash_span(const ghash_key *g, __m128i X, const uint8_t *s
     return ghash_x8(X, src + 16 * done, dst ? dst + 16 * done : NULL, nb - done, g->hp);
 }
 
-/* GHASH state X after one last partial block of n < 16 bytes (zero-padded). */
-T_BASE static __m128i ghash_partial(const ghash_key *g, __m128i X, const uint8_t *src, size_t n) {
-    return gfmul(_mm_xor_si128(X, load_padded(src, n, NULL, 0)), g->hp[1]);
+/* GHASH state X after one last partial block of n < 16 bytes (zero-padded), copied to dst (when
+ * not NULL) from the bytes hashed: each source byte is read once, so a source that changes
+ * under the call (a shared mapping) never puts into dst a byte the tag did not cover. */
+T_BASE static __m128i ghash_partial(const ghash_key *g, __m128i X, const uint8_t *src, uint8_t *dst, size_t n) {
+    uint8_t blk[16] = {0};
+    memcpy(blk, src, n);
+    if (dst) memcpy(dst, blk, n);
+    return hash_block(X, blk, g->hp[1]);
 }
 
 /* H^e for e >= 1 (square and multiply). */
@@ -237,7 +240,8 @@ T_BASE static void ghash_tag(const ghash_key *g, __m128i X, uint64_t aad_len, ui
     _mm_storeu_si128((__m128i *)tag, _mm_xor_si128(bswap128(X), g->ekj0));
 }
 
-/* The GMAC tag of head || src under key, copying src to dst (when not NULL). */
+/* The GMAC tag of head || src under key, copying src to dst (when not NULL; dst and src must
+ * not overlap). Every source byte is loaded once and both stored and hashed from that load. */
 T_BASE static void gmac_run(const uint8_t *key, const uint8_t *head, size_t hlen, const uint8_t *src, uint8_t *dst,
                             size_t n, int mode, uint8_t *tag) {
     ghash_key g;
@@ -245,18 +249,18 @@ T_BASE static void gmac_run(const uint8_t *key, const uint8_t *head, size_t hlen
     __m128i X = ghash_span(&g, _mm_setzero_si128(), head, NULL, hlen / 16);
     size_t rem = hlen % 16, lead = 0;
     if (rem) { /* the header's last bytes and the payload's first ones share a block */
+        uint8_t blk[16] = {0};
         lead = 16 - rem < n ? 16 - rem : n;
-        X = gfmul(_mm_xor_si128(X, load_padded(head + hlen - rem, rem, src, lead)), g.hp[1]);
-        if (dst && lead) memcpy(dst, src, lead);
+        memcpy(blk, head + hlen - rem, rem);
+        memcpy(blk + rem, src, lead);
+        if (dst) memcpy(dst, blk + rem, lead); /* from the bytes hashed (ghash_partial) */
+        X = hash_block(X, blk, g.hp[1]);
     }
     const uint8_t *s = src + lead;
     uint8_t *d = dst ? dst + lead : NULL;
     size_t nb = (n - lead) / 16, tail = n - lead - 16 * nb;
     X = ghash_span(&g, X, s, d, nb);
-    if (tail) {
-        X = ghash_partial(&g, X, s + 16 * nb, tail);
-        if (d) memcpy(d + 16 * nb, s + 16 * nb, tail);
-    }
+    if (tail) X = ghash_partial(&g, X, s + 16 * nb, d ? d + 16 * nb : NULL, tail);
     ghash_tag(&g, X, (uint64_t)(hlen + n), tag);
 }
 

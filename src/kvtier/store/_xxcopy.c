@@ -360,6 +360,8 @@ static PyObject *py_gmac(PyObject *self, PyObject *args, PyObject *kw) {
                  have_dst ? (uint8_t *)dst.buf : NULL, (size_t)src.len, mode, tag);
         Py_END_ALLOW_THREADS
         out = PyBytes_FromStringAndSize((const char *)tag, 16);
+#else
+        PyErr_SetString(PyExc_ValueError, "gmac runs on x86-64 only (gmac_mode() is 0 here)");
 #endif
     }
     if (have_dst) PyBuffer_Release(&dst);
@@ -390,7 +392,7 @@ static PyObject *py_seal_gmac(PyObject *self, PyObject *args, PyObject *kw) {
         err = "seal_gmac needs a 32-byte key";
     else if (src.len <= 240)
         err = "seal_gmac hashes payloads of more than 240 bytes";
-    else if (head.len > SEAL_HEAD_MAX || at < 0 || at + 8 > head.len)
+    else if (head.len > SEAL_HEAD_MAX || head.len < 8 || at < 0 || at > head.len - 8)
         err = "seal_gmac needs a head of at most 256 bytes holding 8 checksum bytes at `at`";
     else if (mode < 1 || mode > best)
         err = "gmac mode not available on this CPU (see gmac_mode())";
@@ -422,7 +424,7 @@ static PyObject *py_seal_gmac(PyObject *self, PyObject *args, PyObject *kw) {
         }
         size_t k = nb;
         if (tail) {
-            P = ghash_partial(&g, P, s + 16 * nb, tail);
+            P = ghash_partial(&g, P, s + 16 * nb, NULL, tail);
             k++;
         }
         uint8_t hb[SEAL_HEAD_MAX + 16];
@@ -434,6 +436,8 @@ static PyObject *py_seal_gmac(PyObject *self, PyObject *args, PyObject *kw) {
         ghash_tag(&g, X, (uint64_t)(hlen + n), tag);
         Py_END_ALLOW_THREADS
         out = Py_BuildValue("Ky#", (unsigned long long)h, (const char *)tag, (Py_ssize_t)16);
+#else
+        PyErr_SetString(PyExc_ValueError, "seal_gmac runs on x86-64 only (gmac_mode() is 0 here)");
 #endif
     }
     PyBuffer_Release(&key);

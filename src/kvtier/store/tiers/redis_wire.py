@@ -158,7 +158,7 @@ def send_all(sock: socket.socket, parts: list[bytes | memoryview]) -> None:
     RESP head and its payload leave in one system call (redis-py's send_packed_command makes one
     `sendall` per part). A short write goes on from where it stopped; the socket's timeout holds
     for each pass, as for sendall."""
-    bufs = [memoryview(p).cast("B") if isinstance(p, memoryview) else memoryview(p) for p in parts]
+    bufs = [memoryview(p).cast("B") for p in parts]  # lengths in bytes, whatever the item size
     while bufs:
         sent = sock.sendmsg(bufs)
         while sent and bufs:
