@@ -1,5 +1,6 @@
-"""The AES-GMAC kind of the keyed MAC (integrity.MAC_GMAC, header format 2): what it covers, that
-every value gets its own key, and that values MACed by the older kinds still restore."""
+"""The AES-GMAC kind of the keyed MAC (integrity.MAC_GMAC, header format 3): what it covers, that
+every value gets its own key (bound to its whole header), and that values MACed by the older kinds
+and the older format 2 (key from the salt alone) still restore."""
 
 from __future__ import annotations
 
@@ -30,12 +31,12 @@ def _through_bytes(h: P.ChunkHeader) -> P.ChunkHeader:
     return got
 
 
-def test_a_keyed_write_is_gmac_in_format_2_and_round_trips() -> None:
+def test_a_keyed_write_is_gmac_in_format_3_and_round_trips() -> None:
     data = os.urandom(300_000)
     h, k = _signed(data)
     assert (h.mac_kind, len(h.mac), len(h.mac_salt)) == (P.MAC_GMAC, 16, 12)
     raw = P.encode_header(h)
-    assert int.from_bytes(raw[4:6], "little") == P.FORMAT_SALTED
+    assert int.from_bytes(raw[4:6], "little") == P.FORMAT_BOUND
     back = _through_bytes(h)
     assert (back.mac, back.mac_salt, back.mac_kind) == (h.mac, h.mac_salt, P.MAC_GMAC)
     assert k.check(back, data) is None
@@ -49,15 +50,65 @@ def test_a_keyed_write_is_gmac_in_format_2_and_round_trips() -> None:
 
 def test_the_mac_is_the_gcm_tag_over_header_and_payload_under_the_values_own_key() -> None:
     """Pins the construction against an independent computation (the one-shot AEAD API): a key
-    derived from the secret and the salt, nonce zero, associated data = the 124 header bytes with
-    MAC and kind zeroed (salt kept) followed by the payload."""
+    derived from the secret and the 124 header bytes with checksum, MAC and kind zeroed (salt
+    kept), nonce zero, associated data = those header bytes with the checksum, then the payload.
+    Both ways of writing (sign after seal, and the one-pass Keyed.seal) give it."""
     data = os.urandom(70_000)
-    h, _ = _signed(data)
-    head = bytearray(P.encode_header(h)[:P.HEADER_BODY_BYTES])
-    head[92:109] = bytes(17)  # MAC and MAC kind
+    h, k = _signed(data)
+    for raw in (P.encode_header(h), k.seal(P.make_header(NS, b"\x07" * 32, 1, 0, 128, len(data)), data)):
+        if raw is None:  # no C extension here: Keyed.seal leaves it to sign
+            continue
+        got = P.decode_header(raw)
+        assert isinstance(got, P.ChunkHeader)
+        head = bytearray(raw[:P.HEADER_BODY_BYTES])
+        head[92:109] = bytes(17)  # MAC and MAC kind
+        root = hashlib.blake2b(SECRET, digest_size=64, person=b"kvtier-gmac-v1").digest()
+        unsummed = bytes(head[:76]) + bytes(8) + bytes(head[84:])  # the checksum zeroed too
+        key = hashlib.blake2b(unsummed, key=root, digest_size=32, person=b"kvtier-gmac-k3").digest()
+        assert AESGCM(key).encrypt(bytes(12), b"", bytes(head) + data)[:16] == got.mac
+
+
+def test_a_repeated_salt_reuses_no_key_unless_the_whole_header_repeats() -> None:
+    """Format 3 binds the GMAC key to the header: two values that draw the same salt (a 96-bit
+    birthday, ~2^-32 after 2^32 values) but differ in chunk, span or creation time get different
+    keys; format 2 (key from the salt alone, read only) gave them one."""
+    k = I.Keyed(SECRET)
+    salt = os.urandom(12)
+    base = P.ChunkHeader(NS, b"\x07" * 32, 1, 0, 128, 4096, "uint8", 5, P.CHECKSUM_XXH3, 1000, P.FORMAT_BOUND,
+                         b"", 0, salt)
+    others = [P.ChunkHeader(**{**_fields(base), f: v}) for f, v in
+              (("chunk_hash", b"\x08" * 32), ("token_start", 128), ("created_ns", 1001), ("group", 2))]
+    keys = {k._gmac_key(h, P.encode_header(h)[:P.HEADER_BODY_BYTES]) for h in [base, *others]}
+    assert len(keys) == 5
+    old = [P.ChunkHeader(**{**_fields(h), "format_version": P.FORMAT_SALTED}) for h in [base, *others]]
+    assert len({k._gmac_key(h, P.encode_header(h)[:P.HEADER_BODY_BYTES]) for h in old}) == 1
+    same = P.ChunkHeader(**{**_fields(base), "checksum": 99})  # the checksum is not in the key
+    assert k._gmac_key(same, P.encode_header(same)[:P.HEADER_BODY_BYTES]) in keys
+
+
+def test_format_2_values_still_restore() -> None:
+    """A value written in format 2 (the GMAC key from the salt alone) verifies on every path; a
+    changed byte fails it."""
+    data = os.urandom(300_001)
+    k = I.Keyed(SECRET)
+    sealed = P.seal(P.make_header(NS, b"\x07" * 32, 1, 0, 128, len(data)), data)
+    h2 = P.ChunkHeader(**{**_fields(sealed), "format_version": P.FORMAT_SALTED, "mac_salt": os.urandom(12)})
+    head = P.encode_header(h2)[:P.HEADER_BODY_BYTES]
+    assert int.from_bytes(head[4:6], "little") == P.FORMAT_SALTED
     root = hashlib.blake2b(SECRET, digest_size=64, person=b"kvtier-gmac-v1").digest()
-    key = hashlib.blake2b(h.mac_salt, key=root, digest_size=32, person=b"kvtier-gmac-key").digest()
-    assert AESGCM(key).encrypt(bytes(12), b"", bytes(head) + data)[:16] == h.mac
+    key = hashlib.blake2b(h2.mac_salt, key=root, digest_size=32, person=b"kvtier-gmac-key").digest()
+    tag = AESGCM(key).encrypt(bytes(12), b"", head + data)[:16]
+    back = _through_bytes(P.ChunkHeader(**{**_fields(h2), "mac": tag, "mac_kind": P.MAC_GMAC}))
+    assert back.format_version == P.FORMAT_SALTED
+    assert k.check(back, data) is None
+    dst = memoryview(bytearray(len(data)))
+    assert k.copy_check(back, data, dst) is None and bytes(dst) == data
+    s = k.stream(back)
+    s.update(data)
+    assert s.verdict() is None
+    bad = bytearray(data)
+    bad[-1] ^= 1
+    assert k.check(back, bytes(bad)) == I.MAC_MISMATCH
 
 
 def test_every_value_gets_its_own_salt_so_no_gcm_key_tags_two_values() -> None:
@@ -107,8 +158,8 @@ def test_values_macd_by_the_older_kinds_still_restore(kind: int) -> None:
 
 
 def test_a_salt_only_comes_with_the_gmac_kind() -> None:
-    """A format-2 header must carry MAC kind 3 and a kind-3 MAC a format-2 header: a header that
-    mixes them is rejected (a corrupt miss), never checked under the wrong rule."""
+    """A format-2 or -3 header must carry MAC kind 3 and a kind-3 MAC a format-2 or -3 header: a
+    header that mixes them is rejected (a corrupt miss), never checked under the wrong rule."""
     import struct
     import zlib
 
@@ -117,7 +168,7 @@ def test_a_salt_only_comes_with_the_gmac_kind() -> None:
     raw = bytearray(P.encode_header(h))
     raw[108] = P.MAC_BLAKE3
     struct.pack_into("<I", raw, 124, zlib.crc32(bytes(raw[:124])))
-    assert P.decode_header(raw) == P.Rejected("MAC kind 2 in a format 2 header")
+    assert P.decode_header(raw) == P.Rejected("MAC kind 2 in a format 3 header")
     raw = bytearray(P.encode_header(h))
     struct.pack_into("<H", raw, 4, P.FORMAT_VERSION)
     struct.pack_into("<I", raw, 124, zlib.crc32(bytes(raw[:124])))

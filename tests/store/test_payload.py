@@ -68,10 +68,10 @@ def test_bad_headers_are_values_with_reasons() -> None:
     flipped[60] ^= 0x10  # inside the token span
     assert P.decode_header(flipped) == P.Rejected("header checksum mismatch")
     newer = bytearray(raw)
-    struct.pack_into("<H", newer, 4, P.FORMAT_SALTED + 1)
+    struct.pack_into("<H", newer, 4, P.FORMAT_BOUND + 1)
     struct.pack_into("<I", newer, 124, zlib.crc32(bytes(newer[:124])))
     r = P.decode_header(newer)
-    assert isinstance(r, P.Rejected) and r.reason.startswith("newer format version 3")
+    assert isinstance(r, P.Rejected) and r.reason.startswith("newer format version 4")
 
 
 def test_mismatch_names_the_foreign_field() -> None:

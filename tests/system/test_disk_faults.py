@@ -135,12 +135,12 @@ def test_header_from_a_newer_format_version(tmp_path) -> None:
     with open(path, "r+b") as f:
         f.seek(off)
         raw = bytearray(f.read(HEADER_BYTES))
-        struct.pack_into("<H", raw, 4, 3)  # format version 3, header crc made valid again
+        struct.pack_into("<H", raw, 4, 4)  # format version 4, header crc made valid again
         struct.pack_into("<I", raw, 124, zlib.crc32(bytes(raw[:124])))
         f.seek(off)
         f.write(raw)
     problems = [r.problem for r in scan_dir(tmp_path) if r.problem]
-    assert problems == ["newer format version 3 (this kvtier reads 1 and 2)"]
+    assert problems == ["newer format version 4 (this kvtier reads 1, 2 and 3)"]
     got, m, h = _restart_and_load(tmp_path)
     assert (h["hit"], got) == (0, 0)  # chunk 0 of the full group is gone: nothing restores
 

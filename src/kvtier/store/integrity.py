@@ -6,12 +6,16 @@ With a secret, every payload also carries a 128-bit MAC over its header and byte
 header's MAC field, and a reader with the secret restores only payloads whose MAC verifies. The
 kind travels in the header, so every reader checks every kind it can compute:
 
-- MAC_GMAC (written where the `cryptography` package is installed; format 2): AES-256-GMAC, the
+- MAC_GMAC (written where the `cryptography` package is installed; format 3): AES-256-GMAC, the
   GCM tag over header and payload as associated data and nothing encrypted. Its key is derived
-  per value: keyed BLAKE2b of the secret over a random 12-byte salt that the header carries,
-  so every key tags one value and GCM's nonce (fixed at zero) is never reused under a key, with
-  no counter to keep across writers and restarts (a random nonce under one fleet-wide key would
-  cap a secret at 2^32 values). GHASH with the CPU's carry-less multiply runs at 25-30 GB/s on a
+  per value: keyed BLAKE2b of the secret over the header's bytes (checksum and MAC fields
+  zeroed), which carry a random 12-byte salt besides namespace, chunk hash, span, length and
+  creation time in ns, so GCM's nonce (fixed at zero) is never reused under a key, with no
+  counter to keep across writers and restarts. A key from the salt alone (format 2, still read)
+  is no better than a random nonce under one fleet-wide key: two of ~2^32 values share a salt
+  with probability ~2^-32, and two tags under one key give away its GHASH key, letting a writer
+  of the shared tier forge any value carrying that salt; bound to the whole header, a repeated
+  salt reuses no key unless the same chunk was also written in the same nanosecond. GHASH with the CPU's carry-less multiply runs at 25-30 GB/s on a
   core of the build machine, 4-5x keyed BLAKE3, as fast as the xxh3 checksum: a keyed tier moves
   bytes at nearly its unkeyed speed (issue 31; docs/store.md, "Cost"). Where kvtier's C
   extension (`_xxcopy`, src/kvtier/store/_ghash.h) runs (x86-64 with AES-NI and PCLMULQDQ) it computes the same tags in one C
@@ -45,7 +49,8 @@ import os
 import time
 
 from kvtier.errors import ConfigError
-from kvtier.store.payload import (CHECKSUM_AT, CHECKSUM_NONE, CHECKSUM_XXH3, DEFAULT_CHECKSUM, FORMAT_SALTED,
+from kvtier.store.payload import (CHECKSUM_AT, CHECKSUM_NONE, CHECKSUM_XXH3, DEFAULT_CHECKSUM, FORMAT_BOUND,
+                                  FORMAT_SALTED,
                                   FUSED_MIN_BYTES, HEADER_BODY_BYTES, MAC_BLAKE2B, MAC_BLAKE3, MAC_BYTES,
                                   MAC_GMAC, MAC_SALT_BYTES, ChunkHeader, as_bytes_view, encode_header,
                                   with_seal)
@@ -111,21 +116,29 @@ class Keyed:
     def mac(self, header: ChunkHeader, data: object, kind: int | None = None) -> bytes:
         kind = self.kind if kind is None else kind
         if kind == MAC_GMAC and _gmac_c is not None:
-            return _gmac_c.gmac(self._gmac_key(header), _covered(header),  # type: ignore[no-any-return]
+            head = _covered(header)
+            return _gmac_c.gmac(self._gmac_key(header, head), head,  # type: ignore[no-any-return]
                                 as_bytes_view(data)[:header.payload_bytes])
         h = self._hasher(header, kind)
         h.update(as_bytes_view(data)[:header.payload_bytes])
         return h.digest()
 
-    def _gmac_key(self, header: ChunkHeader) -> bytes:
-        """One key per value: keyed BLAKE2b of the secret over the header's salt (module docstring)."""
-        return hashlib.blake2b(header.mac_salt, key=self._keyg, digest_size=32, person=b"kvtier-gmac-key").digest()
+    def _gmac_key(self, header: ChunkHeader, covered: bytes) -> bytes:
+        """The value's own GMAC key (module docstring): keyed BLAKE2b of the secret over the header
+        bytes the MAC covers, checksum zeroed (a seal computes the checksum in the same pass as
+        the GHASH that needs the key), so it binds salt, namespace, chunk, span, length, dtype
+        and creation time; format 2 values (read only) over the salt alone."""
+        if header.format_version == FORMAT_SALTED:
+            return hashlib.blake2b(header.mac_salt, key=self._keyg, digest_size=32,
+                                   person=b"kvtier-gmac-key").digest()
+        return hashlib.blake2b(covered[:CHECKSUM_AT] + bytes(8) + covered[CHECKSUM_AT + 8:], key=self._keyg,
+                               digest_size=32, person=b"kvtier-gmac-k3").digest()
 
     def _hasher(self, header: ChunkHeader, kind: int) -> _Digest | _Gmac:
         """The keyed hash of `kind`, fed the header (its MAC fields zeroed, its salt kept) already."""
         head = _covered(header)
         if kind == MAC_GMAC:
-            g = _Cipher(_algorithms.AES(self._gmac_key(header)), _modes.GCM(_GCM_NONCE)).encryptor()
+            g = _Cipher(_algorithms.AES(self._gmac_key(header, head)), _modes.GCM(_GCM_NONCE)).encryptor()
             g.authenticate_additional_data(head)
             return _Gmac(g)
         if kind == MAC_BLAKE3:
@@ -165,7 +178,8 @@ class Keyed:
         if len(view) != n or len(dst) < n:
             return f"payload truncated: {len(view)} of {n} bytes"
         if header.mac_kind == MAC_GMAC and _gmac_c is not None:  # one C pass: copy and GHASH
-            tag = _gmac_c.gmac(self._gmac_key(header), _covered(header), view, dst[:n])
+            head = _covered(header)
+            tag = _gmac_c.gmac(self._gmac_key(header, head), head, view, dst[:n])
             return None if hmac.compare_digest(tag, header.mac) else MAC_MISMATCH
         mac = self.stream(header)
         for a in range(0, n, MAC_PIECE):
@@ -194,10 +208,10 @@ class Keyed:
             return None
         h = header
         h = ChunkHeader(h.namespace_id, h.chunk_hash, h.group, h.token_start, h.token_end, h.payload_bytes,
-                        h.dtype, 0, CHECKSUM_XXH3, time.time_ns(), FORMAT_SALTED, b"", 0,
+                        h.dtype, 0, CHECKSUM_XXH3, time.time_ns(), FORMAT_BOUND, b"", 0,
                         os.urandom(MAC_SALT_BYTES))
         covered = encode_header(h)[:HEADER_BODY_BYTES]
-        value, tag = _gmac_c.seal_gmac(self._gmac_key(h), covered, view, CHECKSUM_AT)
+        value, tag = _gmac_c.seal_gmac(self._gmac_key(h, covered), covered, view, CHECKSUM_AT)
         return with_seal(covered, value, tag, MAC_GMAC)
 
     def check(self, header: ChunkHeader, data: object) -> str | None:

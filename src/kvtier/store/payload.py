@@ -18,14 +18,17 @@ Layout (`HEADER_BYTES` = 128, every integer little-endian):
      84    8 created (unix time in ns; for `kvtier inspect` ages and rebuild order)
      92   16 MAC of bytes 0..123 (MAC and MAC kind zeroed) and the payload (`integrity`)
     108    1 MAC kind (0: written without a secret; 1: keyed BLAKE2b-128; 2: keyed BLAKE3-128;
-             3: AES-256-GMAC under a key derived per value from the salt; format 2 only)
-    109   12 MAC salt (format 2, MAC kind 3: random per value; zero otherwise)
+             3: AES-256-GMAC under a key derived per value; formats 2 and 3 only)
+    109   12 MAC salt (formats 2 and 3, MAC kind 3: random per value; zero otherwise)
     121    3 reserved (zero)
     124    4 crc32 of bytes 0..123 (the header's own checksum)
 
-Format versions: 1 (MAC kinds 0-2; bytes 109..123 zero) and 2 (format 1 plus the MAC salt and
-MAC kind 3). A writer writes 2 only for a payload MACed with kind 3, so unkeyed values stay
-readable by a kvtier that reads format 1 alone; this kvtier reads both.
+Format versions: 1 (MAC kinds 0-2; bytes 109..123 zero), 2 (format 1 plus the MAC salt and MAC
+kind 3, its key derived from the secret and the salt) and 3 (format 2 with the key derived from
+the secret and every header byte but the checksum and the MAC fields: a repeated 96-bit salt, as
+likely as a repeated random nonce after ~2^32 values, then reuses no key unless the whole header
+repeats too; integrity.py). A writer writes 3 only for a payload MACed with kind 3, so unkeyed
+values stay readable by a kvtier that reads format 1 alone; this kvtier reads all three.
 
 Never pickle: a payload is bytes described by this header and nothing else. Decoding never
 raises on bad input; a bad header is a `Rejected(reason)` value the caller counts as a corrupt
@@ -78,8 +81,10 @@ FUSED_MIN_BYTES = 241  # _xxcopy's long-input path; shorter payloads go to pytho
 
 MAGIC = b"KVTC"
 FORMAT_VERSION = 1  # what an unsalted header is written as (see the module docstring)
-FORMAT_SALTED = 2  # a header carrying a MAC salt (MAC kind 3)
-FORMATS_READ = (FORMAT_VERSION, FORMAT_SALTED)
+FORMAT_SALTED = 2  # a header carrying a MAC salt (MAC kind 3), its key derived from the salt (read only)
+FORMAT_BOUND = 3  # the same, its key derived from the header: what a keyed writer writes
+FORMATS_READ = (FORMAT_VERSION, FORMAT_SALTED, FORMAT_BOUND)
+SALTED_FORMATS = (FORMAT_SALTED, FORMAT_BOUND)
 HEADER_BYTES = 128
 HASH_BYTES = 32
 
@@ -279,7 +284,8 @@ def sealed_with(header: ChunkHeader, value: int, kind: int = DEFAULT_CHECKSUM) -
 def encode_header(header: ChunkHeader) -> bytes:
     body = _BODY.pack(
         MAGIC,
-        FORMAT_SALTED if header.mac_salt else FORMAT_VERSION,
+        (header.format_version if header.format_version in SALTED_FORMATS else FORMAT_BOUND)
+        if header.mac_salt else FORMAT_VERSION,
         HEADER_BYTES,
         bytes.fromhex(header.namespace_id),
         header.chunk_hash.ljust(HASH_BYTES, b"\0"),
@@ -310,8 +316,9 @@ def decode_header(buf: bytes | bytearray | memoryview) -> ChunkHeader | Rejected
         return Rejected(f"bad magic {bytes(view[0:4])!r}")
     version = int.from_bytes(view[4:6], "little")
     if version not in FORMATS_READ:
-        newer = "newer" if version > FORMAT_SALTED else "older"
-        return Rejected(f"{newer} format version {version} (this kvtier reads {FORMAT_VERSION} and {FORMAT_SALTED})")
+        newer = "newer" if version > FORMAT_BOUND else "older"
+        return Rejected(f"{newer} format version {version} (this kvtier reads "
+                        f"{FORMAT_VERSION}, {FORMAT_SALTED} and {FORMAT_BOUND})")
     body = view[: _BODY.size]
     (stored_crc,) = _CRC.unpack_from(view, _BODY.size)
     if zlib.crc32(body) != stored_crc:
@@ -327,7 +334,7 @@ def decode_header(buf: bytes | bytearray | memoryview) -> ChunkHeader | Rejected
         return Rejected(f"unknown checksum kind {ckind}")
     if flag not in (0, MAC_BLAKE2B, MAC_BLAKE3, MAC_GMAC):
         return Rejected(f"unknown MAC kind {flag}")
-    if (flag == MAC_GMAC) != (version == FORMAT_SALTED):  # a salt only where a kind-3 MAC needs one
+    if (flag == MAC_GMAC) != (version in SALTED_FORMATS):  # a salt only where a kind-3 MAC needs one
         return Rejected(f"MAC kind {flag} in a format {version} header")
     return ChunkHeader(
         namespace_id=ns.hex(),
