@@ -176,3 +176,149 @@ def test_keyed_seal_is_checksum_and_mac_in_one_pass(monkeypatch: pytest.MonkeyPa
     bad[3] ^= 1  # in the block the payload shares with the header
     assert k.check(got, bad) == MAC_MISMATCH
     assert Keyed(os.urandom(32), kind=MAC_GMAC).check(got, data) == MAC_MISMATCH
+
+
+def _batch(k: Keyed, sizes: list[int], seed: int) -> tuple[list[ChunkHeader], list[np.ndarray], bytes, bytes]:
+    rng = np.random.default_rng(seed)
+    datas = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+    headers = [ChunkHeader("0123456789abcdef", bytes([i + 1]) * 32, i % 3, 256 * i, 256 * (i + 1), n, "bfloat16")
+               for i, n in enumerate(sizes)]
+    prep = k.seal_batch(headers, datas)
+    assert prep is not None
+    return headers, datas, *prep
+
+
+LAYOUT = None if gm is None else (integrity.CHECKSUM_AT, 92, MAC_GMAC)
+
+
+def _sealed_right(k: Keyed, header: ChunkHeader, raw: bytes, data: np.ndarray) -> None:
+    """`raw` is what Keyed.seal writes for `header` and `data` (with its own salt and time): it
+    decodes to the caller's fields, its checksum verifies, and its MAC verifies on both paths."""
+    from kvtier.store.payload import CHECKSUM_XXH3, decode_header, verify
+
+    got = decode_header(raw)
+    assert isinstance(got, ChunkHeader), got
+    assert (got.namespace_id, got.chunk_hash, got.group, got.token_start, got.token_end, got.payload_bytes,
+            got.dtype) == (header.namespace_id, header.chunk_hash, header.group, header.token_start,
+                           header.token_end, header.payload_bytes, header.dtype)
+    assert got.checksum_kind == CHECKSUM_XXH3 and verify(got, data) is None
+    assert got.mac_kind == MAC_GMAC and k.check(got, data) is None
+    assert k.copy_check(got, data, memoryview(np.zeros_like(data))) is None
+    bad = data.copy()
+    bad[-1] ^= 1
+    assert k.check(got, bad) == MAC_MISMATCH
+
+
+@needs_c
+def test_a_batch_seal_writes_what_the_one_value_seal_writes() -> None:
+    """Each header out of `seal_batch` is, byte for byte, the one-value C seal of the same body
+    and key (`seal_gmac` + `with_seal`), and verifies as Keyed.seal's does."""
+    from kvtier.store.payload import CHECKSUM_AT, HEADER_BODY_BYTES, with_seal
+
+    k = Keyed(os.urandom(32), kind=MAC_GMAC)
+    sizes = [241, 4096, 4099, (256 << 10) + 3, 65543]
+    headers, datas, keys, bodies = _batch(k, sizes, 11)
+    assert len(keys) == 32 * len(sizes) and len(bodies) == HEADER_BODY_BYTES * len(sizes)
+    state, out = bytearray(len(sizes)), bytearray(128 * len(sizes))
+    for i, (h, d) in enumerate(zip(headers, datas)):
+        raw = gm.seal_batch(keys, bodies, d, state, out, i, *LAYOUT)
+        body, key = bodies[HEADER_BODY_BYTES * i:HEADER_BODY_BYTES * (i + 1)], keys[32 * i:32 * (i + 1)]
+        assert raw == with_seal(body, *gm.seal_gmac(key, body, d, CHECKSUM_AT), MAC_GMAC)
+        assert state[i] == 2 and out[128 * i:128 * (i + 1)] == raw
+        _sealed_right(k, h, raw, d)
+    salts = {bodies[HEADER_BODY_BYTES * i + 109:HEADER_BODY_BYTES * i + 121] for i in range(len(sizes))}
+    assert len(salts) == len(sizes)  # a fresh salt each
+
+
+@needs_c
+def test_a_batch_value_is_sealed_once_by_whoever_claims_it_and_the_sender_never_waits() -> None:
+    """State byte k: free (0) -> claimed (1) -> sealed (2). The helper seals only a free value;
+    the sender takes a sealed value's header as it is, claims and seals a free one, and seals a
+    copy of its own for a value the helper is still on (never reading the half-written slot);
+    `seal_batch_halt` claims every free value, so the helper stops."""
+    k = Keyed(os.urandom(32), kind=MAC_GMAC)
+    headers, datas, keys, bodies = _batch(k, [8192] * 4, 12)
+    state, out = bytearray(4), bytearray(128 * 4)
+
+    assert gm.seal_batch(keys, bodies, datas[0], state, out, 0, *LAYOUT, helper=True) is None
+    assert state[0] == 2
+    sealed = bytes(out[:128])
+    _sealed_right(k, headers[0], sealed, datas[0])
+    assert gm.seal_batch(keys, bodies, datas[0], state, out, 0, *LAYOUT) == sealed  # taken as it is
+    assert gm.seal_batch(keys, bodies, datas[0], state, out, 0, *LAYOUT, helper=True) is None
+    assert bytes(out[:128]) == sealed  # sealed once
+
+    state[1] = 1  # the helper is on value 1: its slot is not ready
+    raw = gm.seal_batch(keys, bodies, datas[1], state, out, 1, *LAYOUT)
+    _sealed_right(k, headers[1], raw, datas[1])
+    assert state[1] == 1 and out[128:256] == bytes(128)  # its own copy; the slot stays the helper's
+    assert gm.seal_batch(keys, bodies, datas[1], state, out, 1, *LAYOUT, helper=True) is None
+    assert out[128:256] == bytes(128)  # a claimed value is not the helper's to seal again
+
+    raw = gm.seal_batch(keys, bodies, datas[2], state, out, 2, *LAYOUT)  # free: the sender claims it
+    assert state[2] == 2 and out[256:384] == raw
+    _sealed_right(k, headers[2], raw, datas[2])
+
+    gm.seal_batch_halt(state)
+    assert list(state) == [2, 1, 2, 1]  # value 3 claimed: no helper seals it
+    assert gm.seal_batch(keys, bodies, datas[3], state, out, 3, *LAYOUT, helper=True) is None
+    assert out[384:] == bytes(128)
+
+
+@needs_c
+def test_a_helper_and_a_sender_racing_over_batches_seal_every_value_right() -> None:
+    """Two threads on the same batches (the redis save stream's shape, many times over): every
+    header the sender gets verifies, whoever sealed it."""
+    import threading
+
+    k = Keyed(os.urandom(32), kind=MAC_GMAC)
+    for trial in range(40):
+        headers, datas, keys, bodies = _batch(k, [4096 + 64 * i for i in range(16)], 100 + trial)
+        state, out = bytearray(16), bytearray(128 * 16)
+
+        def helper() -> None:
+            for i, d in enumerate(datas):  # noqa: B023
+                gm.seal_batch(keys, bodies, d, state, out, i, *LAYOUT, helper=True)  # noqa: B023
+
+        t = threading.Thread(target=helper)
+        t.start()
+        got = [gm.seal_batch(keys, bodies, d, state, out, i, *LAYOUT) for i, d in enumerate(datas)]
+        gm.seal_batch_halt(state)
+        t.join()
+        for h, raw, d in zip(headers, got, datas):
+            _sealed_right(k, h, raw, d)
+
+
+@needs_c
+def test_batch_seal_bad_arguments_are_one_line_errors() -> None:
+    k = Keyed(os.urandom(32), kind=MAC_GMAC)
+    _, datas, keys, bodies = _batch(k, [4096, 4096], 13)
+    state, out = bytearray(2), bytearray(256)
+    bad = [
+        ((keys[:-1], bodies, datas[0], state, out, 0, *LAYOUT), "32-byte keys"),
+        ((keys, bodies, datas[0], state, bytearray(255), 0, *LAYOUT), "32-byte keys"),
+        ((keys, bodies, datas[0], state, out, 2, *LAYOUT), "0 <= k < n"),
+        ((keys, bodies, datas[0][:240], state, out, 0, *LAYOUT), "more than 240 bytes"),
+        ((keys, bodies, datas[0], state, out, 0, 76, 70, MAC_GMAC), "apart"),
+        ((keys, bodies, datas[0], state, out, 0, 120, 92, MAC_GMAC), "apart"),
+        ((keys, bodies, datas[0], state, out, 0, 76, 110, MAC_GMAC), "apart"),
+    ]
+    for args, match in bad:
+        with pytest.raises(ValueError, match=match):
+            gm.seal_batch(*args)
+    assert list(state) == [0, 0] and out == bytearray(256)  # nothing claimed, nothing written
+
+
+@needs_c
+def test_seal_batch_says_none_where_the_one_pass_does_not_run() -> None:
+    from kvtier.store.payload import MAC_BLAKE3
+
+    k = Keyed(os.urandom(32), kind=MAC_GMAC)
+    h = ChunkHeader("0123456789abcdef", b"\x01" * 32, 0, 0, 256, 4096, "uint8")
+    d = np.zeros(4096, np.uint8)
+    assert k.seal_batch([h], [d]) is not None
+    assert k.seal_batch([h, h], [d, d[:240]]) is None  # a short payload: python-xxhash's
+    assert k.seal_batch([h], [d[:4000]]) is None  # not the header's length
+    assert k.seal_batch([seal(h, d)], [d]) is None  # sealed already
+    pytest.importorskip("blake3")
+    assert Keyed(os.urandom(32), kind=MAC_BLAKE3).seal_batch([h], [d]) is None

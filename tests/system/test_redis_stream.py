@@ -16,6 +16,7 @@ import pytest
 import redis
 import torch
 
+from kvtier.store import integrity
 from kvtier.store.integrity import Keyed
 from kvtier.store.payload import HEADER_BYTES, MAC_BLAKE3, MAC_GMAC, decode_header
 from kvtier.store.tiers import redis_wire
@@ -40,9 +41,9 @@ def server():  # noqa: ANN201
 def test_a_save_streams_its_values_without_copying_them(server, monkeypatch, kind) -> None:
     """8 values of 512 KiB: nothing is laid out in the arena (before: every payload was copied
     into it, then the batch was sent); with a core free, while value 0 is on the wire (held here
-    until then), the helper thread seals values 1-7 (checksum, and MAC of any kind); on a busy
-    host the sender seals every value itself; each stored value is header + the caller's bytes,
-    bit for bit."""
+    until then), the helper thread seals values 1-7 (checksum, and MAC of any kind; AES-GMAC
+    through the C batch seal where the extension is built); on a busy host the sender seals
+    every value itself; each stored value is header + the caller's bytes, bit for bit."""
     if kind == MAC_BLAKE3:
         pytest.importorskip("blake3")
     secret = SECRET if kind else None
@@ -50,12 +51,26 @@ def test_a_save_streams_its_values_without_copying_them(server, monkeypatch, kin
     all_sealed = threading.Event()
     real_seal, real_conn = redis_wire.seal_value, redis_wire.get_connection
 
-    def spy(header, view, keyed):  # noqa: ANN001, ANN202
-        out = real_seal(header, view, keyed)
+    real_batch = redis_wire.seal_batch
+    in_c: list[int] = []
+
+    def sealed() -> None:
         sealed_on.append(threading.current_thread().name)
         if len(sealed_on) == 8:
             all_sealed.set()
+
+    def spy(header, view, keyed):  # noqa: ANN001, ANN202
+        out = real_seal(header, view, keyed)
+        sealed()
         return out
+
+    def batch_spy(keys, bodies, view, state, out, k, *layout, helper=False):  # noqa: ANN001, ANN202
+        seals = state[k] == 0 or (state[k] == 1 and not helper)  # what the C call will do
+        in_c.append(k)
+        got = real_batch(keys, bodies, view, state, out, k, *layout, helper=helper)
+        if seals:
+            sealed()
+        return got
 
     def held_connection(pool):  # noqa: ANN001, ANN202
         conn = real_conn(pool)
@@ -70,6 +85,7 @@ def test_a_save_streams_its_values_without_copying_them(server, monkeypatch, kin
         return conn
 
     monkeypatch.setattr(redis_wire, "seal_value", spy)
+    monkeypatch.setattr(redis_wire, "seal_batch", batch_spy)  # a GMAC seal in C (`_BatchSealer`)
     monkeypatch.setattr(redis_wire, "get_connection", held_connection)
     n = 512 << 10
     tier = RedisTier(RedisOptions(url=server.url), namespace_id=NS,
@@ -79,6 +95,7 @@ def test_a_save_streams_its_values_without_copying_them(server, monkeypatch, kin
     assert len(tier._arena._buf) == 0  # no copy of any payload was made
     on_helper = sum(name.startswith("kvtier-redis") for name in sealed_on)
     assert len(sealed_on) == 8 and on_helper >= 7
+    assert bool(in_c) == (kind == MAC_GMAC and integrity._gmac_c is not None)  # GMAC: sealed in C
     # on a busy host (no core free) every value is sealed by the sender, inline
     sealed_on.clear()
     all_sealed.set()
@@ -99,13 +116,15 @@ def test_a_save_streams_its_values_without_copying_them(server, monkeypatch, kin
     assert tier._pool is None  # close() joined the helper thread
 
 
-def test_a_busy_helper_never_stalls_the_stream(server) -> None:
+@pytest.mark.parametrize("kind", [MAC_BLAKE3, MAC_GMAC])
+def test_a_busy_helper_never_stalls_the_stream(server, kind) -> None:
     """The helper thread may not get to a save for a while (a busy host; here it is kept busy
     with another task): the sender seals each value it is about to send itself instead of waiting
     for it, and returns without waiting for the helper either (its queued task is cancelled)."""
     gate = threading.Event()
-    pytest.importorskip("blake3")
-    tier = RedisTier(RedisOptions(url=server.url), namespace_id=NS, keyed=Keyed(SECRET, kind=MAC_BLAKE3))
+    if kind == MAC_BLAKE3:
+        pytest.importorskip("blake3")
+    tier = RedisTier(RedisOptions(url=server.url), namespace_id=NS, keyed=Keyed(SECRET, kind=kind))
     tier._spare_core = lambda: True
     busy = tier._helper().submit(gate.wait, 30)
     t0 = time.monotonic()

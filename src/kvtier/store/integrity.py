@@ -47,13 +47,14 @@ import hashlib
 import hmac
 import os
 import time
+from collections.abc import Sequence
 
 from kvtier.errors import ConfigError
 from kvtier.store.payload import (CHECKSUM_AT, CHECKSUM_NONE, CHECKSUM_XXH3, DEFAULT_CHECKSUM, FORMAT_BOUND,
                                   FORMAT_SALTED,
                                   FUSED_MIN_BYTES, HEADER_BODY_BYTES, MAC_BLAKE2B, MAC_BLAKE3, MAC_BYTES,
                                   MAC_GMAC, MAC_SALT_BYTES, ChunkHeader, as_bytes_view, encode_header,
-                                  with_seal)
+                                  sealing_body, with_seal)
 
 
 SECRET_MIN_BYTES = 16
@@ -131,8 +132,11 @@ class Keyed:
         if header.format_version == FORMAT_SALTED:
             return hashlib.blake2b(header.mac_salt, key=self._keyg, digest_size=32,
                                    person=b"kvtier-gmac-key").digest()
-        return hashlib.blake2b(covered[:CHECKSUM_AT] + bytes(8) + covered[CHECKSUM_AT + 8:], key=self._keyg,
-                               digest_size=32, person=b"kvtier-gmac-k3").digest()
+        return self._gmac_key_bound(covered[:CHECKSUM_AT] + bytes(8) + covered[CHECKSUM_AT + 8:])
+
+    def _gmac_key_bound(self, covered: bytes) -> bytes:
+        """A format 3 key: `covered` has its checksum zeroed already."""
+        return hashlib.blake2b(covered, key=self._keyg, digest_size=32, person=b"kvtier-gmac-k3").digest()
 
     def _hasher(self, header: ChunkHeader, kind: int) -> _Digest | _Gmac:
         """The keyed hash of `kind`, fed the header (its MAC fields zeroed, its salt kept) already."""
@@ -202,17 +206,28 @@ class Keyed:
         where that pass does not run here (another MAC kind, no C extension, a payload of at
         most 240 bytes, a header sealed already): the caller seals, then signs."""
         view = as_bytes_view(data)
-        if (self.kind != MAC_GMAC or _gmac_c is None or header.checksum_kind != CHECKSUM_NONE
-                or DEFAULT_CHECKSUM != CHECKSUM_XXH3 or len(view) < FUSED_MIN_BYTES
-                or len(view) != header.payload_bytes):
+        if not self._seals_in_c(header, view):
             return None
-        h = header
-        h = ChunkHeader(h.namespace_id, h.chunk_hash, h.group, h.token_start, h.token_end, h.payload_bytes,
-                        h.dtype, 0, CHECKSUM_XXH3, time.time_ns(), FORMAT_BOUND, b"", 0,
-                        os.urandom(MAC_SALT_BYTES))
-        covered = encode_header(h)[:HEADER_BODY_BYTES]
-        value, tag = _gmac_c.seal_gmac(self._gmac_key(h, covered), covered, view, CHECKSUM_AT)
+        covered = sealing_body(header, time.time_ns(), os.urandom(MAC_SALT_BYTES))
+        value, tag = _gmac_c.seal_gmac(self._gmac_key_bound(covered), covered, view, CHECKSUM_AT)
         return with_seal(covered, value, tag, MAC_GMAC)
+
+    def seal_batch(self, headers: Sequence[ChunkHeader], views: Sequence[memoryview]) -> tuple[bytes, bytes] | None:
+        """What `_xxcopy.seal_batch_run` / `seal_batch_get` need to seal `views` under `headers`
+        (unsealed) as `seal` would, one value at a time and without the GIL: the n covered
+        header bodies (one creation time for the batch, a fresh salt each) and the n GMAC keys,
+        each concatenated. None where `seal` would return None for any value."""
+        if not all(self._seals_in_c(h, v) for h, v in zip(headers, views)):
+            return None
+        now, salts = time.time_ns(), os.urandom(MAC_SALT_BYTES * len(headers))
+        bodies = [sealing_body(h, now, salts[MAC_SALT_BYTES * i:MAC_SALT_BYTES * (i + 1)])
+                  for i, h in enumerate(headers)]
+        return b"".join(map(self._gmac_key_bound, bodies)), b"".join(bodies)
+
+    def _seals_in_c(self, header: ChunkHeader, view: memoryview) -> bool:
+        return (self.kind == MAC_GMAC and _gmac_c is not None and header.checksum_kind == CHECKSUM_NONE
+                and DEFAULT_CHECKSUM == CHECKSUM_XXH3 and len(view) >= FUSED_MIN_BYTES
+                and len(view) == header.payload_bytes)
 
     def check(self, header: ChunkHeader, data: object) -> str | None:
         """Why `data` under `header` is not this secret's writing, or None when the MAC verifies."""

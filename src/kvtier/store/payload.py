@@ -419,6 +419,20 @@ CHECKSUM_AT = struct.calcsize("<4sHH8s32sHBBQQQ")  # 76: the checksum's 8 bytes 
 _MAC_AT = CHECKSUM_AT + 16  # 92: after the checksum and the creation time; then the kind
 
 
+MAC_KIND_AT = _MAC_AT + MAC_BYTES  # 108: the MAC kind's byte
+
+
+def sealing_body(header: ChunkHeader, created_ns: int, salt: bytes) -> bytes:
+    """The HEADER_BODY_BYTES that a keyed seal covers for `header` (unsealed): format
+    FORMAT_BOUND, checksum kind xxh3_64, `created_ns` and `salt`, with checksum, MAC and MAC kind
+    zero; `encode_header` of that header cut to its body, without building it (a keyed save seals
+    64 values a batch; `Keyed.seal`, `Keyed.seal_batch`)."""
+    return _BODY.pack(MAGIC, FORMAT_BOUND, HEADER_BYTES, bytes.fromhex(header.namespace_id),
+                      header.chunk_hash.ljust(HASH_BYTES, b"\0"), header.group, DTYPE_CODES[header.dtype],
+                      CHECKSUM_XXH3, header.token_start, header.token_end, header.payload_bytes, 0, created_ns,
+                      bytes(MAC_BYTES), 0, salt, bytes(3))
+
+
 def with_seal(covered: bytes, value: int, mac: bytes, mac_kind: int) -> bytes:
     """The 128 bytes `encode_header` gives for a header whose first HEADER_BODY_BYTES, with
     checksum, MAC and MAC kind zero, are `covered`, once those three are `value`, `mac` and
