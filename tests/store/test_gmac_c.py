@@ -148,6 +148,15 @@ def test_with_seal_writes_what_encode_header_writes() -> None:
         encode_header(full)
 
 
+def test_sealing_body_is_what_encode_header_writes_for_the_sealed_header() -> None:
+    from kvtier.store.payload import CHECKSUM_XXH3, FORMAT_BOUND, HEADER_BODY_BYTES, encode_header, sealing_body
+
+    h = ChunkHeader("0123456789abcdef", b"\x09" * 20, 2, 256, 512, 4096, "bfloat16")
+    full = ChunkHeader(*[getattr(h, f) for f in ChunkHeader.__slots__][:7], 0, CHECKSUM_XXH3, 987654321,
+                       FORMAT_BOUND, b"", 0, b"\x05" * 12)
+    assert sealing_body(h, 987654321, b"\x05" * 12) == encode_header(full)[:HEADER_BODY_BYTES]
+
+
 @needs_c
 def test_keyed_seal_is_checksum_and_mac_in_one_pass(monkeypatch: pytest.MonkeyPatch) -> None:
     """Keyed.seal's header decodes to the caller's header with the payload's XXH3-64, a fresh salt
@@ -188,7 +197,7 @@ def _batch(k: Keyed, sizes: list[int], seed: int) -> tuple[list[ChunkHeader], li
     return headers, datas, *prep
 
 
-LAYOUT = None if gm is None else (integrity.CHECKSUM_AT, 92, MAC_GMAC)
+LAYOUT = None if gm is None else (integrity.CHECKSUM_AT, 92, MAC_GMAC)  # payload.MAC_AT: 92
 
 
 def _sealed_right(k: Keyed, header: ChunkHeader, raw: bytes, data: np.ndarray) -> None:

@@ -213,10 +213,10 @@ class Keyed:
         return with_seal(covered, value, tag, MAC_GMAC)
 
     def seal_batch(self, headers: Sequence[ChunkHeader], views: Sequence[memoryview]) -> tuple[bytes, bytes] | None:
-        """What `_xxcopy.seal_batch_run` / `seal_batch_get` need to seal `views` under `headers`
-        (unsealed) as `seal` would, one value at a time and without the GIL: the n covered
-        header bodies (one creation time for the batch, a fresh salt each) and the n GMAC keys,
-        each concatenated. None where `seal` would return None for any value."""
+        """What `_xxcopy.seal_batch` needs to seal `views` under `headers` (unsealed) as `seal`
+        would, one value a call and without the GIL: the n GMAC keys and the n covered header
+        bodies (one creation time for the batch, a fresh salt each), each concatenated. None where
+        `seal` would return None for any value."""
         if not all(self._seals_in_c(h, v) for h, v in zip(headers, views)):
             return None
         now, salts = time.time_ns(), os.urandom(MAC_SALT_BYTES * len(headers))

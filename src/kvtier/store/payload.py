@@ -416,10 +416,7 @@ MAC_GMAC = 3  # AES-256-GMAC, one key per value derived from the secret and the 
 MAC_SALT_BYTES = 12
 HEADER_BODY_BYTES = _BODY.size  # the header bytes before its own CRC (what a MAC covers)
 CHECKSUM_AT = struct.calcsize("<4sHH8s32sHBBQQQ")  # 76: the checksum's 8 bytes (little-endian)
-_MAC_AT = CHECKSUM_AT + 16  # 92: after the checksum and the creation time; then the kind
-
-
-MAC_KIND_AT = _MAC_AT + MAC_BYTES  # 108: the MAC kind's byte
+MAC_AT = CHECKSUM_AT + 16  # 92: after the checksum and the creation time; then the kind's byte
 
 
 def sealing_body(header: ChunkHeader, created_ns: int, salt: bytes) -> bytes:
@@ -438,6 +435,6 @@ def with_seal(covered: bytes, value: int, mac: bytes, mac_kind: int) -> bytes:
     checksum, MAC and MAC kind zero, are `covered`, once those three are `value`, `mac` and
     `mac_kind`: the fields written in place and the header's CRC computed (a keyed save's header
     without a second ChunkHeader and encode: `Keyed.seal`)."""
-    body = b"".join((covered[:CHECKSUM_AT], value.to_bytes(8, "little"), covered[CHECKSUM_AT + 8:_MAC_AT],
-                     mac, bytes((mac_kind,)), covered[_MAC_AT + MAC_BYTES + 1:HEADER_BODY_BYTES]))
+    body = b"".join((covered[:CHECKSUM_AT], value.to_bytes(8, "little"), covered[CHECKSUM_AT + 8:MAC_AT],
+                     mac, bytes((mac_kind,)), covered[MAC_AT + MAC_BYTES + 1:HEADER_BODY_BYTES]))
     return body + _CRC.pack(zlib.crc32(body))

@@ -45,7 +45,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 
 from kvtier.store.integrity import Keyed
-from kvtier.store.payload import (CHECKSUM_AT, CHECKSUM_NONE, MAC_BYTES, MAC_GMAC, MAC_KIND_AT, ChunkHeader,
+from kvtier.store.payload import (CHECKSUM_AT, CHECKSUM_NONE, MAC_AT, MAC_GMAC, ChunkHeader,
                                   encode_header, seal)
 from kvtier.store.tiers.redis_reader import ReplyReader, Streamed, read_reply, socket_of
 
@@ -178,7 +178,7 @@ class _BatchSealer:
         self.views, self.keys, self.bodies = list(views), keys, bodies
         self.state = bytearray(len(self.views))  # 0 free, 1 claimed, 2 sealed (C's atomics)
         self.out = bytearray(len(bodies) + 4 * len(self.views))
-        self.layout = (CHECKSUM_AT, MAC_KIND_AT - MAC_BYTES, MAC_GMAC)
+        self.layout = (CHECKSUM_AT, MAC_AT, MAC_GMAC)  # where C writes checksum, tag, kind
 
     def run(self) -> None:
         seal, state = seal_batch, self.state
