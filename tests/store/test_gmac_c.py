@@ -11,7 +11,7 @@ import xxhash
 
 from kvtier.store import integrity
 from kvtier.store.integrity import MAC_MISMATCH, Keyed
-from kvtier.store.payload import MAC_GMAC, ChunkHeader, seal
+from kvtier.store.payload import MAC_AT, MAC_GMAC, ChunkHeader, seal
 
 gm = integrity._gmac_c
 needs_c = pytest.mark.skipif(gm is None, reason="kvtier.store._xxcopy not built or no AES-NI/PCLMULQDQ here")
@@ -197,7 +197,7 @@ def _batch(k: Keyed, sizes: list[int], seed: int) -> tuple[list[ChunkHeader], li
     return headers, datas, *prep
 
 
-LAYOUT = None if gm is None else (integrity.CHECKSUM_AT, 92, MAC_GMAC)  # payload.MAC_AT: 92
+LAYOUT = (integrity.CHECKSUM_AT, MAC_AT, MAC_GMAC)
 
 
 def _sealed_right(k: Keyed, header: ChunkHeader, raw: bytes, data: np.ndarray) -> None:
@@ -249,19 +249,19 @@ def test_a_batch_value_is_sealed_once_by_whoever_claims_it_and_the_sender_never_
     headers, datas, keys, bodies = _batch(k, [8192] * 4, 12)
     state, out = bytearray(4), bytearray(128 * 4)
 
-    assert gm.seal_batch(keys, bodies, datas[0], state, out, 0, *LAYOUT, helper=True) is None
+    assert gm.seal_batch(keys, bodies, datas[0], state, out, 0, *LAYOUT, helper=True) is True
     assert state[0] == 2
     sealed = bytes(out[:128])
     _sealed_right(k, headers[0], sealed, datas[0])
     assert gm.seal_batch(keys, bodies, datas[0], state, out, 0, *LAYOUT) == sealed  # taken as it is
-    assert gm.seal_batch(keys, bodies, datas[0], state, out, 0, *LAYOUT, helper=True) is None
+    assert gm.seal_batch(keys, bodies, datas[0], state, out, 0, *LAYOUT, helper=True) is False
     assert bytes(out[:128]) == sealed  # sealed once
 
     state[1] = 1  # the helper is on value 1: its slot is not ready
     raw = gm.seal_batch(keys, bodies, datas[1], state, out, 1, *LAYOUT)
     _sealed_right(k, headers[1], raw, datas[1])
     assert state[1] == 1 and out[128:256] == bytes(128)  # its own copy; the slot stays the helper's
-    assert gm.seal_batch(keys, bodies, datas[1], state, out, 1, *LAYOUT, helper=True) is None
+    assert gm.seal_batch(keys, bodies, datas[1], state, out, 1, *LAYOUT, helper=True) is False
     assert out[128:256] == bytes(128)  # a claimed value is not the helper's to seal again
 
     raw = gm.seal_batch(keys, bodies, datas[2], state, out, 2, *LAYOUT)  # free: the sender claims it
@@ -270,32 +270,44 @@ def test_a_batch_value_is_sealed_once_by_whoever_claims_it_and_the_sender_never_
 
     gm.seal_batch_halt(state)
     assert list(state) == [2, 1, 2, 1]  # value 3 claimed: no helper seals it
-    assert gm.seal_batch(keys, bodies, datas[3], state, out, 3, *LAYOUT, helper=True) is None
+    assert gm.seal_batch(keys, bodies, datas[3], state, out, 3, *LAYOUT, helper=True) is False
     assert out[384:] == bytes(128)
 
 
 @needs_c
-def test_a_helper_and_a_sender_racing_over_batches_seal_every_value_right() -> None:
-    """Two threads on the same batches (the redis save stream's shape, many times over): every
-    header the sender gets verifies, whoever sealed it."""
+def test_a_helper_and_a_sender_racing_over_batches_seal_each_value_once() -> None:
+    """Two threads on the same batches, from value 0 (the redis save stream's shape, many times
+    over). The helper is given other keys than the sender, so every header tells who sealed it:
+    each one the sender gets is wholly one writer's (a slot written by both, which the claim rules
+    out, would verify under neither), each slot is the helper's exactly where it says it sealed
+    it, and both writers won some values."""
     import threading
 
-    k = Keyed(os.urandom(32), kind=MAC_GMAC)
-    for trial in range(40):
-        headers, datas, keys, bodies = _batch(k, [4096 + 64 * i for i in range(16)], 100 + trial)
+    k, other = Keyed(os.urandom(32), kind=MAC_GMAC), Keyed(os.urandom(32), kind=MAC_GMAC)
+    won = {"helper": 0, "sender": 0}
+    for trial in range(30):
+        headers, datas, keys, bodies = _batch(k, [(64 << 10) + 64 * i for i in range(16)], 100 + trial)
+        helper_keys = b"".join(other._gmac_key_bound(bodies[124 * i:124 * (i + 1)]) for i in range(16))
         state, out = bytearray(16), bytearray(128 * 16)
+        mine: list[bool] = []
 
         def helper() -> None:
             for i, d in enumerate(datas):  # noqa: B023
-                gm.seal_batch(keys, bodies, d, state, out, i, *LAYOUT, helper=True)  # noqa: B023
+                mine.append(gm.seal_batch(helper_keys, bodies, d, state, out, i, *LAYOUT, helper=True))  # noqa: B023
 
         t = threading.Thread(target=helper)
         t.start()
         got = [gm.seal_batch(keys, bodies, d, state, out, i, *LAYOUT) for i, d in enumerate(datas)]
         gm.seal_batch_halt(state)
         t.join()
-        for h, raw, d in zip(headers, got, datas):
-            _sealed_right(k, h, raw, d)
+        for i, (h, raw, d) in enumerate(zip(headers, got, datas)):
+            by_helper = raw[92:108] == gm.seal_gmac(helper_keys[32 * i:32 * (i + 1)],
+                                                     bodies[124 * i:124 * (i + 1)], d, integrity.CHECKSUM_AT)[1]
+            _sealed_right(other if by_helper else k, h, raw, d)
+            if by_helper:  # the sender took the helper's slot, so the helper claimed it
+                assert mine[i] and bytes(out[128 * i:128 * (i + 1)]) == raw
+            won["helper" if mine[i] else "sender"] += 1
+    assert won["helper"] and won["sender"], won
 
 
 @needs_c
@@ -311,6 +323,9 @@ def test_batch_seal_bad_arguments_are_one_line_errors() -> None:
         ((keys, bodies, datas[0], state, out, 0, 76, 70, MAC_GMAC), "apart"),
         ((keys, bodies, datas[0], state, out, 0, 120, 92, MAC_GMAC), "apart"),
         ((keys, bodies, datas[0], state, out, 0, 76, 110, MAC_GMAC), "apart"),
+        ((keys, bodies, datas[0], state, out, 0, -1, 92, MAC_GMAC), "apart"),
+        ((keys, bodies, datas[0], state, out, 0, 76, 92, 256), "one byte"),
+        ((keys, bytes(300 * 2), datas[0], state, bytearray(304 * 2), 0, 76, 92, MAC_GMAC), "at most 256"),
     ]
     for args, match in bad:
         with pytest.raises(ValueError, match=match):

@@ -461,7 +461,9 @@ static PyObject *py_seal_gmac(PyObject *self, PyObject *args, PyObject *kw) {
  * helper calls seal_batch(k, helper=True) for each value in order while the sender calls
  * seal_batch(k) for each value it is about to send. Value k's state byte goes 0 (free) -> 1
  * (claimed, by a compare-and-swap: exactly one thread seals into out's slot k) -> 2 (its bytes
- * are in out; a release store, read with an acquire load). Every seal runs without the GIL; the
+ * are in out; a release store, read with an acquire load). Claims and reads are made holding the
+ * GIL, which already orders them in CPython; the atomics keep the rule where there is none
+ * (free-threaded builds) and say what the code relies on. Every seal runs without the GIL; the
  * Python part of each value's seal (its header body, salt and key) was done for the whole batch
  * before (integrity.Keyed.seal_batch).
  *
@@ -523,11 +525,14 @@ static int batch_args(Py_buffer *keys, Py_buffer *heads, Py_buffer *state, Py_bu
     else if (mode < 1 || mode > best)
         err = "gmac mode not available on this CPU (see gmac_mode())";
     else if (*n == 0 || keys->len != 32 * *n || heads->len != hlen * *n || out->len != (hlen + 4) * *n)
-        err = "seal_batch needs n 32-byte keys, n heads and n + 4 bytes a head of out for n state bytes";
+        err = "seal_batch needs, for n state bytes, n 32-byte keys, n heads of hlen bytes and (hlen + 4) * n "
+              "bytes of out";
     else if (hlen > SEAL_HEAD_MAX || hlen < 8 || at < 0 || at > hlen - 8 || mac_at < 0 || mac_at > hlen - 17
-             || (mac_at < at + 8 && at < mac_at + 17) || kind < 0 || kind > 255)
+             || (mac_at < at + 8 && at < mac_at + 17))
         err = "seal_batch needs heads of at most 256 bytes holding 8 checksum bytes at `at` and 17 MAC "
               "bytes at `mac_at`, apart";
+    else if (kind < 0 || kind > 255)
+        err = "seal_batch's MAC kind is one byte (0-255)";
     if (err) {
         PyErr_SetString(PyExc_ValueError, err);
         return -1;
@@ -543,11 +548,11 @@ static int batch_args(Py_buffer *keys, Py_buffer *heads, Py_buffer *state, Py_bu
     return 0;
 }
 
-/* seal_batch(keys, heads, view, state, out, k, at, mac_at, kind, mode=-1, helper=False) -> bytes | None:
+/* seal_batch(keys, heads, view, state, out, k, at, mac_at, kind, mode=-1, helper=False) -> bytes | bool:
  * seal value k of the batch. The sender (helper=False) gets value k's sealed header and never waits:
  * the helper's where it is done; sealed here into out's slot where it is free; sealed here apart
  * where the helper is still on it. The helper (helper=True) seals value k into its slot only if it
- * is free and returns None. */
+ * is free, and says whether it did. */
 static PyObject *py_seal_batch(PyObject *self, PyObject *args, PyObject *kw) {
     static char *names[] = {"keys", "heads", "view", "state", "out", "k", "at", "mac_at", "kind", "mode", "helper",
                             NULL};
@@ -574,7 +579,7 @@ static PyObject *py_seal_batch(PyObject *self, PyObject *args, PyObject *kw) {
             claimed = __atomic_compare_exchange_n(st, &expect, ST_CLAIMED, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
         else
             expect = __atomic_load_n(st, __ATOMIC_ACQUIRE);
-        if (!claimed && expect == ST_CLAIMED && !helper) dst = mine; /* the helper is on it: a copy of our own */
+        if (!claimed && expect != ST_DONE && !helper) dst = mine; /* the helper is on it: a copy of our own */
         if (claimed || dst == mine) {
             Py_BEGIN_ALLOW_THREADS
             seal_header(&sp, (size_t)k, (const uint8_t *)view.buf, (size_t)view.len, dst);
@@ -582,8 +587,7 @@ static PyObject *py_seal_batch(PyObject *self, PyObject *args, PyObject *kw) {
             if (claimed) __atomic_store_n(st, ST_DONE, __ATOMIC_RELEASE);
         }
         if (helper) {
-            res = Py_None;
-            Py_INCREF(res);
+            res = PyBool_FromLong(claimed);
         } else {
             res = PyBytes_FromStringAndSize((const char *)dst, (Py_ssize_t)(sp.hlen + 4));
         }
@@ -639,9 +643,9 @@ static PyMethodDef methods[] = {
      "seal_gmac(key, head, src, at, mode=-1) -> (int, bytes): XXH3-64 of src and the GMAC tag of head + src "
      "with that XXH3-64 written little-endian into head's 8 bytes at `at`; one pass over src."},
     {"seal_batch", (PyCFunction)(void (*)(void))py_seal_batch, METH_VARARGS | METH_KEYWORDS,
-     "seal_batch(keys, heads, view, state, out, k, at, mac_at, kind, mode=-1, helper=False) -> bytes | None: seal "
+     "seal_batch(keys, heads, view, state, out, k, at, mac_at, kind, mode=-1, helper=False) -> bytes | bool: seal "
      "value k of a batch shared by a sender and a helper thread (state byte k: 0 free, 1 claimed, 2 sealed into "
-     "out); the sender gets its header and never waits, the helper seals it only where it is free."},
+     "out); the sender gets its header and never waits, the helper seals it only where it is free (True)."},
     {"seal_batch_halt", py_seal_batch_halt, METH_VARARGS,
      "seal_batch_halt(state): claim every free value (a helper seals no more)."},
     {"gmac_mode", py_gmac_mode, METH_NOARGS,

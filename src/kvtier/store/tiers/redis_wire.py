@@ -16,10 +16,11 @@ the server waiting for it, value after value (measured on the 2-core build machi
 copy and the checksum were a third of a save's time, the MAC as much again; the server, not the
 client, bounds the send, so the client's core idles while a value is on the wire). A helper
 thread seals value k+1 while this thread sends value k (the C checksum and MAC release the GIL;
-with a secret both are one pass, `Keyed.seal`). The
-two claim values from one counter: a value the helper has not started when the sender needs it
-is sealed by the sender, so a helper that a busy host does not schedule never stalls the stream.
-This thread never returns while the helper can still read the caller's buffers. The tier
+with a secret both are one pass, `Keyed.seal`; in C, the Python part done for the whole batch
+first, `Keyed.seal_batch`). The sender never waits for the helper: a value the helper has not
+finished when the sender needs it is sealed by the sender (`_Sealer`, `_BatchSealer`), so a
+helper that a busy host does not schedule never stalls the stream. This thread never returns
+while the helper can still read the caller's buffers. The tier
 hands work to the helper only while a core looks free (`SpareCore`, the disk tier's `auto`
 rule): on the idle 2-core build machine it took a save without a secret from 0.73-0.77 of raw
 redis-py to 0.90-1.01; at load average 4-7 it was no faster than inline (its CPU comes from the
@@ -49,7 +50,7 @@ from kvtier.store.payload import (CHECKSUM_AT, CHECKSUM_NONE, MAC_AT, MAC_GMAC, 
                                   encode_header, seal)
 from kvtier.store.tiers.redis_reader import ReplyReader, Streamed, read_reply, socket_of
 
-try:  # the keyed seal in C (`_BatchSealer`); without it `Keyed.seal_batch` says None
+try:  # the keyed seal in C (`_BatchSealer`); without it, `_Sealer`
     from kvtier.store._xxcopy import seal_batch, seal_batch_halt
 except ImportError:  # pragma: no cover - exercised where the extension was not compiled
     seal_batch = seal_batch_halt = None
@@ -184,7 +185,10 @@ class _BatchSealer:
         seal, state = seal_batch, self.state
         for k, view in enumerate(self.views):
             if not state[k]:  # free: nobody has it (a stale read only costs a C call that skips it)
-                seal(self.keys, self.bodies, view, state, self.out, k, *self.layout, helper=True)
+                try:
+                    seal(self.keys, self.bodies, view, state, self.out, k, *self.layout, helper=True)
+                except BaseException:  # noqa: BLE001 - value k stays free: the sender seals it
+                    return  # and raises that error itself; never one of this thread's over the sender's
 
     def get(self, k: int) -> bytes:
         return seal_batch(self.keys, self.bodies, self.views[k], self.state, self.out, k,  # type: ignore[no-any-return]
@@ -241,7 +245,7 @@ def set_stream(client: object, keys: Sequence[str], headers: Sequence[ChunkHeade
     sealer: _Sealer | _BatchSealer | None = None
     fut = None
     if helper is not None and n >= OVERLAP_MIN_VALUES and sum(len(v) for v in views) >= OVERLAP_MIN_BYTES:
-        batch = keyed.seal_batch(headers, views) if keyed is not None else None
+        batch = keyed.seal_batch(headers, views) if keyed is not None and seal_batch is not None else None
         sealer = _BatchSealer(views, *batch) if batch is not None else _Sealer(headers, views, keyed)
         try:
             fut = helper().submit(sealer.run)
