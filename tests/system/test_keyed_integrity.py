@@ -361,3 +361,164 @@ def test_a_keyed_redis_read_is_one_pass_and_a_mac_failure_is_still_sorted(server
     for t in (a, b):
         t.close()
     r.close()
+
+
+def _legacy_value(kind: str, i: int) -> bytes:
+    """Header + payload of `_header(i)` as an older kvtier wrote it with SECRET_A: keyed BLAKE2b or
+    BLAKE3 (format 1), or AES-GMAC under a key from the salt alone (format 2)."""
+    import hashlib
+    import zlib
+
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    from kvtier.store.payload import FORMAT_SALTED, HEADER_BODY_BYTES, MAC_AT, MAC_BLAKE2B, MAC_BLAKE3, MAC_GMAC
+
+    data = bytes(_good().numpy())
+    h = seal(_header(i), data)
+    if kind != "format 2":
+        return encode_header(Keyed(SECRET_A, {"blake2b": MAC_BLAKE2B, "blake3": MAC_BLAKE3}[kind]).sign(h, data)) + data
+    h2 = replace(h, format_version=FORMAT_SALTED, mac_salt=os.urandom(12))
+    head = encode_header(h2)[:HEADER_BODY_BYTES]
+    root = hashlib.blake2b(SECRET_A, digest_size=64, person=b"kvtier-gmac-v1").digest()
+    key = hashlib.blake2b(h2.mac_salt, key=root, digest_size=32, person=b"kvtier-gmac-key").digest()
+    tag = AESGCM(key).encrypt(bytes(12), b"", head + data)[:16]
+    body = head[:MAC_AT] + tag + bytes((MAC_GMAC,)) + head[MAC_AT + 17:]
+    return body + zlib.crc32(body).to_bytes(4, "little") + data
+
+
+LEGACY = ("blake2b", "blake3", "format 2")
+
+
+def test_legacy_redis_values_restore_by_default_and_are_kept_misses_when_refused(server) -> None:
+    """`accept_legacy_macs=False`: a value MACed by an older kvtier (BLAKE2b, BLAKE3, format 2) is
+    a counted miss, never restored, and stays in Redis (intact: a permissive tenant reads it).
+    The default reader, with the same secret, still restores it (upgrades keep their cache)."""
+    pytest.importorskip("blake3")
+    a = _tier(server.url, SECRET_A)
+    strict = RedisTier(RedisOptions(url=server.url), namespace_id=NS,
+                       keyed=Keyed(SECRET_A, accept_legacy_macs=False))
+    r = redis.Redis.from_url(server.url)
+    out = torch.zeros(N, dtype=torch.uint8)
+    for i, kind in enumerate(LEGACY, start=20):
+        r.set(a.key(_header(i)), _legacy_value(kind, i))
+        before = strict.metrics()
+        assert strict.read(0, 0, _header(i), out) is False, kind
+        after = strict.metrics()
+        assert after["foreign_skipped"] - before.get("foreign_skipped", 0) == 1, kind
+        assert after["misses"] - before["misses"] == 1 and after["corrupt_dropped"] == 0, kind
+        assert r.exists(a.key(_header(i))) == 1
+        out.zero_()
+        assert a.read(0, 0, _header(i), out) is True and torch.equal(out, _good()), kind
+    assert strict.write(0, 0, _header(30), _good())  # the current format: restored
+    assert strict.read(0, 0, _header(30), out) is True and torch.equal(out, _good())
+    for t in (a, strict):
+        t.close()
+    r.close()
+
+
+def test_legacy_disk_slots_are_dropped_by_a_store_that_refuses_them(tmp_path: Path, monkeypatch) -> None:
+    """A disk tier written by an older kvtier (keyed BLAKE2b, then a format-2 slot) restores
+    through `Store(secret=...)`; `Store(secret=..., accept_legacy_macs=False)` loads none of it
+    (counted corrupt, the slots dropped: a namespace directory is its writer's)."""
+    import kvtier.store.integrity as integrity
+    from kvtier.core.geometry import Geometry, Group
+    from kvtier.core.keys import Namespace
+    from kvtier.core.plan import make_plan
+    from kvtier.errors import ConfigError
+    from kvtier.store.payload import MAC_BLAKE2B
+    from kvtier.store.store import Store
+
+    monkeypatch.delenv("KVTIER_SECRET", raising=False)
+    monkeypatch.delenv("KVTIER_SECRET_FILE", raising=False)
+    geometry = Geometry(groups=(Group("full", "full", 2, 16, bytes_per_token_per_layer=64),),
+                        tokens_per_hash=16, name="legacy")
+    plan = make_plan(geometry, chunk_tokens=32)
+    ns = Namespace(model="legacy", geometry_fingerprint=geometry.fingerprint(), dtype="bfloat16")
+    tokens = list(range(129))
+    payloads = {(0, i): torch.full((plan.groups[0].chunk_bytes,), i + 1, dtype=torch.uint8) for i in range(4)}
+    cap = 8 * plan.groups[0].chunk_bytes
+
+    def store(**kw: object) -> Store:
+        return Store(plan, ns, disk_dir=tmp_path, disk_bytes=cap, secret=SECRET_A, **kw)
+
+    with monkeypatch.context() as m:  # an older kvtier: its MAC was keyed BLAKE2b
+        m.setattr(integrity, "default_kind", lambda: MAC_BLAKE2B)
+        old = store()
+        assert old.save_tokens(tokens, payloads) == 4
+        old.close()
+    buffers = {k: torch.zeros_like(v) for k, v in payloads.items()}
+    new = store()  # default: the older values still restore
+    hit = new.lookup_tokens(tokens)
+    assert hit.tokens == 128 and new.load(hit, buffers) == 128
+    assert all(torch.equal(buffers[k], v) for k, v in payloads.items())
+    new.close()
+    strict = store(accept_legacy_macs=False)
+    hit = strict.lookup_tokens(tokens)
+    assert hit.tokens == 128 and strict.load(hit, buffers) == 0
+    assert strict.metrics()["corrupt_dropped"] >= 1
+    assert strict.save_tokens(tokens, payloads) == 4  # rewritten in the current format: restored
+    hit = strict.lookup_tokens(tokens)
+    assert strict.load(hit, buffers) == 128
+    strict.close()
+    with pytest.raises(ConfigError, match=r"accept_legacy_macs=False needs a secret"):
+        Store(plan, ns, disk_dir=tmp_path / "other", disk_bytes=cap, accept_legacy_macs=False)
+
+
+@pytest.mark.parametrize("mode", ["mapped", "preadv"])
+def test_a_format_2_disk_slot_is_refused_on_every_read_path(tmp_path: Path, mode: str) -> None:
+    layout = TierLayout(slot_bytes=(N,), num_slots=(2,))
+    tier = DiskTier(tmp_path, layout, NS, keyed=Keyed(SECRET_A), mapped_reads=mode == "mapped")
+    for slot in (0, 1):
+        assert tier.write(0, slot, _header(slot), _good())
+    tier.close()
+    path = tmp_path / NS / slab_name(0, N)
+    with open(path, "r+b") as f:  # what an older kvtier left in the slot
+        for slot in (0, 1):
+            f.seek(slot * (DATA_OFFSET + N))
+            f.write(_legacy_value("format 2", slot)[:HEADER_BYTES])
+    out = torch.zeros(N, dtype=torch.uint8)
+    tier = DiskTier(tmp_path, layout, NS, keyed=Keyed(SECRET_A), mapped_reads=mode == "mapped")
+    assert tier.read(0, 0, _header(0), out) is True and torch.equal(out, _good())
+    tier.close()
+    tier = DiskTier(tmp_path, layout, NS, keyed=Keyed(SECRET_A, accept_legacy_macs=False),
+                    mapped_reads=mode == "mapped")
+    assert tier.read(0, 1, _header(1), out) is False and tier.corrupt_dropped == 1
+    tier.close()
+
+
+def test_non_zero_reserved_header_bytes_are_a_miss_for_every_reader(server, tmp_path: Path) -> None:
+    """Bytes 121..123 changed (the header's CRC recomputed) in a keyed Redis value and a keyed
+    disk slot: a counted miss for the keyed reader, and for a reader without a secret of an
+    unkeyed value. Before, the keyed value restored: the MAC never saw those bytes."""
+    import zlib
+
+    def poke(raw: bytes) -> bytes:
+        b = bytearray(raw)
+        b[122] = 0x5A
+        b[124:128] = zlib.crc32(bytes(b[:124])).to_bytes(4, "little")
+        return bytes(b)
+
+    r = redis.Redis.from_url(server.url)
+    out = torch.zeros(N, dtype=torch.uint8)
+    for secret, i in ((SECRET_A, 40), (None, 41)):
+        t = _tier(server.url, secret)
+        assert t.write(0, 0, _header(i), _good())
+        key = t.key(_header(i))
+        r.set(key, poke(r.get(key)))
+        assert t.read(0, 0, _header(i), out) is False and t.metrics()["misses"] >= 1
+        assert t.corrupt_dropped == 1 and r.exists(key) == 0  # a broken header: dropped
+        t.close()
+    r.close()
+    layout = TierLayout(slot_bytes=(N,), num_slots=(2,))
+    for keyed in (Keyed(SECRET_A), None):
+        d = tmp_path / ("keyed" if keyed else "plain")
+        tier = DiskTier(d, layout, NS, keyed=keyed)
+        assert tier.write(0, 1, _header(), _good())
+        with open(d / NS / slab_name(0, N), "r+b") as f:
+            off = DATA_OFFSET + N
+            f.seek(off)
+            raw = f.read(HEADER_BYTES)
+            f.seek(off)
+            f.write(poke(raw))
+        assert tier.read(0, 1, _header(), out) is False and tier.corrupt_dropped == 1
+        tier.close()

@@ -86,18 +86,27 @@ NO_MAC = "payload written without the secret (no MAC)"
 MAC_MISMATCH = "payload MAC mismatch (forged, or written with another secret)"
 NO_BLAKE3 = "payload MAC is keyed BLAKE3 and the blake3 package is not installed"
 NO_GMAC = "payload MAC is AES-GMAC and the cryptography package is not installed"
+LEGACY_MAC = ("payload MAC is an older kind or format (keyed BLAKE2b/BLAKE3, or format 2) and this "
+              "reader accepts only AES-GMAC in format 3 (accept_legacy_macs=False)")
 # What `integrity` says when the payload checksum verified and only the MAC did not: the value is
-# intact, just not this reader's to restore (another tenant's, or an unkeyed writer's).
-MAC_ONLY = (NO_SECRET_FOR_MAC, NO_MAC, MAC_MISMATCH, NO_BLAKE3, NO_GMAC)
+# intact, just not this reader's to restore (another tenant's, an unkeyed writer's, or a legacy
+# value a permissive tenant of the namespace may still read).
+MAC_ONLY = (NO_SECRET_FOR_MAC, NO_MAC, MAC_MISMATCH, NO_BLAKE3, NO_GMAC, LEGACY_MAC)
 
 
 class Keyed:
     """A tenant's secret: signs payloads on write and checks them on read (see the module
-    docstring). The secret never leaves this object: no repr, never in a log line."""
+    docstring). The secret never leaves this object: no repr, never in a log line.
 
-    __slots__ = ("_key2", "_key3", "_keyg", "kind")
+    `accept_legacy_macs=False` verifies only what this kvtier writes, AES-GMAC in format 3: MAC
+    kinds 1-2 and format 2 are refused (LEGACY_MAC, a counted miss): format 2's key repeats with
+    its salt (module docstring), and each construction still read is one more a forger can aim at.
+    True (the default) reads them, so an upgrade keeps its cache; turn it off once values written
+    before the upgrade have expired."""
 
-    def __init__(self, secret: bytes, kind: int | None = None) -> None:
+    __slots__ = ("_key2", "_key3", "_keyg", "kind", "accept_legacy_macs")
+
+    def __init__(self, secret: bytes, kind: int | None = None, *, accept_legacy_macs: bool = True) -> None:
         if not isinstance(secret, (bytes, bytearray)) or len(secret) < SECRET_MIN_BYTES:
             raise ConfigError(f"a kvtier secret must be at least {SECRET_MIN_BYTES} bytes "
                               "(e.g. `head -c 32 /dev/urandom > secret`); got a shorter or non-bytes value")
@@ -110,6 +119,12 @@ class Keyed:
             raise ConfigError("MAC kind blake3 needs the blake3 package: `pip install blake3`")
         if self.kind == MAC_GMAC and _Cipher is None:
             raise ConfigError("MAC kind AES-GMAC needs the cryptography package: `pip install cryptography`")
+        if not isinstance(accept_legacy_macs, bool):
+            raise ConfigError(f"accept_legacy_macs={accept_legacy_macs!r} must be True or False")
+        if not accept_legacy_macs and self.kind != MAC_GMAC:  # it would refuse its own writing
+            raise ConfigError(f"accept_legacy_macs=False reads AES-GMAC only, and this secret writes MAC kind "
+                              f"{self.kind}; `pip install cryptography` (AES-GMAC) or keep accept_legacy_macs=True")
+        self.accept_legacy_macs = accept_legacy_macs
 
     def __repr__(self) -> str:
         return "Keyed(<secret>)"
@@ -152,10 +167,12 @@ class Keyed:
         return _Digest(h, False)
 
     def unverifiable(self, header: ChunkHeader) -> str | None:
-        """Why this secret can never verify `header`'s payload (no MAC, or a MAC kind this build
-        cannot compute), or None: then `stream` / `copy_check` decide."""
+        """Why this secret can never verify `header`'s payload (no MAC, a MAC kind this build
+        cannot compute, or a legacy one it refuses), or None: then `stream` / `copy_check` decide."""
         if not header.mac:
             return NO_MAC
+        if not self.accept_legacy_macs and (header.mac_kind != MAC_GMAC or header.format_version != FORMAT_BOUND):
+            return LEGACY_MAC
         if header.mac_kind == MAC_BLAKE3 and _blake3 is None:
             return NO_BLAKE3
         if header.mac_kind == MAC_GMAC and _Cipher is None:
@@ -421,18 +438,18 @@ def _file_kind(mode: int) -> str:
     return "not a regular file"
 
 
-def keyed_from_file(path: str, what: str) -> Keyed:
+def keyed_from_file(path: str, what: str, *, accept_legacy_macs: bool = True) -> Keyed:
     """The tenant secret kept in the private file `path` (`read_private_file`)."""
-    return Keyed(read_private_file(path, what))
+    return Keyed(read_private_file(path, what), accept_legacy_macs=accept_legacy_macs)
 
 
-def keyed_from_env() -> Keyed | None:
+def keyed_from_env(*, accept_legacy_macs: bool = True) -> Keyed | None:
     """The secret from `KVTIER_SECRET_FILE` (a file of this user, mode 0600) or `KVTIER_SECRET`;
     None when neither is set."""
     import os
 
     path = os.environ.get("KVTIER_SECRET_FILE")
     if path:
-        return keyed_from_file(path, "KVTIER_SECRET_FILE")
+        return keyed_from_file(path, "KVTIER_SECRET_FILE", accept_legacy_macs=accept_legacy_macs)
     value = os.environ.get("KVTIER_SECRET")
-    return Keyed(value.encode()) if value else None
+    return Keyed(value.encode(), accept_legacy_macs=accept_legacy_macs) if value else None

@@ -16,12 +16,17 @@ Layout (`HEADER_BYTES` = 128, every integer little-endian):
      68    8 payload byte length
      76    8 checksum of the payload bytes
      84    8 created (unix time in ns; for `kvtier inspect` ages and rebuild order)
-     92   16 MAC of bytes 0..123 (MAC and MAC kind zeroed) and the payload (`integrity`)
+     92   16 MAC of bytes 0..123 (MAC and MAC kind zeroed) and the payload (`integrity`); zero
+             under MAC kind 0
     108    1 MAC kind (0: written without a secret; 1: keyed BLAKE2b-128; 2: keyed BLAKE3-128;
              3: AES-256-GMAC under a key derived per value; formats 2 and 3 only)
     109   12 MAC salt (formats 2 and 3, MAC kind 3: random per value; zero otherwise)
     121    3 reserved (zero)
     124    4 crc32 of bytes 0..123 (the header's own checksum)
+
+A byte the header does not use (reserved, a salt or MAC without the kind that needs it) must be
+zero, or the header is rejected: a MAC is computed over the header as decoded, so this is what
+makes it cover every one of bytes 0..123 (a decoded header encodes back to the same bytes).
 
 Format versions: 1 (MAC kinds 0-2; bytes 109..123 zero), 2 (format 1 plus the MAC salt and MAC
 kind 3, its key derived from the secret and the salt) and 3 (format 2 with the key derived from
@@ -323,7 +328,7 @@ def decode_header(buf: bytes | bytearray | memoryview) -> ChunkHeader | Rejected
     (stored_crc,) = _CRC.unpack_from(view, _BODY.size)
     if zlib.crc32(body) != stored_crc:
         return Rejected("header checksum mismatch")
-    (_, _, hbytes, ns, chash, group, dcode, ckind, t0, t1, nbytes, csum, created, mac, flag, salt, _) = (
+    (_, _, hbytes, ns, chash, group, dcode, ckind, t0, t1, nbytes, csum, created, mac, flag, salt, spare) = (
         _BODY.unpack(body)
     )
     if hbytes != HEADER_BYTES:
@@ -336,6 +341,14 @@ def decode_header(buf: bytes | bytearray | memoryview) -> ChunkHeader | Rejected
         return Rejected(f"unknown MAC kind {flag}")
     if (flag == MAC_GMAC) != (version in SALTED_FORMATS):  # a salt only where a kind-3 MAC needs one
         return Rejected(f"MAC kind {flag} in a format {version} header")
+    # a byte this header does not use must be zero: a MAC covers the header as decoded, so a byte
+    # decoding ignored could be changed under a verifying MAC (every writer writes zeros there)
+    if spare != _ZERO_SPARE:
+        return Rejected("reserved header bytes 121..123 are not zero")
+    if flag != MAC_GMAC and salt != _ZERO_SALT:
+        return Rejected(f"MAC salt bytes 109..120 are not zero under MAC kind {flag}")
+    if not flag and mac != _ZERO_MAC:
+        return Rejected("MAC bytes 92..107 are not zero under MAC kind 0")
     return ChunkHeader(
         namespace_id=ns.hex(),
         chunk_hash=chash,
@@ -415,6 +428,7 @@ MAC_BLAKE3 = 2
 MAC_GMAC = 3  # AES-256-GMAC, one key per value derived from the secret and the header's salt
 MAC_SALT_BYTES = 12
 HEADER_BODY_BYTES = _BODY.size  # the header bytes before its own CRC (what a MAC covers)
+_ZERO_MAC, _ZERO_SALT, _ZERO_SPARE = bytes(MAC_BYTES), bytes(MAC_SALT_BYTES), bytes(3)
 CHECKSUM_AT = struct.calcsize("<4sHH8s32sHBBQQQ")  # 76: the checksum's 8 bytes (little-endian)
 MAC_AT = CHECKSUM_AT + 16  # 92: after the checksum and the creation time; then the kind's byte
 

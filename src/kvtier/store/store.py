@@ -96,9 +96,11 @@ class Store(TierIO):
         fsync: str = "never",
         pin_memory: bool | None = None,
         secret: bytes | None = None,
+        accept_legacy_macs: bool = True,
     ) -> None:
         """`secret`: the tenant's key for the disk tier's payload MACs (integrity.Keyed); None reads
-        `KVTIER_SECRET_FILE` / `KVTIER_SECRET`. A shared tier takes its own (`RedisTier(keyed=)`)."""
+        `KVTIER_SECRET_FILE` / `KVTIER_SECRET`. A shared tier takes its own (`RedisTier(keyed=)`).
+        `accept_legacy_macs=False`: the disk tier restores only current-format MACs (Keyed)."""
         self.plan = plan
         self.namespace = namespace
         self.ns_id = namespace.id
@@ -129,7 +131,11 @@ class Store(TierIO):
                 options = TierOptions(pin_memory=pin_memory)
             else:
                 assert disk_dir is not None
-                keyed = Keyed(secret) if secret is not None else keyed_from_env()
+                keyed = (Keyed(secret, accept_legacy_macs=accept_legacy_macs) if secret is not None
+                         else keyed_from_env(accept_legacy_macs=accept_legacy_macs))
+                if keyed is None and accept_legacy_macs is not True:
+                    raise ConfigError(f"accept_legacy_macs={accept_legacy_macs!r} needs a secret: pass secret=..., "
+                                      "or set KVTIER_SECRET_FILE / KVTIER_SECRET")
                 options = TierOptions(namespace_id=self.ns_id, keyed=keyed, root=disk_dir, fsync=fsync)
             self.slot_tiers[name] = make_tier(name, layout, options)  # tiers/factory.py
         self.shared: tuple[Tier, ...] = tuple(shared)

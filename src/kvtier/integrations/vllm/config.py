@@ -19,6 +19,7 @@ vLLM's and are left to it.
 | `kvtier.redis_bytes` | bytes of this namespace the index tracks in Redis (Redis's maxmemory is the real bound) | required with redis |
 | `kvtier.redis_url` | `redis://host:port/db`, `rediss://`, `redis+cluster://`, `redis+sentinel://`; never with a password in it, in the userinfo or the query (`?password=`): vLLM logs this config | required with redis |
 | `kvtier.secret_file` | a file (mode 0600, at least 16 bytes) holding the tenant secret that MACs every disk and Redis payload; or set `KVTIER_SECRET_FILE` / `KVTIER_SECRET` in the engine's environment | none |
+| `kvtier.accept_legacy_macs` | with a secret, also restore values MACed by older kvtier (keyed BLAKE2b/BLAKE3, format 2); set `false` once those have expired (docs/store.md, "Threat model") | `true` |
 | `kvtier.redis_password_file` | a file (mode 0600) holding the Redis password; or set `KVTIER_REDIS_PASSWORD` in the engine's environment | none |
 | `kvtier.io_queue_bytes` | disk and Redis writes that may wait for the worker's background I/O thread; a store past it skips those tiers (counted `store_dropped_<tier>`), never waits | `"256MiB"` |
 | `kvtier.host_region` | where the cpu tier's slabs live so the scheduler's process can fill them too (promotion at lookup, promotion.py): `"auto"` (a private file in /dev/shm), an existing directory, or `"off"` (private memory of the worker: promotion at load only) | `"auto"` |
@@ -36,7 +37,8 @@ from kvtier.core.units import parse_bytes
 
 PREFIX = "kvtier."
 KEYS = ("tiers", "cpu_bytes", "disk_bytes", "redis_bytes", "directory", "policy", "share",
-        "chunk_tokens", "redis_url", "redis_password_file", "secret_file", "tenant", "io_queue_bytes", "host_region")
+        "chunk_tokens", "redis_url", "redis_password_file", "secret_file", "tenant", "io_queue_bytes", "host_region",
+        "accept_legacy_macs")
 IO_QUEUE_BYTES = 256 << 20  # disk/Redis writes waiting for the background lane, per worker
 PASSWORD_ENV = "KVTIER_REDIS_PASSWORD"
 TIERS = ("cpu", "disk", "redis")
@@ -56,6 +58,7 @@ class VllmTierConfig:
     tenant: str = ""
     redis_password_file: str | None = None  # the path only: the password is read when connecting
     secret_file: str | None = None  # the path only: the tenant secret is read when tiers open
+    accept_legacy_macs: bool = True  # integrity.Keyed: False restores current-format MACs only
     io_queue_bytes: int = IO_QUEUE_BYTES
     host_region: str = "auto"  # "auto", "off", or a directory (kvtier.host_region)
     # vLLM 0.33's sync_load_budget_bytes is set: every hit is served from the cpu tier only
@@ -123,6 +126,13 @@ def parse_config(extra_config: Mapping[str, object]) -> VllmTierConfig:
     secret_file = ours.get("secret_file")
     if secret_file is not None:
         _private_file(secret_file, "kvtier.secret_file")
+    accept_legacy = ours.get("accept_legacy_macs", True)
+    if not isinstance(accept_legacy, bool):
+        raise ConfigError(f"kvtier.accept_legacy_macs={accept_legacy!r} must be true or false")
+    if not accept_legacy and secret_file is None and not (os.environ.get("KVTIER_SECRET_FILE")
+                                                          or os.environ.get("KVTIER_SECRET")):
+        raise ConfigError("kvtier.accept_legacy_macs=false needs a secret: set kvtier.secret_file (a file "
+                          "of this user, mode 0600), or KVTIER_SECRET_FILE / KVTIER_SECRET in the environment")
     if redis_url is not None and "redis" not in tiers:
         raise ConfigError(f"kvtier.redis_url is set but tier 'redis' is not in kvtier.tiers {list(tiers)}; "
                           "add it to kvtier.tiers or drop the URL")
@@ -184,6 +194,7 @@ def parse_config(extra_config: Mapping[str, object]) -> VllmTierConfig:
         redis_password_file=password_file,
         io_queue_bytes=io_queue,
         secret_file=secret_file,
+        accept_legacy_macs=accept_legacy,
         host_region=host_region,
         host_only_loads=host_only,
     )
@@ -261,5 +272,6 @@ def tier_secret(config: VllmTierConfig):  # -> Keyed | None (kvtier.store.integr
     from kvtier.store.integrity import keyed_from_env, keyed_from_file
 
     if config.secret_file is not None:
-        return keyed_from_file(config.secret_file, "kvtier.secret_file")
-    return keyed_from_env()
+        return keyed_from_file(config.secret_file, "kvtier.secret_file",
+                               accept_legacy_macs=config.accept_legacy_macs)
+    return keyed_from_env(accept_legacy_macs=config.accept_legacy_macs)
