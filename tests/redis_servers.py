@@ -15,6 +15,16 @@ Usable from any test:
     with redis_sentinel() as st:       st.url   -> "redis+sentinel://127.0.0.1:PORT/kvtier"
 
 Test files outside tests/ import it after `sys.path.insert(0, str(Path(__file__).parents[1]))`.
+
+Who can reach them: servers listen on 127.0.0.1 only, protected mode on (a stray `--bind` never
+exposes a server without a password beyond loopback), and take no password unless a test asks
+for one. Another local user can connect to one for the seconds it lives and touch its throwaway
+data, but not the machine: Redis 7 refuses CONFIG SET of `dir`/`dbfilename` (the classic
+write-a-file-as-the-server's-user escalation), MODULE LOAD and DEBUG by default. Rejected: a
+password on every server, which would change every test's URL (vLLM's config refuses one in the
+URL), the cluster's and Sentinel's setup (masterauth, auth-pass), and the tests of the
+unauthenticated paths; the benchmarks' own servers (`kvtier bench redis` / `bench serve`) do
+require a random password.
 """
 
 from __future__ import annotations
@@ -189,7 +199,7 @@ class RedisServer:
         args = [
             SERVER, *ports, "--bind", "127.0.0.1",
             "--dir", str(self.directory), "--save", "", "--appendonly", "no",
-            "--daemonize", "no", "--protected-mode", "no",
+            "--daemonize", "no", "--protected-mode", "yes",
             "--logfile", str(self.directory / "redis.log"),
             *self.extra_args,
         ]
@@ -335,7 +345,7 @@ class RedisSentinelServers:
             self.sentinel_dir.mkdir(parents=True, exist_ok=True)
             conf = self.sentinel_dir / "sentinel.conf"  # Sentinel rewrites its config file
             conf.write_text("\n".join([
-                f"port {self.sentinel_port}", "bind 127.0.0.1", "protected-mode no",
+                f"port {self.sentinel_port}", "bind 127.0.0.1", "protected-mode yes",
                 "daemonize no", f"dir {self.sentinel_dir}",
                 f"logfile {self.sentinel_dir / 'sentinel.log'}",
                 f"sentinel monitor {self.SERVICE} 127.0.0.1 {self.master.port} 1",

@@ -8,15 +8,19 @@
 # compiled ops at import time (vllm_flash_attn's FA2/FA3 check, patched below; then
 # torch.ops._C.cutlass_scaled_mm_supports_block_fp8): each needs a stand-in before any scenario
 # builds its engine config. Add them to _C_stable_libtorch.py one by one, or skip the inspection.
+# What goes first on PYTHONPATH lives in a private directory of its own (mktemp -d, 0700): a
+# fixed path under /tmp could be made first by another local user, whose code would be imported.
 set -x
 cd "$(dirname "$0")/.."
 ROOT=$PWD
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>&1 | tail -2
-mkdir -p /tmp/site/vllm-0.33.0.dist-info && printf 'Metadata-Version: 2.1\nName: vllm\nVersion: 0.33.0\n' > /tmp/site/vllm-0.33.0.dist-info/METADATA
-mkdir -p /tmp/v && tar xJf .devstub/vllm033.tar.xz -C /tmp/v && cp .devstub/_C_stable_libtorch.py /tmp/v/.vllm033/vllm/
-sed -i 's/^if not (FA2_AVAILABLE or FA3_AVAILABLE):/if False:  # device check: no attention runs/' /tmp/v/.vllm033/vllm/vllm_flash_attn/__init__.py
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$WORK/site" .whl/*.whl 2>&1 | tail -2
+mkdir -p "$WORK/site/vllm-0.33.0.dist-info" && printf 'Metadata-Version: 2.1\nName: vllm\nVersion: 0.33.0\n' > "$WORK/site/vllm-0.33.0.dist-info/METADATA"
+mkdir -p "$WORK/v" && tar xJf .devstub/vllm033.tar.xz -C "$WORK/v" && cp .devstub/_C_stable_libtorch.py "$WORK/v/.vllm033/vllm/"
+sed -i 's/^if not (FA2_AVAILABLE or FA3_AVAILABLE):/if False:  # device check: no attention runs/' "$WORK/v/.vllm033/vllm/vllm_flash_attn/__init__.py"
 cd .devstub/snap
-export PYTHONPATH=/tmp/v/.vllm033:/tmp/site:$PWD/src:$PWD/tests/integrations/vllm_engineless PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLLM_TARGET_DEVICE=cuda
+export PYTHONPATH="$WORK/v/.vllm033:$WORK/site:$PWD/src:$PWD/tests/integrations/vllm_engineless" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLLM_TARGET_DEVICE=cuda
 nvidia-smi --query-gpu=name,memory.total --format=csv
 python3 -c "import torch, vllm; from vllm.platforms import current_platform; print('torch', torch.__version__, 'vllm', vllm.__version__, current_platform.device_name, torch.cuda.is_available())" 2>&1 | tail -3
 timeout 150 python3 scripts/gpu-check.py --chunks 64 --layers 8 --reps 3 --json 2>&1 | tee $OUT/gpu-check.log | grep -v WARNING | tail -15

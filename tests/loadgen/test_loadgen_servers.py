@@ -84,3 +84,79 @@ def test_free_ports_lie_outside_the_ephemeral_range_and_are_not_handed_out_twice
     ports = [free_port() for _ in range(50)]
     assert len(set(ports)) == len(ports)
     assert all(not lo <= p <= hi and 1024 <= p < 65536 for p in ports), (lo, hi, ports)
+
+
+def _raw_replies(port: int, commands: list[list[bytes]]) -> list[bytes]:
+    """Send RESP commands on a fresh connection, as any local user can; one reply line each."""
+    import socket
+
+    wire = b"".join(b"*%d\r\n" % len(c) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in c)
+                    for c in commands)
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(wire)
+        reply = b""
+        while reply.count(b"\r\n") < len(commands) and (part := s.recv(4096)):
+            reply += part
+    return reply.split(b"\r\n")[:len(commands)]
+
+
+def test_the_bench_serve_redis_takes_no_command_without_its_password(tmp_path: Path) -> None:
+    """`kvtier bench serve` started redis-server with `--protected-mode no` and no password: any
+    local user could SET, CONFIG GET dir or SHUTDOWN it, directly or through the delaying proxy.
+    Now it requires a random password kept in 0600 files, never on a command line, and the
+    bench's engines get it through `kvtier.redis_password_file`."""
+    import stat
+
+    import torch
+
+    from kvtier.commands.bench_serve import kv_config
+    from kvtier.integrations.vllm.config import parse_config, redis_password
+    from kvtier.loadgen.proxy import DelayProxy
+    from kvtier.loadgen.servers import redis_server, wait_redis_ready
+    from kvtier.store.payload import make_header
+    from kvtier.store.tiers.redis import RedisTier
+
+    sys.path.insert(0, str(Path(__file__).parents[1]))
+    from redis_servers import have_redis
+
+    if not have_redis():
+        pytest.fail("redis-server is not installed; `make test` installs it (scripts/ensure-redis.sh)")
+    d = tmp_path / "redis"
+    d.mkdir(mode=0o700)
+    port = free_port()
+    proc, password_file = redis_server("redis-server", port, d, tmp_path / "redis.log")
+    try:
+        wait_redis_ready(proc, "127.0.0.1", port, time.monotonic() + 30, password_file)
+        password = password_file.read_text()
+        assert len(password) >= 32 and stat.S_IMODE(password_file.stat().st_mode) == 0o600
+        held = sorted(f.name for f in d.iterdir() if password.encode() in f.read_bytes())
+        assert held == ["password", "redis.conf"]
+        assert all(stat.S_IMODE((d / n).stat().st_mode) == 0o600 for n in held)
+        assert password not in " ".join(map(str, proc.proc.args))  # /proc/PID/cmdline is public
+        assert password.encode() not in Path(f"/proc/{proc.proc.pid}/cmdline").read_bytes()
+        with DelayProxy("127.0.0.1", port, 0.0) as proxy:
+            assert proxy.host == "127.0.0.1"
+            for p in (port, proxy.port):  # another local user, directly and through the proxy
+                replies = _raw_replies(p, [[b"SET", b"k", b"v"], [b"CONFIG", b"GET", b"dir"],
+                                           [b"SHUTDOWN", b"NOSAVE"]])
+                assert all(r.startswith(b"-NOAUTH") for r in replies), (p, replies)
+            proc.check_running()  # SHUTDOWN did not reach it
+            # the bench's engines: their kv_transfer_config, read as vLLM's connector reads it
+            (tmp_path / "kv").mkdir()
+            cfg = parse_config(kv_config(tmp_path / "kv", {
+                "kvtier.tiers": "redis", "kvtier.redis_bytes": "1GiB",
+                "kvtier.redis_url": f"redis://127.0.0.1:{proxy.port}/0",
+                "kvtier.redis_password_file": str(password_file)})["kv_connector_extra_config"])
+            tier = RedisTier.from_url(cfg.redis_url, namespace_id="00112233aabbccdd",
+                                      password=redis_password(cfg))
+            try:
+                h = make_header("00112233aabbccdd", b"\x07" * 16, 0, 0, 16, 64)
+                data = torch.arange(64, dtype=torch.uint8)
+                assert tier.write(0, 0, h, data)
+                out = torch.zeros(64, dtype=torch.uint8)
+                assert tier.read(0, 0, h, out) and torch.equal(out, data)
+            finally:
+                tier.close()
+            assert proxy.stats().forwarded_bytes > 64  # the tier's traffic went through it
+    finally:
+        assert proc.stop(grace_s=10)

@@ -258,19 +258,22 @@ def bench(a: argparse.Namespace) -> dict[str, object]:
             dirs["with_cpu"] = root / "kvtier-cpu"
             kv["with_cpu"] = kv_config(dirs["with_cpu"], {"kvtier.tiers": "cpu", "kvtier.cpu_bytes": a.cpu_bytes})
         if "c" in a.workloads:
+            redis_cfg: dict[str, object] = {}
             if a.redis_url is not None:
                 host, port, db = redis_address(a.redis_url)
-            else:
+            else:  # ours requires a random password: any local user can reach it and the proxy
                 host, port, db = "127.0.0.1", sv.free_port(), 0
-                (root / "redis").mkdir()
-                procs["redis"] = sv.redis_server(a.redis_server, port, root / "redis", logs / "redis.log")
-                sv.wait_redis_ready(procs["redis"], host, port, time.monotonic() + 60)
+                (root / "redis").mkdir(mode=0o700)
+                procs["redis"], password_file = sv.redis_server(a.redis_server, port, root / "redis",
+                                                                logs / "redis.log")
+                sv.wait_redis_ready(procs["redis"], host, port, time.monotonic() + 60, password_file)
+                redis_cfg["kvtier.redis_password_file"] = str(password_file)
             proxy = DelayProxy(host, port, a.delay_ms / 1000)
             proxy.start()
             dirs["with_redis"] = root / "kvtier-redis"
             kv["with_redis"] = kv_config(dirs["with_redis"], {
                 "kvtier.tiers": "redis", "kvtier.redis_bytes": a.redis_bytes,
-                "kvtier.redis_url": f"redis://127.0.0.1:{proxy.port}/{db}"})
+                "kvtier.redis_url": f"redis://127.0.0.1:{proxy.port}/{db}", **redis_cfg})
         env = dict(os.environ, TOKENIZERS_PARALLELISM="false", VLLM_CPU_OMP_THREADS_BIND=a.threads_bind,
                    VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would replace --kv-cache-memory-bytes below

@@ -5,7 +5,9 @@ remain. --fix takes each namespace's writer lock, so it refuses to touch a direc
 process is writing (stop it first); without --fix nothing is written. It locks, scans and drops
 through the same namespace directory fds (`disk_scan.open_namespace_fds`), and a drop zeroes a
 header only in the inode the scan read: run as root over a cache another user owns, it never
-writes through a directory or file that user swapped in after the scan.
+writes through a directory or file that user swapped in after the scan. A slab longer than its
+file system can hold (`truncate -s 1T`) is one line, and read only as far as it could hold; it
+does not change the exit code (a disk tier that opens it cuts it back to its capacity).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
 
     from kvtier.errors import ConfigError, KvtierError
     from kvtier.store.tiers.disk_files import lock_for_tools, lock_holder
-    from kvtier.store.tiers.disk_scan import drop_slot, open_namespace_fds, scan_dir
+    from kvtier.store.tiers.disk_scan import Oversized, drop_slot, open_namespace_fds, scan_dir
 
     root = Path(args.dir)
     if not root.is_dir():
@@ -38,6 +40,7 @@ def run(args: argparse.Namespace) -> int:
     bad = []
     fixed = 0
     removed: set[int] = set()
+    oversized: list[Oversized] = []
     # one fd per namespace directory, from the lock through the scan to the drop: a directory
     # swapped for a symlink after the scan is never written through (reopening by path was)
     dir_fds = open_namespace_fds(root)
@@ -48,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
                     raise KvtierError(
                         f"namespace {ns} in {args.dir} is in use by pid {lock_holder(root / ns) or '?'}; "
                         "stop that process before `kvtier check --fix` (or run without --fix)")
-        for rec in scan_dir(root, verify_payloads=True, dir_fds=dir_fds):
+        for rec in scan_dir(root, verify_payloads=True, dir_fds=dir_fds, oversized=oversized):
             checked += 1
             if rec.problem is not None:
                 bad.append(rec)
@@ -66,10 +69,13 @@ def run(args: argparse.Namespace) -> int:
         "bad": [{"namespace": r.namespace_id, "group": r.group, "slot": r.slot, "file": r.path.name,
                  "problem": r.problem, "removed": id(r) in removed} for r in bad],
         "fixed": fixed,
+        "oversized": [o.to_json() for o in oversized],
     }
     if args.json:
         print(json.dumps(report))
     else:
+        for o in oversized:
+            print(f"namespace {o.namespace_id} {o.message()}")
         for r in bad:
             print(f"bad: namespace {r.namespace_id} group {r.group} slot {r.slot} ({r.path.name}): {r.problem}"
                   + ((" -> removed" if id(r) in removed else " -> left alone (not a kvtier slot)") if args.fix else ""))

@@ -1,4 +1,7 @@
-"""`kvtier inspect DIR`: what a disk tier directory holds (namespaces, groups, chunks, bytes, age)."""
+"""`kvtier inspect DIR`: what a disk tier directory holds (namespaces, groups, chunks, bytes, age).
+
+A slab longer than its file system can hold (`truncate -s 1T`) is one line, and its slots are
+counted and read only as far as it could hold (`disk_scan.Oversized`)."""
 
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ def summarize(root: str) -> dict[str, object]:
 
     from kvtier.store.payload import ChunkHeader
     from kvtier.store.tiers.disk_files import SLAB_RE, slot_stride
-    from kvtier.store.tiers.disk_scan import namespace_dirs, scan_dir
+    from kvtier.store.tiers.disk_scan import Oversized, namespace_dirs, scan_dir
 
     now = time.time_ns()
     spaces: dict[str, dict[str, object]] = {}
@@ -48,7 +51,8 @@ def summarize(root: str) -> dict[str, object]:
                                    "chunks": 0, "payload_bytes": 0, "bad": 0,
                                    "oldest_age_s": None, "newest_age_s": None}
         spaces[nsdir.name] = {"namespace": nsdir.name, "in_use_by_pid": lock_holder(nsdir), "groups": groups}
-    for rec in scan_dir(root):
+    oversized: list[Oversized] = []
+    for rec in scan_dir(root, oversized=oversized):
         d = spaces[rec.namespace_id]["groups"][(rec.group, rec.slot_bytes)]  # type: ignore[index]
         if rec.problem is not None or not isinstance(rec.header, ChunkHeader):
             d["bad"] += 1
@@ -58,6 +62,8 @@ def summarize(root: str) -> dict[str, object]:
         age = max(0.0, (now - rec.header.created_ns) / 1e9)
         d["oldest_age_s"] = age if d["oldest_age_s"] is None else max(d["oldest_age_s"], age)
         d["newest_age_s"] = age if d["newest_age_s"] is None else min(d["newest_age_s"], age)
+    for o in oversized:
+        spaces[o.namespace_id]["groups"][(o.group, o.slot_bytes)]["slots_in_file"] = o.slots  # type: ignore[index]
     out_spaces = []
     for ns in spaces.values():
         gl = list(ns["groups"].values())  # type: ignore[union-attr]
@@ -71,6 +77,7 @@ def summarize(root: str) -> dict[str, object]:
         "payload_bytes": sum(n["payload_bytes"] for n in out_spaces),
         "file_bytes": sum(n["file_bytes"] for n in out_spaces),
         "bad": sum(n["bad"] for n in out_spaces),
+        "oversized": [o.to_json() for o in oversized],
     }
 
 
@@ -105,6 +112,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"{info['root']}: {len(info['namespaces'])} namespace(s), {info['chunks']} chunks, "
           f"{_human(info['payload_bytes'])} of payload in {_human(info['file_bytes'])} of files"
           + (f", {info['bad']} bad slot(s) (run `kvtier check --fix`)" if info["bad"] else ""))
+    for o in info["oversized"]:  # type: ignore[attr-defined]
+        print(f"namespace {o['namespace']} {o['message']}")
     for ns in info["namespaces"]:
         use = f"  in use by pid {ns['in_use_by_pid']}" if ns["in_use_by_pid"] else ""
         print(f"\nnamespace {ns['namespace']}{use}")

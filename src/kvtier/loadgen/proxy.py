@@ -6,6 +6,9 @@ an earlier one waits waits only its own delay), so this adds latency, as a longe
 a bandwidth cap; order is kept per direction. The rejected alternative, sleeping before each
 write on the reading thread, makes a 3 MiB payload of 64 KiB reads cost 48 delays instead of one.
 
+It listens on loopback only by default and adds no access of its own: any local user can connect
+to it, so the server behind it must demand a password (`kvtier bench serve`'s own redis-server does).
+
 One asyncio loop on a daemon thread; `stats()` counts connections, forwarded chunks and bytes,
 so a benchmark can show that traffic really went through it.
 """

@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import random
+import secrets
 import signal
 import socket
 import subprocess
@@ -171,20 +172,48 @@ def wait_http_ready(proc: Process, url: str, deadline: float) -> None:
             time.sleep(1.0)
 
 
-def redis_server(binary: str, port: int, directory: Path, log_path: Path) -> Process:
-    """A throwaway redis-server on 127.0.0.1:`port`: no persistence, its files in `directory`."""
-    argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-            "--dir", str(directory), "--protected-mode", "no"]
-    return Process("redis-server", argv, dict(os.environ), log_path)
+def redis_server(binary: str, port: int, directory: Path, log_path: Path) -> tuple[Process, Path]:
+    """A throwaway redis-server on 127.0.0.1:`port`, no persistence, its files in `directory`;
+    returns it and the file (0600) holding its password, for `kvtier.redis_password_file`.
+
+    Any local user can connect to a loopback port (and to the delaying proxy in front of it), so
+    the server takes no command without a random password (`requirepass`), as `kvtier bench
+    redis`'s own server. The password lives in files of mode 0600 (the config file and the
+    password file), never on the command line, which /proc shows to every user."""
+    password = secrets.token_hex(32)
+    conf = _private_file(directory / "redis.conf", f"requirepass {password}\n")
+    password_file = _private_file(directory / "password", password)
+    argv = [binary, str(conf), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+            "--appendonly", "no", "--dir", str(directory)]
+    return Process("redis-server", argv, dict(os.environ), log_path), password_file
 
 
-def wait_redis_ready(proc: Process, host: str, port: int, deadline: float) -> None:
+def _private_file(path: Path, text: str) -> Path:
+    """A new file of mode 0600 holding `text` (O_EXCL | O_NOFOLLOW: never one planted there)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    return path
+
+
+def wait_redis_ready(proc: Process, host: str, port: int, deadline: float,
+                     password_file: Path | None = None) -> None:
+    """Until the server answers PING (after AUTH with the password in `password_file`)."""
+    hello = b"*1\r\n$4\r\nPING\r\n"
+    ready = b"+PONG"
+    if password_file is not None:
+        pw = password_file.read_bytes()
+        hello = b"*2\r\n$4\r\nAUTH\r\n$%d\r\n%s\r\n" % (len(pw), pw) + hello
+        ready = b"+OK\r\n+PONG"
     while True:
         proc.check_running()
         try:
             with socket.create_connection((host, port), timeout=1) as s:
-                s.sendall(b"*1\r\n$4\r\nPING\r\n")
-                if s.recv(64).startswith(b"+PONG"):
+                s.sendall(hello)
+                reply = b""
+                while len(reply) < len(ready) and (part := s.recv(64)):
+                    reply += part
+                if reply.startswith(ready):
                     return
         except OSError:
             pass

@@ -15,10 +15,17 @@ opens the slab relative to the directory fd it scanned and zeroes nothing unless
 inode. Reopening by path after the scan (the first design) let the cache's owner swap the
 namespace directory for a symlink to another user's between scan and drop (`O_NOFOLLOW` guards
 the last component only): `check --fix` run as root then zeroed a header in that user's cache.
+
+A scan costs the slots a slab holds, not its length: holes are skipped (`SEEK_DATA`/`SEEK_HOLE`:
+a header in a hole reads as zeros, an empty slot), and no slot past what the slab's file system
+can hold is read. A disk tier sizes each slab to its capacity, which it must be able to fill, so
+a slab longer than its file system (`truncate -s 1T`) was not sized by a tier; it is one
+`Oversized` line, and the rest of it is ignored.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import stat
@@ -26,20 +33,30 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvtier.core.units import human_bytes
 from kvtier.errors import ConfigError
-from kvtier.store.payload import MAGIC, ChunkHeader, Rejected, StreamingChecksum, unverifiable
+from kvtier.store.payload import (
+    HEADER_BYTES,
+    MAGIC,
+    ChunkHeader,
+    Rejected,
+    StreamingChecksum,
+    decode_header,
+    unverifiable,
+)
 from kvtier.store.tiers.disk_files import (
     DATA_OFFSET,
     OPEN_FLAGS,
     SLAB_RE,
     ZERO_HEADER,
     kind_of,
-    scan_fd,
     slot_stride,
 )
 
 NAMESPACE_RE = re.compile(r"^[0-9a-f]{16}$")
 VERIFY_PIECE = 1 << 20  # bytes read at a time when a tool verifies a payload
+SEEK_DATA: int | None = getattr(os, "SEEK_DATA", None)  # Linux, macOS, the BSDs
+SEEK_HOLE: int | None = getattr(os, "SEEK_HOLE", None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +69,81 @@ class SlotRecord:
     header: ChunkHeader | Rejected
     problem: str | None  # None: header valid (and payload verified when asked)
     file_id: tuple[int, int] = (0, 0)  # (st_dev, st_ino) of the slab read; `drop_slot` writes only it
+
+
+@dataclass(frozen=True, slots=True)
+class Oversized:
+    """A slab file longer than its file system can hold: only its first `slots` slots are read."""
+
+    path: Path
+    namespace_id: str
+    group: int
+    slot_bytes: int
+    file_bytes: int
+    slots: int
+    fs_bytes: int
+
+    @property
+    def read_bytes(self) -> int:
+        return self.slots * slot_stride(self.slot_bytes)
+
+    def message(self) -> str:
+        return (f"{self.path.name}: {human_bytes(self.file_bytes)}, larger than the {self.slots} slots x "
+                f"{human_bytes(slot_stride(self.slot_bytes))} its file system ({human_bytes(self.fs_bytes)}) "
+                "can hold; the rest is ignored")
+
+    def to_json(self) -> dict[str, object]:
+        return {"namespace": self.namespace_id, "group": self.group, "file": self.path.name,
+                "file_bytes": self.file_bytes, "read_bytes": self.read_bytes, "message": self.message()}
+
+
+def slab_slots(fd: int, file_bytes: int, stride: int) -> tuple[int, int | None]:
+    """(slots to read, the file system's bytes when the file is longer than it can hold, else
+    None). A file system that reports no size bounds nothing."""
+    slots = -(-file_bytes // stride)
+    try:
+        vfs = os.fstatvfs(fd)
+    except OSError:
+        return slots, None
+    fs_bytes = vfs.f_blocks * vfs.f_frsize
+    if fs_bytes <= 0 or slots * stride <= fs_bytes:
+        return slots, None
+    return max(1, fs_bytes // stride), fs_bytes
+
+
+def scan_slab(fd: int, stride: int, slots: int) -> Iterator[tuple[int, ChunkHeader | Rejected]]:
+    """(slot, decoded header) of every slot below `slots` whose header is not all zeros, reading
+    only headers that lie in the file's data."""
+    for s in _data_slots(fd, stride, slots):
+        h = decode_header(os.pread(fd, HEADER_BYTES, s * stride))
+        if isinstance(h, Rejected) and h.reason.startswith("empty slot"):
+            continue
+        yield s, h
+
+
+def _data_slots(fd: int, stride: int, slots: int) -> Iterator[int]:
+    """Slots below `slots` whose header overlaps the file's data, in order. A header in a hole
+    reads as zeros, so holes are skipped by SEEK_DATA/SEEK_HOLE rather than read; where the file
+    system cannot say (no SEEK_DATA, EINVAL, ENOTSUP), every slot is data."""
+    end = slots * stride
+    off = nxt = 0
+    while off < end:
+        try:
+            if SEEK_DATA is None or SEEK_HOLE is None:
+                raise OSError(errno.EINVAL, "no SEEK_DATA")
+            data = os.lseek(fd, off, SEEK_DATA)
+            hole = os.lseek(fd, data, SEEK_HOLE)
+        except OSError as exc:
+            if exc.errno == errno.ENXIO:  # no data at or past `off`
+                return
+            if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
+                raise
+            data, hole = off, end
+        first = max(nxt, (data - HEADER_BYTES) // stride + 1)  # s * stride + HEADER_BYTES > data
+        nxt = max(nxt, min(slots, -(-hole // stride)))  # s * stride < hole
+        yield from range(first, nxt)
+        off = hole
+
 
 
 def namespace_dirs(root: Path) -> list[Path]:
@@ -94,24 +186,27 @@ def open_namespace_fds(root: str | os.PathLike[str]) -> dict[str, int]:
 
 
 def scan_dir(root: str | os.PathLike[str], *, verify_payloads: bool = False,
-             dir_fds: Mapping[str, int] | None = None) -> Iterator[SlotRecord]:
+             dir_fds: Mapping[str, int] | None = None,
+             oversized: list[Oversized] | None = None) -> Iterator[SlotRecord]:
     """Every non-empty slot under ROOT (all namespaces), with what is wrong with it, if anything.
     `dir_fds` (from `open_namespace_fds`, kept by the caller, as `check --fix` does to drop
-    through them): scan those directories; else they are opened and closed here."""
+    through them): scan those directories; else they are opened and closed here. Slab files
+    longer than their file system can hold are appended to `oversized`."""
     rootp = Path(root)
     if not rootp.is_dir():
         raise ConfigError(f"{str(root)!r} is not a directory; give a disk tier's root directory")
     fds = open_namespace_fds(rootp) if dir_fds is None else dir_fds
     try:
         for ns in sorted(fds):
-            yield from _scan_namespace(rootp / ns, ns, fds[ns], verify_payloads)
+            yield from _scan_namespace(rootp / ns, ns, fds[ns], verify_payloads, oversized)
     finally:
         if dir_fds is None:
             for fd in fds.values():
                 os.close(fd)
 
 
-def _scan_namespace(nsdir: Path, ns: str, dfd: int, verify_payloads: bool) -> Iterator[SlotRecord]:
+def _scan_namespace(nsdir: Path, ns: str, dfd: int, verify_payloads: bool,
+                    oversized: list[Oversized] | None) -> Iterator[SlotRecord]:
     try:
         names = sorted(os.listdir(dfd))
     except OSError:
@@ -144,7 +239,10 @@ def _scan_namespace(nsdir: Path, ns: str, dfd: int, verify_payloads: bool) -> It
                 continue
             file_id = (fst.st_dev, fst.st_ino)
             stride = slot_stride(slot_bytes)
-            for s, h in scan_fd(fd, stride, None):
+            slots, fs_bytes = slab_slots(fd, fst.st_size, stride)
+            if fs_bytes is not None and oversized is not None:
+                oversized.append(Oversized(path, ns, group, slot_bytes, fst.st_size, slots, fs_bytes))
+            for s, h in scan_slab(fd, stride, slots):
                 problem = _problem(fd, s * stride, fst.st_size, ns, group, slot_bytes, h, verify_payloads)
                 yield SlotRecord(path, ns, group, s, slot_bytes, h, problem, file_id)
         except OSError as exc:
