@@ -28,7 +28,7 @@ def test_json_has_exactly_the_issue_shape(capsys, geometry_path) -> None:
     assert rc == 0
     doc = json.loads(out)  # exactly one object on stdout
     assert list(doc) == ["chunk_tokens", "tokens_per_hash", "hit_tokens", "restore_bytes",
-                         "naive_restore_bytes", "groups"]
+                         "naive_restore_bytes", "groups", "compute"]
     # hand-derived in tests/core/test_plan.py: C = 1056, T = 3168
     assert (doc["chunk_tokens"], doc["tokens_per_hash"], doc["hit_tokens"]) == (1056, 16, 3168)
     assert doc["restore_bytes"] == 747110400
@@ -49,6 +49,31 @@ def test_json_without_a_hit(capsys, config_path) -> None:
     assert rc == 0 and doc["hit_tokens"] is None and doc["restore_bytes"] is None
     assert doc["naive_restore_bytes"] is None
     assert all(g["restore_chunks"] is None for g in doc["groups"])
+
+
+def test_compute_saved_and_bytes_read_per_hit_length(capsys, config_path) -> None:
+    from kvtier.core.cost import compute_model
+    from kvtier.core.load import load_geometry
+    from kvtier.core.plan import make_plan
+
+    path = config_path("qwen3-next-80b-a3b")
+    rc, out, _ = run(capsys, "plan", str(path), "--json", "--chunk-tokens", "512", "--hit-tokens", "5000")
+    doc = json.loads(out)
+    hits = doc["compute"]["hits"]
+    assert rc == 0 and "qwen3_next" in doc["compute"]["source"]
+    # one chunk doubling up to the hit (rounded down to 4608), the last four of them and the hit
+    assert [h["hit_tokens"] for h in hits] == [512, 1024, 2048, 4096, 4608]
+    geometry = load_geometry(path)
+    model, plan = compute_model(json.loads(path.read_text()), geometry), make_plan(geometry, chunk_tokens=512)
+    for h in hits:
+        assert h["flops_saved"] == model.flops(h["hit_tokens"])
+        assert h["restore_bytes"] == plan.restore_bytes(h["hit_tokens"])
+        assert set(h["flops_by_group"]) == {"linear_attention", "full"}
+    assert [h["flops_saved"] for h in hits] == sorted(h["flops_saved"] for h in hits)
+    rc, out, _ = run(capsys, "plan", str(path), "--chunk-tokens", "512", "--hit-tokens", "1024")
+    table = out[out.index("prefill compute a hit saves"):].splitlines()
+    assert table[1].split()[:3] == ["hit", "tokens", "FLOPs"] and "bytes read" in table[1]
+    assert [r.split()[0] for r in table[3:5]] == ["512", "1024"]
 
 
 def test_human_table_deepseek_v4_like(capsys, geometry_path) -> None:

@@ -118,3 +118,32 @@ def test_help_states_the_conventions():
     for phrase in ("timestamp order", "Hit rate = hit chunks / all chunks", "512-token block",
                    "MIN", "1%,2%,5%"):
         assert phrase in out.stdout
+
+
+def test_compute_saved_from_a_config_json(files, capsys):
+    trace, _ = files
+    from pathlib import Path
+
+    import kvtier
+
+    config = Path(kvtier.__file__).parent / "data" / "configs" / "llama-3-8b.json"
+    rc = main(["replay", trace, "--geometry", str(config), "--tier", "cpu=100%", "--json"])
+    assert rc == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert "model_type 'llama'" in doc["cost_model"]["compute"]
+    lru = doc["policies"][0]
+    # attention's quadratic term: a prefix's tokens attend to fewer keys than the tail's, so
+    # the FLOPs share is below the token share (the old 2 x params estimate made them equal)
+    assert 0 < lru["compute_saved"] < lru["token_hit_rate"] < 1
+    rc = main(["replay", trace, "--geometry", str(config), "--tier", "cpu=100%"])
+    out = capsys.readouterr().out
+    assert "compute saved" in out
+
+
+def test_placement_hits_stores_sliding_chunks_cold_away_from_endpoints(files, capsys):
+    trace, geom = files
+    rc = main(["replay", trace, "--geometry", geom, "--tier", "cpu=100%", "--placement", "hits", "--json"])
+    assert rc == 0
+    rows = json.loads(capsys.readouterr().out)["policies"]
+    # everything fits: the same hits as every-chunk storing (cold entries still serve)
+    assert rows[0]["hit_chunks"] == 5

@@ -247,3 +247,27 @@ def test_tail_endpoints_store_only_the_windows_hits_read(tmp_path):
     # and then LRU's oldest warm 2 ... the hit of r2 is unchanged
     tight = replay(plan, trace, {"cpu": 4 * b}, "lru", tail_endpoints=2)
     assert tight.hit_chunks == 3
+
+
+def test_compute_saved_is_the_share_of_prompt_flops(tmp_path):
+    from kvtier.core.cost import ComputeModel, Term
+
+    plan = one_group()
+    trace = load_trace(mooncake(tmp_path, [7, 8], [7, 8, 9]), plan)
+    # F(n) = n + n(n+1)/2: under causal attention a prefix's tokens are the cheap ones (each
+    # attends to fewer keys), so the FLOPs share is below the token share
+    model = ComputeModel((Term("full", "full", 1, 1.0, 1.0),))
+    cost = CostModel(flops=1.0, compute=model)
+    r = replay(plan, trace, {"cpu": 8 * plan.chunk_bytes_all_groups}, "lru", cost=cost)
+    f = lambda n: n + n * (n + 1) // 2  # noqa: E731
+    assert r.hit_tokens == 1024
+    assert r.flops_saved == f(1024) and r.flops_total == f(1024) + f(1536)
+    assert r.compute_saved == pytest.approx(f(1024) / (f(1024) + f(1536)))
+    assert r.compute_saved < r.token_hit_rate
+    assert r.compute_seconds_saved == pytest.approx(f(1024))
+    assert r.to_dict()["compute_saved"] == r.compute_saved
+    # a hit is capped at the request's input_length (Mooncake's last block is partial)
+    short = load_trace(write_trace(tmp_path, [{"hash_ids": [7, 8]},
+                                              {"hash_ids": [7, 8], "input_length": 900}], "s.jsonl"), plan)
+    r = replay(plan, short, {"cpu": 8 * plan.chunk_bytes_all_groups}, "lru", cost=cost)
+    assert r.flops_saved == f(900) and r.flops_total == f(1024) + f(900)

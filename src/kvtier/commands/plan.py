@@ -8,6 +8,7 @@ import os
 import sys
 
 from kvtier.errors import ConfigError
+from kvtier.core.cost import ComputeModel, compute_model
 from kvtier.core.load import load_geometry
 from kvtier.core.plan import Plan, make_plan
 from kvtier.core.units import human_bytes
@@ -60,8 +61,40 @@ def parse_blocks_per_chunk(text: str) -> int | dict[str, int]:
     return out
 
 
-def plan_json(plan: Plan, hit_tokens: int | None) -> dict[str, object]:
+def hit_lengths(plan: Plan, hit_tokens: int | None) -> list[int]:
+    """The hit lengths the compute table shows: one chunk doubling up to --hit-tokens (the last
+    five), or 1 chunk, ~4k and ~32k tokens."""
+    c = plan.chunk_tokens
+    if hit_tokens is None:
+        return sorted({c, max(c, plan.round_hit(4096)), max(c, plan.round_hit(32768))})
+    t = plan.round_hit(hit_tokens)
+    out, n = [], c
+    while n < t:
+        out.append(n)
+        n *= 2
+    return [*out[-4:], t] if t else []
+
+
+def compute_rows(plan: Plan, compute: ComputeModel, hit_tokens: int | None) -> list[dict[str, object]]:
+    rows = []
+    for t in hit_lengths(plan, hit_tokens):
+        flops = compute.flops(t)
+        read = plan.restore_bytes(t)
+        rows.append({"hit_tokens": t, "flops_saved": flops,
+                     "flops_by_group": {k or "other": v for k, v in compute.by_group(t).items()},
+                     "restore_bytes": read, "flops_per_byte": flops / read if read else None})
+    return rows
+
+
+def plan_json(plan: Plan, hit_tokens: int | None, compute: ComputeModel | None = None) -> dict[str, object]:
     t = plan.round_hit(hit_tokens) if hit_tokens is not None else None
+    doc = _plan_json(plan, t)
+    if compute is not None:
+        doc["compute"] = {"source": compute.source, "hits": compute_rows(plan, compute, hit_tokens)}
+    return doc
+
+
+def _plan_json(plan: Plan, t: int | None) -> dict[str, object]:
     return {
         "chunk_tokens": plan.chunk_tokens,
         "tokens_per_hash": plan.geometry.tokens_per_hash,
@@ -177,7 +210,25 @@ def _table(rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def render(plan: Plan, hit_tokens: int | None, *, engine_blocks: bool = True) -> str:
+def render_compute(plan: Plan, compute: ComputeModel, hit_tokens: int | None) -> list[str]:
+    rows = compute_rows(plan, compute, hit_tokens)
+    if not rows:
+        return []
+    groups = list(rows[0]["flops_by_group"])  # type: ignore[arg-type]
+    table = [["hit tokens", "FLOPs saved", *(f"{g} FLOPs" for g in groups), "bytes read", "FLOPs/byte"]]
+    for r in rows:
+        by = r["flops_by_group"]
+        per_byte = r["flops_per_byte"]
+        table.append([str(r["hit_tokens"]), f"{r['flops_saved']:.3g}", *(f"{by[g]:.3g}" for g in groups),
+                      human_bytes(int(r["restore_bytes"])), f"{per_byte:.3g}" if per_byte else "-"])
+    widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in table]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return [f"prefill compute a hit saves ({compute.source}):", *lines, ""]
+
+
+def render(plan: Plan, hit_tokens: int | None, *, engine_blocks: bool = True,
+           compute: ComputeModel | None = None) -> str:
     g = plan.geometry
     t = plan.round_hit(hit_tokens) if hit_tokens is not None else None
     head = f"geometry {g.name or '(unnamed)'}"
@@ -220,6 +271,8 @@ def render(plan: Plan, hit_tokens: int | None, *, engine_blocks: bool = True) ->
         out.append(f"hit of {t} tokens restores {human_bytes(r)} ({r} B); restoring every chunk "
                    f"of every group would move {human_bytes(n)} ({n} B{ratio})")
     out.append("")
+    if compute is not None:
+        out += render_compute(plan, compute, hit_tokens)
     if any(x.compress_ratio > 1 for x in g.groups) and not g.source.startswith("vLLM"):
         # DeepSeek V4: vLLM packs these caches into groups of its own (other blocks, other
         # spans); a config from kvtier's grouping would not describe them
@@ -264,13 +317,32 @@ def run(args: argparse.Namespace) -> int:
         engine_bpc = native_blocks_per_chunk(plan)
         if engine_bpc is not None:
             plan = engine_plan(geometry, engine_bpc)[0]
+    config = _read_json(args.geometry)
+    laid_over = geometry  # the compute is laid over the HF reading's groups (their layer indices)
+    if args.engine == "vllm" and config is not None:
+        try:
+            laid_over = load_geometry(args.geometry, dtype=args.dtype, block_size=args.block_size)
+        except ConfigError:
+            config = None
+    compute = compute_model(config, laid_over)
     if args.json:
-        print(json.dumps(plan_json(plan, args.hit_tokens)))
+        print(json.dumps(plan_json(plan, args.hit_tokens, compute)))
         for w in vllm_warnings(plan):
             print(f"warning: {w}", file=sys.stderr)
     else:
         # a geometry JSON states its blocks; a config.json only with --block-size or --engine vllm
         engine_blocks = (args.engine == "vllm" or args.block_size is not None
                          or geometry.source.startswith("geometry file"))
-        print(render(plan, args.hit_tokens, engine_blocks=engine_blocks))
+        print(render(plan, args.hit_tokens, engine_blocks=engine_blocks, compute=compute))
     return 0
+
+
+def _read_json(path: str) -> dict[str, object] | None:
+    """The config.json at `path` (or in the model directory `path`), or None."""
+    p = path if not os.path.isdir(path) else os.path.join(path, "config.json")
+    try:
+        with open(p, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None

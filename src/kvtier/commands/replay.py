@@ -33,7 +33,10 @@ conventions:
   always added as the reference row.
   SIZE: bytes, plain or with K/M/G/T (powers of 1000) or KiB/MiB/GiB/TiB, or N% of the trace's
   footprint (every unique chunk of every cacheable group).
-  Prefill time saved = hit tokens * 2 * active params / FLOP/s - loaded bytes / tier bandwidth.
+  Compute saved = prefill FLOPs the hits skip / prefill FLOPs of every prompt (a hit of T
+  tokens skips F(T): linear terms, attention's quadratic term capped by windows, state
+  recurrences; read from a config.json, else estimated from the geometry and --active-params).
+  Prefill time saved = FLOPs saved / FLOP/s - loaded bytes / tier bandwidth.
 """
 
 
@@ -47,7 +50,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tier", action="append", metavar="NAME=SIZE",
                    help="a tier and its capacity, fastest first (repeat); default cpu=10%%")
     p.add_argument("--policy", action="append", metavar="P",
-                   help="eviction policy (repeat): lru, fifo, arc, s3fifo; default lru")
+                   help="eviction policy (repeat): lru, fifo, arc, s3fifo; default lru; or marconi "
+                        "(the Marconi baseline, MLSys'25: its admission and eviction, alpha tuned "
+                        "online; marconi:alpha=A fixes alpha; docs/replay.md)")
     p.add_argument("--admission", action="append", metavar="A",
                    help="admission policy (repeat): all (default), nth[:N], tinylfu, prefix, adaptive; "
                         "oracle[:D] is an offline bound (store only chunks used again [within D "
@@ -68,6 +73,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="sliding/chunked/state groups store only what hits ending at the prompt's "
                         "last K chunk boundaries read (full/MLA groups store every chunk); pair "
                         "with --share to give the bytes saved to the full groups")
+    p.add_argument("--placement", choices=("every", "hits"), default="every",
+                   help="where sliding/chunked/state groups store warm: every chunk (default) or "
+                        "hits: where hits land, learned online (branch points, request ends; the "
+                        "rest cold; kvtier.index.placement, docs/admission.md)")
     p.add_argument("--compare-accounting", action="store_true",
                    help="also replay with row-per-key accounting (every key reserves all groups' "
                         "bytes; vLLM 0.32 itself sizes a row by its largest group, docs/vllm.md)")
@@ -77,7 +86,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", metavar="OUT.png", help="write the hit-rate curve (implies --sweep)")
     p.add_argument("--limit", type=int, metavar="N", help="replay only the first N requests")
     p.add_argument("--active-params", type=float, default=8e9, metavar="N",
-                   help="active parameters per token for the cost model (default 8e9)")
+                   help="active parameters per token, for a geometry JSON (a config.json states "
+                        "its own; default 8e9)")
     p.add_argument("--prefill-tflops", type=float, default=400.0, metavar="F",
                    help="sustained prefill TFLOP/s (default 400)")
     p.add_argument("--bandwidth", action="append", metavar="TIER=RATE",
@@ -104,6 +114,15 @@ def resolve_geometry(text: str) -> Path:
     )
 
 
+def read_config(path: Path) -> dict[str, object] | None:
+    """The JSON object at `path` (a model directory's config.json), or None."""
+    try:
+        data = json.loads((path / "config.json" if path.is_dir() else path).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
 def _pairs(values: list[str] | None, what: str) -> list[tuple[str, str]]:
     out = []
     for v in values or []:
@@ -115,11 +134,13 @@ def _pairs(values: list[str] | None, what: str) -> list[tuple[str, str]]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvtier.core.cost import compute_model
     from kvtier.core.load import load_geometry
     from kvtier.core.plan import make_plan
     from kvtier.index.policies import POLICIES
     from kvtier.replay.run import (DEFAULT_BANDWIDTH, CostModel, admission_horizon, footprint_bytes,
                                parse_size, run_all)
+    from kvtier.replay.marconi import run_marconi
     from kvtier.replay.oracle import next_uses
     from kvtier.replay.trace import load_trace
 
@@ -134,8 +155,13 @@ def run(args: argparse.Namespace) -> int:
         plan = make_plan(geometry, chunk_tokens=chunk_tokens)
     policies = args.policy or ["lru"]
     for pol in policies:
-        if pol not in POLICIES:
-            raise ConfigError(f"unknown eviction policy {pol!r}; use one of: {', '.join(POLICIES)}")
+        if pol.partition(":")[0] == "marconi":
+            from kvtier.replay.marconi import marconi_options
+
+            marconi_options(pol)  # bad options fail before any replay
+        elif pol not in POLICIES:
+            raise ConfigError(f"unknown eviction policy {pol!r}; use one of: {', '.join(POLICIES)}, "
+                              "marconi")
     if args.limit is not None and args.limit <= 0:
         raise ConfigError(f"--limit {args.limit} must be a positive number of requests")
     trace = load_trace(args.trace, plan, block_tokens=args.trace_block_tokens, limit=args.limit)
@@ -148,7 +174,8 @@ def run(args: argparse.Namespace) -> int:
     for tier, rate in _pairs(args.bandwidth, "--bandwidth"):
         bandwidth[tier] = float(parse_size(rate.removesuffix("/s")))
     cost = CostModel(active_params=args.active_params, flops=args.prefill_tflops * 1e12,
-                     bandwidth=bandwidth)
+                     bandwidth=bandwidth, compute=compute_model(read_config(resolve_geometry(args.geometry)),
+                                                                geometry, args.active_params))
     base = {t: parse_size(s, footprint) for t, s in tiers}
     sweep = args.sweep or (DEFAULT_SWEEP if args.plot else None)
     points = [dict(base)]
@@ -172,7 +199,8 @@ def run(args: argparse.Namespace) -> int:
             admissions = [(n, f if not n.startswith("oracle") else _oracle(n, future))
                           for n, f in _admissions(args.admission, horizon)]
             for res in run_all(plan, trace, caps, policies, admissions, shares, cost,
-                               bar.update if bar else None, future, args.tail_endpoints):
+                               bar.update if bar else None, future, args.tail_endpoints,
+                               _placement(args.placement, plan), {"marconi": run_marconi}):
                 rows.append((caps, res))
     finally:
         if bar:
@@ -193,8 +221,8 @@ def run(args: argparse.Namespace) -> int:
         "geometry": geometry.name or str(args.geometry),
         "chunk_tokens": plan.chunk_tokens,
         "groups": {gp.name: gp.chunk_bytes for gp in plan.cacheable_groups},
-        "cost_model": {"active_params": cost.active_params, "flops": cost.flops,
-                       "bandwidth": dict(cost.bandwidth)},
+        "cost_model": {"compute": cost.model.source, "flops_per_token": cost.model.linear_flops_per_token,
+                       "flops": cost.flops, "bandwidth": dict(cost.bandwidth)},
         "policies": [{"tiers": caps, **res.to_dict()} for caps, res in rows],
     }
     if bounds:
@@ -239,6 +267,14 @@ def _admissions(values: list[str] | None, horizon_chunks: int) -> list[tuple[str
         sized_admission(name, horizon_chunks)  # unknown names fail before any replay
         out.append((name, lambda name=name: sized_admission(name, horizon_chunks)))
     return out
+
+
+def _placement(name: str, plan):
+    if name == "every":
+        return None
+    from kvtier.index.placement import HitsLand
+
+    return lambda: HitsLand(plan)
 
 
 def _share(text: str) -> str | dict[str, float]:

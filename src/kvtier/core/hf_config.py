@@ -72,15 +72,7 @@ def geometry_from_hf_config(
     """Read a config.json dict (or `PretrainedConfig.to_dict()`) into a Geometry."""
     if not isinstance(config, Mapping):
         raise ConfigError(f"a Hugging Face config must be a JSON object, got {type(config).__name__}")
-    model_type = config.get("model_type")
-    text = config
-    if isinstance(config.get("text_config"), Mapping):
-        text = config["text_config"]  # type: ignore[assignment]
-        model_type = text.get("model_type") or _WRAPPERS.get(str(model_type), model_type)
-    if model_type == "gemma3" and "num_hidden_layers" in text:  # older 1B-style text-only configs
-        model_type = "gemma3_text"
-    if model_type == "gemma4":
-        model_type = "gemma4_text"
+    text, model_type = text_config(config)
     block = DEFAULT_BLOCK_SIZE if block_size is None else block_size
     if isinstance(block, bool) or not isinstance(block, int) or block <= 0:
         raise ConfigError(f"block_size {block_size!r} must be a positive integer (tokens per block)")
@@ -114,6 +106,20 @@ def geometry_from_hf_config(
     name = str(config.get("_name_or_path") or model_type)
     return Geometry(groups=groups, tokens_per_hash=block, name=name,
                     source=f"{source}, dtype {kv_dtype}, block_size {block}")
+
+
+def text_config(config: Mapping[str, object]) -> tuple[Mapping[str, object], object]:
+    """The decoder's config (a multimodal wrapper's `text_config`) and its family's model_type."""
+    model_type = config.get("model_type")
+    text = config
+    if isinstance(config.get("text_config"), Mapping):
+        text = config["text_config"]  # type: ignore[assignment]
+        model_type = text.get("model_type") or _WRAPPERS.get(str(model_type), model_type)
+    if model_type == "gemma3" and "num_hidden_layers" in text:  # older 1B-style text-only configs
+        model_type = "gemma3_text"
+    if model_type == "gemma4":
+        model_type = "gemma4_text"
+    return text, model_type
 
 
 def geometry_from_pretrained_config(

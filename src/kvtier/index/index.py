@@ -158,6 +158,11 @@ class Index:
             )
         return pool
 
+    def policy_of(self, group: int, tier: str) -> EvictionPolicy:
+        """The eviction policy of (tier, group)'s pool (a policy that scores entries by group,
+        such as replay's Marconi baseline, is told its group through it)."""
+        return self._pool(group, tier).policy
+
     def slots(self, group: int, tier: str) -> int:
         """Number of slots of (tier, group)."""
         return self._pool(group, tier).num_slots

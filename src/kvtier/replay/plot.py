@@ -30,7 +30,7 @@ def render_table(doc: Mapping[str, object], plan: Plan,
         "",
     ]
     header = ["tiers", "accounting", "admission", "policy", "hit rate", "token hit",
-              "hits by tier", "loaded", "written", "evictions", "prefill saved", "wall"]
+              "compute saved", "hits by tier", "loaded", "written", "evictions", "prefill saved", "wall"]
     table = [header]
     for caps, r in rows:
         hits = ", ".join(f"{t} {sum(v.values())}" for t, v in r.loads.items())
@@ -41,6 +41,7 @@ def render_table(doc: Mapping[str, object], plan: Plan,
             r.policy.upper() if r.policy == "min" else r.policy,
             f"{100 * r.hit_rate:.2f}%",
             f"{100 * r.token_hit_rate:.2f}%",
+            f"{100 * r.compute_saved:.2f}%",
             hits,
             human_bytes(sum(sum(v.values()) for v in r.loaded_bytes.values())),
             human_bytes(sum(sum(v.values()) for v in r.written_bytes.values())),
@@ -52,7 +53,8 @@ def render_table(doc: Mapping[str, object], plan: Plan,
     lines.append(_table(table))
     lines.append("")
     lines.append("MIN: Belady's offline optimum (farthest next use, no store without a next use); "
-                 "prefill saved = compute saved - load time (see --help)")
+                 "compute saved = prefill FLOPs skipped / all prompts' FLOPs; prefill saved = "
+                 "compute time saved - load time (see --help)")
     return "\n".join(lines)
 
 

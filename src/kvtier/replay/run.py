@@ -18,22 +18,24 @@ next request that contains its hash) is farthest; and it does not store a chunk 
 contains (bypass: an optimal offline cache never spends a slot on a chunk that is never read
 again; a request's chunks with a later use are always a prefix, because hashes are chained).
 
-Cost model (`CostModel`): prefill compute saved = hit tokens * flops_per_token / flops; load time
-= bytes loaded per tier / that tier's bandwidth; saved = compute saved - load time, summed over
-requests. flops_per_token = 2 * active parameters (the dense matmuls; attention's quadratic
-term is ignored, so savings on long prompts are underestimated).
+Cost model (`CostModel`): a request's hit of T tokens saves F(T) FLOPs of prefill, F from the
+geometry's compute model (`kvtier.core.cost`: linear terms, attention's quadratic term capped by
+windows, linear state recurrences); *compute saved* = sum of F(hit) / sum of F(prompt) over the
+trace's requests. Time: compute saved / FLOP/s - bytes loaded per tier / that tier's bandwidth.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
+from kvtier.core.cost import ComputeModel, Term
 from kvtier.errors import ConfigError
 from kvtier.index.index import ChunkHash, Index
 from kvtier.core.plan import Plan
-from kvtier.index.policies import POLICIES
+from kvtier.index.policies import POLICIES, EvictionPolicy
 from kvtier.replay.oracle import NEVER, Belady, next_uses
 from kvtier.replay.trace import Trace
 from kvtier.core.units import UNIT_NAMES, parse_bytes
@@ -43,9 +45,13 @@ DEFAULT_BANDWIDTH = {"cpu": 25e9, "disk": 5e9, "redis": 1.25e9}  # bytes/s: PCIe
 
 @dataclass(frozen=True, slots=True)
 class CostModel:
-    active_params: float = 8e9  # parameters used per token (MoE: the active ones)
+    """FLOPs per prompt (`compute`; without one, 2 x `active_params` per token, no attention
+    term), the accelerator's FLOP/s and each tier's load bandwidth."""
+
+    active_params: float = 8e9  # parameters used per token (MoE: the active ones), when no compute
     flops: float = 400e12  # sustained prefill FLOP/s of the accelerator
     bandwidth: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_BANDWIDTH))
+    compute: ComputeModel | None = None
 
     def __post_init__(self) -> None:
         if self.active_params <= 0 or self.flops <= 0:
@@ -54,8 +60,13 @@ class CostModel:
             raise ConfigError(f"cost model: bandwidths {dict(self.bandwidth)} must be positive")
 
     @property
-    def seconds_per_token(self) -> float:
-        return 2.0 * self.active_params / self.flops
+    def model(self) -> ComputeModel:
+        if self.compute is not None:
+            return self.compute
+        return ComputeModel((Term("", "mlp", 1, 2.0 * self.active_params),), "2 x active params")
+
+    def prefill_flops(self, tokens: int) -> float:
+        return self.model.flops(tokens)
 
     def load_seconds(self, tier: str, num_bytes: int) -> float:
         bw = self.bandwidth.get(tier)
@@ -85,6 +96,13 @@ class Result:
     load_seconds: float
     prefill_seconds_total: float  # compute of every prompt token with no cache
     wall_seconds: float
+    flops_saved: float = 0.0  # prefill FLOPs the hits skip
+    flops_total: float = 0.0  # prefill FLOPs of every prompt with no cache
+
+    @property
+    def compute_saved(self) -> float:
+        """Share of all prompt FLOPs the hits skip."""
+        return self.flops_saved / self.flops_total if self.flops_total else 0.0
 
     @property
     def hit_rate(self) -> float:
@@ -98,9 +116,21 @@ class Result:
         d = {name: getattr(self, name) for name in self.__slots__}  # type: ignore[attr-defined]
         d["hit_rate"] = self.hit_rate
         d["token_hit_rate"] = self.token_hit_rate
+        d["compute_saved"] = self.compute_saved
         d["written_bytes_total"] = sum(sum(v.values()) for v in self.written_bytes.values())
         d["loaded_bytes_total"] = sum(sum(v.values()) for v in self.loaded_bytes.values())
         return d
+
+
+class Placement(Protocol):
+    """Where a request's chunks are stored, per group: `place(chunks, n)` (n = the admitted
+    leading chunks) -> {group index: (warm chunk indices, None = all; cold chunk indices)};
+    a group left out stores every chunk warm, the rest is not stored. Called once per request."""
+
+    name: str
+
+    def place(self, chunks: Sequence[ChunkHash], n: int) -> Mapping[int, tuple[Collection[int] | None,
+                                                                                 Collection[int]]]: ...
 
 
 class _NoAdmission:
@@ -114,7 +144,7 @@ def replay(
     plan: Plan,
     trace: Trace,
     capacities: Mapping[str, int],
-    policy: str = "lru",
+    policy: str | Callable[[int], EvictionPolicy] = "lru",
     *,
     admission: object | None = None,
     admission_name: str = "all",
@@ -123,14 +153,20 @@ def replay(
     progress: Callable[[int], None] | None = None,
     future: list[list[float]] | None = None,
     tail_endpoints: int | None = None,
+    placement: Placement | None = None,
+    setup: Callable[[Index], None] | None = None,
+    observe: Callable[[int, Index], None] | None = None,
 ) -> Result:
-    """Replay `trace` through a fresh Index; `policy` is a POLICIES name or "min"."""
+    """Replay `trace` through a fresh Index; `policy` is a POLICIES name, "min", or a factory
+    (slots -> policy) with `setup(index)` to tell its policies their groups. `placement` says,
+    per request, where each group's chunks are stored warm, cold or not at all; `observe(r, index)`
+    runs after each request (an online tuner)."""
     t_start = time.perf_counter()
     cost = cost or CostModel()
     for tier in capacities:
         cost.load_seconds(tier, 0)  # every tier needs a bandwidth: fail before the replay
     is_min = policy == "min"
-    if not is_min and policy not in POLICIES:
+    if isinstance(policy, str) and not is_min and policy not in POLICIES:
         raise ConfigError(f"unknown eviction policy {policy!r}; use one of: {', '.join(POLICIES)}, min")
     next_use: dict[ChunkHash, float] = {}
     if is_min:
@@ -138,6 +174,8 @@ def replay(
         index = Index(plan, capacities, policy=lambda slots: Belady(slots, next_use), share=share)
     else:
         index = Index(plan, capacities, policy=policy, share=share)
+    if setup is not None:
+        setup(index)
     adm = admission if admission is not None else _NoAdmission()
     tiers = list(capacities)
     first = tiers[0]
@@ -177,8 +215,15 @@ def replay(
             put(ev.chunk_hash, g, level + 1)
 
     hit_chunks = hit_tokens = hit_requests = 0
-    compute_saved = load_secs = 0.0
-    spt = cost.seconds_per_token
+    flops_saved = flops_total = load_secs = 0.0
+    model = cost.model
+    flops_of: dict[int, float] = {}  # tokens -> F(tokens); prompts repeat lengths
+
+    def prefill(tokens: int) -> float:
+        f = flops_of.get(tokens)
+        if f is None:
+            f = flops_of[tokens] = model.flops(tokens)
+        return f
     contains, touch_all = index.contains, index.touch_all
     for r, req in enumerate(trace.requests):
         chunks = req.chunks
@@ -188,13 +233,14 @@ def replay(
             for i, h in enumerate(chunks):
                 next_use[h] = fut[i]
         hit = index.lookup(chunks, req.prompt_tokens)
+        flops_total += prefill(req.input_tokens)
         if hit.tokens:
             hit_requests += 1
             n_hit = hit.tokens // c
             hit_chunks += n_hit
             tok = min(hit.tokens, req.input_tokens)
             hit_tokens += tok
-            compute_saved += tok * spt
+            flops_saved += prefill(tok)
             for g, group_loads in enumerate(hit.chunks):
                 for ld in group_loads:
                     name = names[g]
@@ -212,8 +258,20 @@ def replay(
             n = k
         admitted = adm.admit(list(chunks))  # type: ignore[attr-defined]  (every request: oracles count calls)
         n = min(n, int(admitted))
+        spots = placement.place(chunks, n) if placement is not None else None
         if n:
             for g, idx, warm in wanted(n):
+                if spots is not None and g in spots:
+                    warm_g, cold_g = spots[g]
+                    for i in range(n):
+                        if idx is not None and i not in idx:
+                            continue
+                        if warm_g is None or i in warm_g:
+                            if not touch_all(chunks[i], g):
+                                put(chunks[i], g, 0)
+                        elif i in cold_g and not contains(chunks[i], g):
+                            put(chunks[i], g, 0, True)
+                    continue
                 for i in range(n):
                     if idx is not None and i not in idx:
                         continue
@@ -222,12 +280,14 @@ def replay(
                             put(chunks[i], g, 0, True)
                     elif not touch_all(chunks[i], g):
                         put(chunks[i], g, 0)
+        if observe is not None:
+            observe(r, index)
         if progress is not None:
             progress(1)
     evictions = {t: {names[g]: index.counters(g, t)["evictions"] for g in names} for t in tiers}
     dead = {t: {names[g]: index.counters(g, t)["dead_evictions"] for g in names} for t in tiers}
     return Result(
-        policy=policy,
+        policy=policy if isinstance(policy, str) else getattr(placement, "name", "custom"),
         admission=admission_name if not is_min else "oracle",
         share=share if isinstance(share, str) else ",".join(f"{k}={v:g}" for k, v in share.items()),
         hit_chunks=hit_chunks,
@@ -241,11 +301,13 @@ def replay(
         written_bytes=written,
         evictions=evictions,
         dead_evictions=dead,
-        prefill_seconds_saved=compute_saved - load_secs,
-        compute_seconds_saved=compute_saved,
+        prefill_seconds_saved=flops_saved / cost.flops - load_secs,
+        compute_seconds_saved=flops_saved / cost.flops,
         load_seconds=load_secs,
-        prefill_seconds_total=trace.total_input_tokens * spt,
+        prefill_seconds_total=flops_total / cost.flops,
         wall_seconds=time.perf_counter() - t_start,
+        flops_saved=flops_saved,
+        flops_total=flops_total,
     )
 
 
@@ -318,7 +380,9 @@ def run_all(plan: Plan, trace: Trace, capacities: Mapping[str, int], policies: I
             cost: CostModel | None = None,
             progress: Callable[[int], None] | None = None,
             future: list[list[float]] | None = None,
-            tail_endpoints: int | None = None) -> list[Result]:
+            tail_endpoints: int | None = None,
+            placement: Callable[[], Placement] | None = None,
+            runners: Mapping[str, Callable[..., Result]] | None = None) -> list[Result]:
     """Every (share, admission, policy), then MIN per share; MIN's future is computed once."""
     out: list[Result] = []
     future = future if future is not None else next_uses(trace)
@@ -326,9 +390,16 @@ def run_all(plan: Plan, trace: Trace, capacities: Mapping[str, int], policies: I
     for share in shares:
         for adm_name, make in admissions:
             for pol in policies:
+                runner = (runners or {}).get(pol.partition(":")[0])
+                if runner is not None:  # a baseline with its own loop (Marconi)
+                    out.append(runner(pol, plan, trace, capacities, share=share, cost=cost,
+                                      admission=make() if make else None, admission_name=adm_name,
+                                      progress=progress))
+                    continue
                 out.append(replay(plan, trace, capacities, pol, admission=make() if make else None,
                                   admission_name=adm_name, share=share, cost=cost,
-                                  progress=progress, tail_endpoints=tail_endpoints))
+                                  progress=progress, tail_endpoints=tail_endpoints,
+                                  placement=placement() if placement else None))
         out.append(replay(plan, trace, capacities, "min", share=share, cost=cost,
                           progress=progress, future=future, tail_endpoints=tail_endpoints))
     return out
