@@ -248,6 +248,31 @@ def test_half_written_or_foreign_payload_is_a_miss_and_removed(
     tier.close()
 
 
+def test_a_value_longer_than_its_chunk_is_never_read_and_is_removed(
+        server: RedisServer, clock: FakeClock) -> None:
+    """A value under a chunk's key longer than that chunk (header + payload: the slot it would
+    land in) is not read, not even past: the load stops there, its connection is dropped (the
+    rest of its replies are unread), the batch is a counted miss, that key is removed as broken
+    for everyone, and the breaker stays closed (a bad value, not a bad server). The next load,
+    on a fresh connection, reads the others."""
+    tier = make(server.url, clock)
+    write(tier, range(3))
+    h = hdr(1)
+    r = redis.Redis.from_url(server.url)
+    r.set(tier.key(h), encode_header(seal(h, data(1))) + data(1).numpy().tobytes() + bytes(1 << 20))
+    ok, _ = read(tier, range(3))
+    m = tier.metrics()
+    assert ok == [False] * 3
+    assert m["misses"] == 3 and m["corrupt_dropped"] == 1 and m["bytes_read"] == 0
+    assert m["up"] is True and m["connection_failures"] == 0
+    assert "OversizedValue" in tier.last_error and "1052800 bytes" in tier.last_error
+    assert r.exists(tier.key(h)) == 0
+    ok, outs = read(tier, range(3))
+    assert ok == [True, False, True] and torch.equal(outs[2], data(2))
+    r.close()
+    tier.close()
+
+
 def test_an_error_reply_is_a_counted_miss_that_says_why(server: RedisServer, clock: FakeClock,
                                                        caplog: pytest.LogCaptureFixture) -> None:
     tier = make(server.url, clock)

@@ -22,9 +22,10 @@ set), that bounds the namespace's live bytes; it is conservative (deletes and ev
 nothing back until their bucket ages out). Rejected: one INCR/DECR counter, which drifts for ever
 because Redis evictions and expiries never decrement it.
 
-Failures are values: Redis down at start or mid-run, slow (socket timeout), out of memory, a
-payload evicted between lookup and load, or one that fails its header or checksum is a counted
-miss or skipped save, never an exception and never wrong bytes. After a connection failure a
+Failures are values: Redis down at start or mid-run, slow (a call past its deadline,
+`socket_timeout_s` after it began: `redis_conn.call_deadline`), out of memory, a payload evicted
+between lookup and load, or one that fails its header or checksum is a counted miss or skipped
+save, never an exception and never wrong bytes. After a connection failure a
 circuit breaker skips every call until a backoff deadline (doubling up to `backoff_max_s`), then
 lets one call through; one log line when the tier goes down, one when it is back.
 
@@ -53,13 +54,14 @@ from kvtier.store.integrity import Keyed, mac_only
 from kvtier.store.payload import HASH_BYTES, HEADER_BYTES, ChunkHeader, decode_header, span_not_held
 from kvtier.store.tiers.base import LogOnce, Tier
 from kvtier.store.tiers.redis_codec import Arena, restore, u8_view, unknown_command
-from kvtier.store.tiers.redis_reader import ReplyReader, Streamed, read_value
+from kvtier.store.tiers.redis_reader import OversizedValue, ReplyReader, Streamed, read_value
 from kvtier.store.tiers.redis_wire import SpareCore, get_stream, set_stream
 from kvtier.store.tiers.redis_conn import (
     Breaker,
     RedisOptions,
     WriteBudget,
     build_client,
+    call_deadline,
     describe_error,
     is_connection_error,
     redact,
@@ -181,18 +183,21 @@ class RedisTier(Tier):
 
     def _call(self, execute: Callable[[object], list[object]], skipped: str,
               n: int) -> list[object] | None:
-        """`execute(client)` (a pipeline, or `redis_wire.set_stream`) behind the breaker: its
-        replies, or None (and `n` counted as `skipped`) when the breaker is open or the
-        connection fails."""
+        """`execute(client)` (a pipeline, or a `redis_wire` stream) behind the breaker and within
+        one deadline, `socket_timeout_s` from now, for all of its I/O (`call_deadline`): its
+        replies, or None (and `n` counted as `skipped`) when the breaker is open or the call
+        fails or runs late. A value longer than its chunk (`OversizedValue`) fails the call
+        without tripping the breaker: the server is fine, one value is not."""
         if not self._breaker.allow():
             self._count(skipped, n)
             return None
         try:
-            results = execute(self._get_client())
+            with call_deadline(self.options.socket_timeout_s):
+                results = execute(self._get_client())
         except Exception as exc:  # noqa: BLE001 - any failure of a remote cache is a miss
             if isinstance(exc, ConfigError):
                 raise
-            if is_connection_error(exc):
+            if is_connection_error(exc) and not isinstance(exc, OversizedValue):
                 self._breaker.failure(exc)
                 self._drop_client()
             else:
@@ -349,10 +354,19 @@ class RedisTier(Tier):
                         yield (h.group, 0, h)
 
     def _scan(self, pattern: str) -> list[bytes]:
+        """Every key matching `pattern`: a deadline for each key taken from SCAN's pages, so for
+        each page fetched (a whole keyspace may take longer than one call may)."""
         if not self._breaker.allow():
             return []
+        names: list[bytes] = []
         try:
-            names = list(self._get_client().scan_iter(match=pattern, count=1000))  # type: ignore[attr-defined]
+            keys = iter(self._get_client().scan_iter(match=pattern, count=1000))  # type: ignore[attr-defined]
+            while True:
+                with call_deadline(self.options.socket_timeout_s):
+                    name = next(keys, None)
+                if name is None:
+                    break
+                names.append(name)
         except Exception as exc:  # noqa: BLE001
             if is_connection_error(exc):
                 self._breaker.failure(exc)
@@ -469,9 +483,15 @@ class RedisTier(Tier):
             # verified and copied in one pass; on any reason `dst` is unspecified: a miss
             reasons[j] = restore(items[start + j][2], raw, self.keyed, dsts[j])
 
+        oversized: list[int] = []
+
         def direct(j: int, reader: ReplyReader, length: int) -> Streamed:
             # straight off the socket into dsts[j], checked as it lands (redis_reader)
-            got = read_value(reader, length, items[start + j][2], dsts[j], self.keyed)
+            try:
+                got = read_value(reader, length, items[start + j][2], dsts[j], self.keyed)
+            except OversizedValue:  # not read: the stream stops here, the key is dropped below
+                oversized.append(j)
+                raise
             reasons[j] = got.why
             return got
 
@@ -496,11 +516,12 @@ class RedisTier(Tier):
             self._getex = False  # GETEX is Redis >= 6.2 / Valkey; ask once more without it
             log.warning("redis tier: the server has no GETEX; renewing TTLs with PEXPIRE")
             res = call()
+        bad = [names[j] for j in oversized]  # longer than its chunk: broken for every reader
         if res is None:
-            self._count("misses", n)
+            self._count_all({"misses": n, "corrupt_dropped": len(bad)})
+            self._drop(bad)
             return
         res = res[:n]  # the PEXPIRE replies, if any, follow the reads
-        bad: list[str] = []
         counts = dict.fromkeys(("misses", "vanished", "errors", "foreign_skipped", "corrupt_dropped",
                                 "bytes_read"), 0)
         for j, raw in enumerate(res):
@@ -530,10 +551,14 @@ class RedisTier(Tier):
             self._log.warn("corrupt", f"redis tier dropped a bad payload ({reason})")
             bad.append(names[j])
         self._count_all(counts)
-        if bad:  # a corrupt or foreign payload is removed, so no one else trips on it
-            res2 = self._run(lambda p: [p.delete(k) for k in bad], "skipped_saves", 0)
-            if res2 is not None:
-                self._count("deleted", sum(1 for r in res2 if r == 1))
+        self._drop(bad)
+
+    def _drop(self, bad: list[str]) -> None:
+        """Remove corrupt payloads, so no other process trips on them."""
+        if bad:
+            res = self._run(lambda p: [p.delete(k) for k in bad], "skipped_saves", 0)
+            if res is not None:
+                self._count("deleted", sum(1 for r in res if r == 1))
 
     def _budget_allows(self, ns: str, sizes: list[int]) -> int | None:
         """How many leading items fit the namespace's write budget (all, without a budget);

@@ -1,4 +1,5 @@
-"""Connection plumbing for the redis tier: client construction, a circuit breaker, quiet logs.
+"""Connection plumbing for the redis tier: client construction, a per-call deadline, a circuit
+breaker, quiet logs.
 
 Kept apart from `tiers/redis.py` so the tier reads as its verbs (exists, read, write, free).
 redis-py is imported here, lazily, so `import kvtier` never needs it.
@@ -39,7 +40,7 @@ class RedisOptions:
     ttl_s: float | None = None  # payloads expire this long after their write (or last hit)
     budget_bytes: int | None = None  # per-namespace write budget per ttl window (needs ttl_s)
     touch_on_hit: bool | None = None  # a hit renews the TTL; default: True unless budget_bytes
-    socket_timeout_s: float = 1.0  # every command; a slow server is a miss, not a stall
+    socket_timeout_s: float = 1.0  # each call's deadline (a lookup, a batch); late is a miss, not a stall
     connect_timeout_s: float = 0.5
     backoff_initial_s: float = 0.5
     backoff_max_s: float = 30.0
@@ -152,11 +153,18 @@ def build_client(opts: RedisOptions) -> object:
         return _sentinel_client(opts, kwargs, tls)
     if opts.is_cluster:
         from redis.cluster import RedisCluster
+        from redis.connection import Connection, SSLConnection
 
         if scheme == "unix":
             raise ConfigError("a Redis Cluster is reached over TCP; use redis+cluster://host:port")
-        return RedisCluster.from_url(url, **kwargs)
-    return redis.Redis.from_url(url, **kwargs)
+        # every node's pool makes deadline connections; a rediss:// url would make redis-py
+        # choose its own SSLConnection over this one, so TLS is asked for by the class
+        kwargs["connection_class"] = with_deadline(SSLConnection if tls else Connection)
+        return RedisCluster.from_url(urlunsplit(("redis",) + tuple(urlsplit(url))[1:]), **kwargs)
+    client = redis.Redis.from_url(url, **kwargs)
+    pool = client.connection_pool
+    pool.connection_class = with_deadline(pool.connection_class)  # no connection made yet
+    return client
 
 
 def sentinel_parts(url: str) -> tuple[list[tuple[str, int]], str, int]:
@@ -187,9 +195,135 @@ def _sentinel_client(opts: RedisOptions, kwargs: dict[str, object], tls: bool) -
         "socket_timeout": opts.socket_timeout_s,
         "socket_connect_timeout": opts.connect_timeout_s,
     })
+    for sentinel in manager.sentinels:  # asked for the master inside a call: same deadline
+        sentinel.connection_pool.connection_class = with_deadline(sentinel.connection_pool.connection_class)
     if tls:
         kwargs["ssl"] = True
-    return manager.master_for(service, db=db, **kwargs)
+    client = manager.master_for(service, db=db, **kwargs)
+    pool = client.connection_pool
+    pool.connection_class = with_deadline(pool.connection_class)
+    return client
+
+
+class _CallDeadline(threading.local):
+    at: float | None = None  # time.monotonic() by which the thread's current call must end
+
+
+_CALL = _CallDeadline()
+
+
+class call_deadline:  # noqa: N801 - used as a `with` statement, like a function
+    """`with call_deadline(s):` every socket operation of this thread's redis call, redis-py's
+    included (connection handshake, pipeline, stream), ends by one deadline `s` from now
+    (`DeadlineSocket`): a socket timeout holds per receive, and a server that drips a byte within
+    each would hold a call for as long as it likes. Nested, the earlier deadline holds."""
+
+    __slots__ = ("_seconds", "_outer")
+
+    def __init__(self, seconds: float) -> None:
+        self._seconds = seconds
+        self._outer: float | None = None
+
+    def __enter__(self) -> None:
+        self._outer = _CALL.at
+        at = time.monotonic() + self._seconds
+        _CALL.at = at if self._outer is None else min(at, self._outer)
+
+    def __exit__(self, *exc: object) -> None:
+        _CALL.at = self._outer
+
+
+REARM_S = 0.01  # a receive or send may outlast its call's deadline by at most this
+
+
+class DeadlineSocket:
+    """A connection's socket whose every receive and send ends by the calling thread's
+    `call_deadline`: its timeout is the time left, set again when the call changes or REARM_S
+    after it was last set (a settimeout is a system call; a load makes hundreds of receives a
+    call), and past the deadline it raises TimeoutError without touching the socket. Outside a
+    call, and for redis-py's non-blocking polls (timeout 0), it is the socket with redis-py's own
+    timeout. Everything else passes through to `raw`. Rejected: a watchdog thread that shuts a
+    late socket down (a thread hand-off a call, and a shut socket reads as the server closing)."""
+
+    __slots__ = ("raw", "_timeout", "_armed_for", "_rearm_at")
+
+    def __init__(self, raw: socket.socket) -> None:
+        self.raw = raw
+        self._timeout = raw.gettimeout()  # redis-py's: what the socket has outside a call
+        self._armed_for: float | None = None  # the deadline the raw socket's timeout was set for
+        self._rearm_at = 0.0  # when that timeout is REARM_S stale
+
+    def settimeout(self, timeout: float | None) -> None:
+        self._timeout, self._armed_for = timeout, None
+        self.raw.settimeout(timeout)
+
+    def gettimeout(self) -> float | None:
+        return self._timeout
+
+    def _arm(self) -> None:
+        at = _CALL.at
+        if at is None or self._timeout == 0:
+            if self._armed_for is not None:
+                self._armed_for = None
+                self.raw.settimeout(self._timeout)
+            return
+        now = time.monotonic()
+        if now >= at:
+            raise TimeoutError("the redis call ran past its deadline (socket_timeout_s after it "
+                               "began): the server is slow or stalled")
+        left = at - now
+        self.raw.settimeout(left if self._timeout is None else min(left, self._timeout))
+        self._armed_for, self._rearm_at = at, now + REARM_S
+
+    def _armed(self) -> socket.socket:
+        """The raw socket, its timeout armed for this thread's call: `_arm` only when the call
+        changed or REARM_S passed (a load makes ~200 receives a batch: the common case is a
+        thread-local read, a monotonic() and three compares; outside a call, no monotonic())."""
+        if _CALL.at != self._armed_for or (self._armed_for is not None and time.monotonic() > self._rearm_at):
+            self._arm()
+        return self.raw
+
+    def recv(self, *args: int) -> bytes:
+        return self._armed().recv(*args)
+
+    def recv_into(self, *args: object) -> int:
+        return self._armed().recv_into(*args)  # type: ignore[arg-type]
+
+    def send(self, *args: object) -> int:
+        return self._armed().send(*args)  # type: ignore[arg-type]
+
+    def sendall(self, *args: object) -> None:
+        self._armed().sendall(*args)  # type: ignore[arg-type]  # its timeout bounds the whole sendall
+
+    def sendmsg(self, *args: object) -> int:
+        return self._armed().sendmsg(*args)  # type: ignore[arg-type]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.raw, name)
+
+
+class _DeadlineConnection:
+    """Mixed into a redis-py connection class: its socket is a DeadlineSocket from the moment it
+    is connected, so the handshake (HELLO, AUTH, SELECT) is inside the call's deadline too.
+    Connecting itself (TCP, and TLS's handshake inside redis-py's `_connect`) keeps
+    connect_timeout_s per step."""
+
+    def _connect(self) -> DeadlineSocket:
+        return DeadlineSocket(super()._connect())  # type: ignore[misc]
+
+
+_WITH_DEADLINE: dict[type, type] = {}
+
+
+def with_deadline(cls: type) -> type:
+    """`cls` (a redis-py connection class: plain, TLS, Unix, Sentinel-managed) whose sockets keep
+    the calling thread's `call_deadline`."""
+    if issubclass(cls, _DeadlineConnection):
+        return cls
+    sub = _WITH_DEADLINE.get(cls)
+    if sub is None:
+        sub = _WITH_DEADLINE[cls] = type(f"Deadline{cls.__name__}", (_DeadlineConnection, cls), {})
+    return sub
 
 
 def is_connection_error(exc: BaseException) -> bool:

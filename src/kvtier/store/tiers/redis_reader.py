@@ -17,10 +17,16 @@ connection has no plain socket): a bad or foreign chunk header, a length that is
 header's, a checksum or MAC that fails. A value whose header is not the expected chunk's is
 read past, unread. The caller's buffer holds unspecified bytes whenever the verdict is not None.
 
+Lengths come from the server, so none sizes anything unchecked: a reply that is not a value (an
+error, a status, an integer, a bulk string answering a PEXPIRE) is at most REPLY_MAX bytes, and a
+value at most the chunk it was asked for (header + payload: the slot it lands in); past that, a
+`ProtocolError` before its body is read (a value: `OversizedValue`). No array, map or set is a
+reply to GET, GETEX or PEXPIRE, so any count is a protocol error before an element is read.
+
 Rules this module keeps: it reads exactly the bytes of the replies it was asked for (the
 connection goes back to the pool with nothing buffered here: leftovers are a protocol error), and
 it needs the socket redis-py connected (`socket_of`; TLS sockets included, their `recv_into`
-decrypts), with the timeouts redis-py set on it.
+decrypts). That socket ends every receive by the call's deadline (`redis_conn.DeadlineSocket`).
 """
 
 from __future__ import annotations
@@ -31,8 +37,21 @@ from kvtier.store.integrity import NO_SECRET_FOR_MAC, Keyed
 from kvtier.store.payload import (HEADER_BYTES, ChunkHeader, Rejected, StreamingChecksum, decode_header,
                                   mismatch, unverifiable, verify)
 
-LINE_MAX = 64 << 10  # a reply line (an error message, an integer): longer is a protocol error
+# the longest reply that is not a value (a line, a blob error, a bulk string answering PEXPIRE):
+# Redis's own errors are under 1 KiB; longer is a protocol error, never an allocation
+REPLY_MAX = 64 << 10
 RECV_PIECE = 256 << 10  # at most this much per recv_into: the check reads it while it is in L2
+
+
+class ProtocolError(ConnectionError):
+    """The server sent what no command of this stream gets back (a type, a length, a missing CRLF):
+    the stream is out of step, so its connection is dropped (a ConnectionError: every caller
+    that drops a failed connection drops this one)."""
+
+
+class OversizedValue(ProtocolError):
+    """A value longer than the chunk it was asked for: not read, not even past (that would cost
+    its whole length), so the stream stops there and its connection is dropped."""
 
 
 class Streamed:
@@ -78,12 +97,12 @@ class ReplyReader:
                 out += self._pending[:i + 1]
                 self._pending = self._pending[i + 1:]
                 if out[-2:] != b"\r\n":
-                    raise ConnectionError("redis reply line not ended by CRLF: the stream is out of step")
+                    raise ProtocolError("redis reply line not ended by CRLF: the stream is out of step")
                 return bytes(out[:-2])
             out += self._pending
             self._pending = memoryview(b"")
-            if len(out) > LINE_MAX:
-                raise ConnectionError(f"redis reply line over {LINE_MAX} bytes: not a reply this stream sent for")
+            if len(out) > REPLY_MAX:
+                raise ProtocolError(f"redis reply line over {REPLY_MAX} bytes: not a reply this stream sent for")
 
     def into(self, dst: memoryview, on_piece: Callable[[memoryview], None] | None = None) -> None:
         """Fill `dst` exactly, from what is pending, then straight from the socket; `on_piece`
@@ -116,56 +135,74 @@ class ReplyReader:
         end = bytearray(2)
         self.into(memoryview(end))
         if end != b"\r\n":
-            raise ConnectionError("redis bulk reply not ended by CRLF: the stream is out of step")
+            raise ProtocolError("redis bulk reply not ended by CRLF: the stream is out of step")
 
     def done(self) -> None:
         """After the last reply: nothing may be left over (the connection goes back clean)."""
         if self._pending:
-            raise ConnectionError(f"{len(self._pending)} unexpected bytes after the last redis reply")
+            raise ProtocolError(f"{len(self._pending)} unexpected bytes after the last redis reply")
+
+
+def _integer(rest: bytes, what: str) -> int:
+    """A RESP integer or length: ASCII digits after an optional `-`, at most 19 of them (int()
+    would also take spaces, `+` and `_`)."""
+    digits = rest[1:] if rest[:1] == b"-" else rest
+    if not digits.isdigit() or len(digits) > 19:
+        raise ProtocolError(f"redis {what} {rest[:40]!r} is not an integer: the stream is out of step")
+    return int(rest)
 
 
 def read_reply(r: ReplyReader, value: Callable[[ReplyReader, int], Streamed] | None) -> object:
     """One reply: a bulk string goes to `value(reader, length)` when given (it consumes exactly
-    `length` bytes; its CRLF is read here), else returns as bytes; nil -> None; an integer ->
-    int; a simple string -> str; an error -> a redis ResponseError (a value, not a raise)."""
+    `length` bytes, or raises before reading any; its CRLF is read here), else returns as bytes;
+    nil -> None; an integer -> int; a simple string -> str; an error -> a redis ResponseError (a
+    value, not a raise). Anything else, or a reply that is not a value over REPLY_MAX bytes: a
+    ProtocolError, raised before the reply's body is read."""
     from redis.exceptions import ResponseError
 
     line = r.line()
     kind, rest = line[:1], line[1:]
     if kind in (b"$", b"!"):
-        n = int(rest)
+        n = _integer(rest, "length")
         if n < 0:
-            return None  # RESP2 nil
-        if kind == b"!":  # RESP3 blob error
+            if n == -1 and kind == b"$":
+                return None  # RESP2 nil
+            raise ProtocolError(f"redis length {n} where a length or $-1 (nil) was expected")
+        if kind == b"$" and value is not None:
+            got: object = value(r, n)  # bounded by the chunk it reads (`read_value`)
+        elif n <= REPLY_MAX:
             buf = bytearray(n)
             r.into(memoryview(buf))
-            r.crlf()
-            return ResponseError(buf.decode(errors="replace"))
-        if value is not None:
-            got: object = value(r, n)
+            got = bytes(buf) if kind == b"$" else ResponseError(buf.decode(errors="replace"))
         else:
-            buf = bytearray(n)
-            r.into(memoryview(buf))
-            got = bytes(buf)
+            what = "a blob error" if kind == b"!" else "a bulk string for a command that gets no value"
+            raise ProtocolError(f"redis sent {what} of {n} bytes; a reply that is not a value is "
+                                f"at most {REPLY_MAX}: not a reply this stream sent for")
         r.crlf()
         return got
     if kind == b"_":
         return None  # RESP3 null
     if kind == b":":
-        return int(rest)
+        return _integer(rest, "integer")
     if kind == b"+":
         return rest.decode(errors="replace")
     if kind == b"-":
         return ResponseError(rest.decode(errors="replace"))
     if kind == b"#":
         return rest == b"t"
-    raise ConnectionError(f"redis reply type {kind!r} where a value, nil, integer or error was expected")
+    raise ProtocolError(f"redis reply type {kind!r} where a value, nil, integer or error was expected")
 
 
 def read_value(r: ReplyReader, length: int, expected: ChunkHeader, dst: memoryview,
                keyed: Keyed | None) -> Streamed:
     """Read one value of `length` bytes (chunk header + payload) into `dst`, checked as
-    `redis_codec.restore` checks it (see there for the order and the reasons)."""
+    `redis_codec.restore` checks it (see there for the order and the reasons). A value longer
+    than `expected`'s chunk is an OversizedValue, raised before a byte of it is read: it could
+    never be restored, and reading past it would cost whatever length the server named."""
+    slot = HEADER_BYTES + expected.payload_bytes
+    if length > slot:
+        raise OversizedValue(f"redis value of {length} bytes under the key of a chunk of {slot} "
+                             "(header + payload): not read; its connection is dropped")
     if length < HEADER_BYTES:
         head = bytearray(length)
         r.into(memoryview(head))

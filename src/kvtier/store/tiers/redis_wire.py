@@ -25,7 +25,8 @@ hands work to the helper only while a core looks free (`SpareCore`, the disk tie
 rule): on the idle 2-core build machine it took a save without a secret from 0.73-0.77 of raw
 redis-py to 0.90-1.01; at load average 4-7 it was no faster than inline (its CPU comes from the
 same busy cores). Loads (`get_stream`) read the replies off the socket straight into the
-caller's buffers, checked as they land (`redis_reader`): no helper.
+caller's buffers, checked as they land (`redis_reader`): no helper. Both streams run inside the
+tier's call deadline: each sendmsg and receive of theirs ends by it (`redis_conn.DeadlineSocket`).
 
 Rejected: waves of smaller redis-py pipelines, sealed one wave ahead: every wave waits for its
 replies before the next is sent, and 4 waves of a 16 MiB batch cost 9% of the send (measured);
@@ -199,17 +200,20 @@ class _BatchSealer:
 
 
 def plain_socket(conn: object) -> socket.socket | None:
-    """The connection's socket where `sendmsg` can write it (a plain TCP or Unix socket; not TLS,
-    whose SSLSocket has no sendmsg), else None (then redis-py's send_packed_command)."""
+    """The connection's socket where `sendmsg` can write it (a plain TCP or Unix socket, or the
+    `DeadlineSocket` around one; not TLS, whose SSLSocket has no sendmsg), else None (then
+    redis-py's send_packed_command)."""
     sock = socket_of(conn)
-    return sock if isinstance(sock, socket.socket) and not isinstance(sock, ssl.SSLSocket) else None
+    raw = getattr(sock, "raw", sock)
+    return sock if isinstance(raw, socket.socket) and not isinstance(raw, ssl.SSLSocket) else None  # type: ignore[return-value]
 
 
 def send_all(sock: socket.socket, parts: list[bytes | memoryview]) -> None:
     """Write every byte of `parts`, in order, with one `sendmsg` (a gather write) per pass: a value's
     RESP head and its payload leave in one system call (redis-py's send_packed_command makes one
-    `sendall` per part). A short write goes on from where it stopped; the socket's timeout holds
-    for each pass, as for sendall."""
+    `sendall` per part). A short write goes on from where it stopped; every pass ends by the
+    call's deadline (`redis_conn.DeadlineSocket`), so a server that reads slowly cannot stretch
+    a save pass by pass."""
     bufs = [memoryview(p).cast("B") for p in parts]  # lengths in bytes, whatever the item size
     while bufs:
         sent = sock.sendmsg(bufs)
@@ -239,8 +243,6 @@ def set_stream(client: object, keys: Sequence[str], headers: Sequence[ChunkHeade
     reply as its ResponseError. Raises what the connection raises (the caller's breaker decides);
     the connection is then dropped. `helper` gives the executor that seals ahead (None: seal on
     this thread)."""
-    from redis.exceptions import ResponseError
-
     n = len(keys)
     sealer: _Sealer | _BatchSealer | None = None
     fut = None
@@ -272,12 +274,7 @@ def set_stream(client: object, keys: Sequence[str], headers: Sequence[ChunkHeade
                 tail = CRLF + px
             conn.send_packed_command([tail] + [_command(*c) for c in extra],  # type: ignore[attr-defined]
                                      check_health=n == 0)
-            replies: list[object] = []
-            for _ in range(n + len(extra)):
-                try:
-                    replies.append(conn.read_response())  # type: ignore[attr-defined]
-                except ResponseError as exc:  # this command's error (OOM, ...): a value, not a raise
-                    replies.append(exc)
+            replies = _replies(conn, n + len(extra))
         except BaseException:
             conn.disconnect()  # type: ignore[attr-defined]  # never hand a half-sent stream to the pool
             raise
@@ -289,6 +286,27 @@ def set_stream(client: object, keys: Sequence[str], headers: Sequence[ChunkHeade
         if fut is not None and not fut.cancel():  # not started yet: it never will
             fut.result()  # never return while the helper may still read the caller's buffers
     return [True if r in (b"OK", "OK", True) else r for r in replies]
+
+
+def _replies(conn: object, count: int) -> list[object]:
+    """The next `count` replies on `conn`, none a value (SET, INCRBY, PEXPIRE: `+OK`, integers,
+    errors), an error reply as its ResponseError: read off the socket (`redis_reader`, whose
+    caps hold), else through redis-py's parser."""
+    from redis.exceptions import ResponseError
+
+    sock = socket_of(conn)
+    if sock is not None:
+        reader = ReplyReader(sock)
+        replies = [read_reply(reader, None) for _ in range(count)]
+        reader.done()
+        return replies
+    replies = []
+    for _ in range(count):
+        try:
+            replies.append(conn.read_response())  # type: ignore[attr-defined]
+        except ResponseError as exc:  # this command's error (OOM, ...): a value, not a raise
+            replies.append(exc)
+    return replies
 
 
 def get_stream(client: object, commands: Sequence[tuple[bytes | str | int, ...]], n: int,
