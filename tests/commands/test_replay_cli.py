@@ -31,9 +31,10 @@ def files(tmp_path):
 
 def test_json_rows_with_min(files, capsys):
     trace, geom = files
-    # 2 chunks of both groups = 2 * 2048 bytes: the hand-derived run of test_replay (LRU 3/9)
+    # 2 chunks of both groups = 2 * 2048 bytes: the hand-derived run of test_replay (LRU 3/9),
+    # every chunk warm in the proportional share (the rule before issue 39)
     rc = main(["replay", trace, "--geometry", geom, "--tier", "cpu=4096", "--policy", "lru",
-               "--policy", "fifo", "--json"])
+               "--policy", "fifo", "--placement", "every", "--share", "proportional", "--json"])
     assert rc == 0
     doc = json.loads(capsys.readouterr().out)
     rows = {r["policy"]: r for r in doc["policies"]}
@@ -50,9 +51,9 @@ def test_table_and_compare_accounting(files, capsys):
     rc = main(["replay", trace, "--geometry", geom, "--tier", "cpu=50%", "--compare-accounting"])
     out = capsys.readouterr().out
     assert rc == 0
-    assert "MIN" in out and "row-per-key" in out and "proportional" in out
-    # 50% of 4 unique chunks of both groups = 2 rows: per-group gets 2 slots per group,
-    # row-per-key 1 slot per group
+    assert "MIN" in out and "row-per-key" in out and "learned" in out  # the default share
+    # 50% of 4 unique chunks of both groups = 2 rows: per-group gets 2 slots per group (the
+    # learned share starts proportional), row-per-key 1 slot per group
     lines = [ln for ln in out.splitlines() if " lru " in f" {ln} "]
     assert len(lines) == 2
 
@@ -147,3 +148,25 @@ def test_placement_hits_stores_sliding_chunks_cold_away_from_endpoints(files, ca
     rows = json.loads(capsys.readouterr().out)["policies"]
     # everything fits: the same hits as every-chunk storing (cold entries still serve)
     assert rows[0]["hit_chunks"] == 5
+
+
+def test_default_is_hits_land_with_the_learned_share(files, capsys):
+    trace, geom = files
+    rc = main(["replay", trace, "--geometry", geom, "--tier", "cpu=100%", "--json"])
+    assert rc == 0
+    default = json.loads(capsys.readouterr().out)["policies"][0]
+    assert default["share"] == "learned" and default["share_final"] == {"cpu": {"full": 0.5, "swa": 0.5}}
+    rc = main(["replay", trace, "--geometry", geom, "--tier", "cpu=100%", "--placement", "hits",
+               "--share", "learned", "--json"])
+    assert rc == 0
+    explicit = json.loads(capsys.readouterr().out)["policies"][0]
+    # the same writes as the explicit flags; every chunk warm writes as much here (window 128:
+    # a hit reads one swa chunk, and both rows store every chunk once, warm or cold)
+    assert {k: default[k] for k in ("hit_chunks", "written_bytes")} == \
+        {k: explicit[k] for k in ("hit_chunks", "written_bytes")}
+    rc = main(["replay", trace, "--geometry", geom, "--tier", "cpu=100%", "--placement", "every",
+               "--share", "proportional", "--json"])
+    old = json.loads(capsys.readouterr().out)["policies"][0]
+    assert old["share"] == "proportional" and old["share_final"] is None
+    assert old["hit_chunks"] == default["hit_chunks"] == 5
+

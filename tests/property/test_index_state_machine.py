@@ -1,7 +1,7 @@
 """Hypothesis state machine for kvtier.index.index against a plain model of every entry.
 
-Invariants after every step: no slot double-booked, every slot in range, capacity never
-exceeded, pinned and reserved entries never evicted, lookup returns only committed entries
+Invariants after every step: no slot double-booked, every slot in range (also after a pool
+is resized), capacity never exceeded, pinned and reserved entries never evicted or moved, lookup returns only committed entries
 (at their recorded slots) and a hit every group can actually restore.
 """
 
@@ -129,6 +129,24 @@ class IndexMachine(RuleBasedStateMachine):
                 self.model[key][0] = "doomed"
             else:
                 self._gone(key)
+
+    @rule(g=st.sampled_from(GROUPS), tier=st.sampled_from(TIERS), slots=st.integers(1, 5))
+    def resize(self, g, tier, slots):
+        r = self.ix.resize(g, tier, slots)
+        assert r.slots == self.ix.slots(g, tier) >= slots
+        for e in r.evicted:  # only unpinned committed entries go
+            key = (e.chunk_hash, e.group, e.tier)
+            state, pins, slot = self.model[key]
+            assert state == "committed" and pins == 0 and slot == e.slot and (e.group, e.tier) == (g, tier)
+            self._gone(key)
+        for m in r.moved:  # only unpinned committed entries move, from above the new size
+            key = (m.chunk_hash, m.group, m.tier)
+            state, pins, slot = self.model[key]
+            assert state == "committed" and pins == 0 and slot == m.from_slot >= r.slots > m.to_slot
+            self.model[key][2] = m.to_slot
+        if r.slots > slots:  # kept larger only for pinned or reserved entries above `slots`
+            held = [v for k, v in self.model.items() if k[1:] == (g, tier)]
+            assert len(held) > slots or any(v[1] and v[2] == r.slots - 1 for v in held)
 
     @rule(chain=st.lists(HASHES, min_size=1, max_size=4, unique=True), extra=st.integers(0, 40))
     def lookup(self, chain, extra):

@@ -66,17 +66,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tokens per chunk (default: the trace's block size when the plan allows)")
     p.add_argument("--trace-block-tokens", type=int, default=512, metavar="N",
                    help="tokens per trace hash id (default 512, Mooncake)")
-    p.add_argument("--share", default="proportional", metavar="RULE",
-                   help="how a tier's bytes are shared among groups: proportional (default: every "
-                        "group the same number of chunks), equal, or NAME=FRACTION,...")
+    p.add_argument("--share", default="learned", metavar="RULE",
+                   help="how a tier's bytes are shared among groups: learned (default: moved online "
+                        "toward equal lifetimes of each group's warm entries, kvtier.index.share), "
+                        "proportional (every group the same number of chunks; the rule before issue "
+                        "39), equal, or NAME=FRACTION,...")
     p.add_argument("--tail-endpoints", type=int, metavar="K",
                    help="sliding/chunked/state groups store only what hits ending at the prompt's "
                         "last K chunk boundaries read (full/MLA groups store every chunk); pair "
                         "with --share to give the bytes saved to the full groups")
-    p.add_argument("--placement", choices=("every", "hits"), default="every",
-                   help="where sliding/chunked/state groups store warm: every chunk (default) or "
-                        "hits: where hits land, learned online (branch points, request ends; the "
-                        "rest cold; kvtier.index.placement, docs/admission.md)")
+    p.add_argument("--placement", choices=("every", "hits"),
+                   help="where sliding/chunked/state groups store warm: hits (default: where hits "
+                        "land, learned online: branch points, request ends; the rest cold; "
+                        "kvtier.index.placement, docs/admission.md) or every chunk (the rule before "
+                        "issue 39; the default with --tail-endpoints)")
     p.add_argument("--compare-accounting", action="store_true",
                    help="also replay with row-per-key accounting (every key reserves all groups' "
                         "bytes; vLLM 0.32 itself sizes a row by its largest group, docs/vllm.md)")
@@ -200,7 +203,8 @@ def run(args: argparse.Namespace) -> int:
                           for n, f in _admissions(args.admission, horizon)]
             for res in run_all(plan, trace, caps, policies, admissions, shares, cost,
                                bar.update if bar else None, future, args.tail_endpoints,
-                               _placement(args.placement, plan), {"marconi": run_marconi}):
+                               _placement(args.placement or ("every" if args.tail_endpoints else "hits"),
+                                          plan), {"marconi": run_marconi}):
                 rows.append((caps, res))
     finally:
         if bar:
@@ -278,10 +282,10 @@ def _placement(name: str, plan):
 
 
 def _share(text: str) -> str | dict[str, float]:
-    if text in ("proportional", "equal"):
+    if text in ("proportional", "equal", "learned"):
         return text
     if "=" not in text:
-        raise ConfigError(f"--share {text!r}: use proportional, equal, or NAME=FRACTION,...")
+        raise ConfigError(f"--share {text!r}: use learned, proportional, equal, or NAME=FRACTION,...")
     out: dict[str, float] = {}
     for name, value in _pairs(text.split(","), "--share entry"):
         try:

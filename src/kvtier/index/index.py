@@ -15,6 +15,10 @@ capacity is shared out among the cacheable groups by `share`:
   Kept for `kvtier replay`'s comparison; never a sensible choice for a store.
 - a dict {group name: fraction of the tier} (fractions > 0, summing to at most 1, every
   cacheable group named).
+- "learned": starts proportional; a `kvtier.index.share.LearnedShare` per tier then moves
+  bytes toward equal lifetimes of every group's warm entries (each group's bytes in proportion
+  to the bytes it stored warm lately), through `resize`, called by `observe` once per request
+  (the caller demotes or frees the entries it evicts and copies the ones it moves).
 Rejected alternative: one shared pool of variable-size entries. It wastes nothing on paper but
 needs a byte allocator (fragmentation) in every tier; fixed-size slots per group make a slot a
 file offset and a slab view.
@@ -58,6 +62,7 @@ from kvtier.index.pool import (_COMMITTED, _DOOMED, _RESERVED, _policy_factory, 
                                _Rec, slot_counts)
 from kvtier.core.plan import Plan
 from kvtier.index.policies import EvictionPolicy
+from kvtier.index.share import LearnedShare
 
 ChunkHash = bytes | int  # bytes from kvtier.core.keys; replay uses a trace's integer ids
 PolicyFactory = Callable[[int], EvictionPolicy]
@@ -71,6 +76,24 @@ class Entry:
     tier: str
     slot: int
     dead: bool = False  # no hit could read it any more (see "Group-aware eviction")
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    """A kept entry a shrinking pool relocated: the caller copies the payload's bytes."""
+
+    chunk_hash: ChunkHash
+    group: int
+    tier: str
+    from_slot: int
+    to_slot: int
+
+
+@dataclass(frozen=True, slots=True)
+class Resized:
+    slots: int  # the pool's slots now (more than asked when pinned entries forbid shrinking)
+    evicted: tuple[Entry, ...] = ()
+    moved: tuple[Move, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +119,7 @@ class Reservation:
     evicted: tuple[Entry, ...] = ()
 
 
+_NO_RESIZE = Resized(0)
 _PRESENT = Reservation(None, "present")
 _BUSY = Reservation(None, "busy")
 _FULL = Reservation(None, "full")
@@ -144,6 +168,10 @@ class Index:
         # being visible (stored=False: evicted, removed, dropped); reserved entries that never
         # committed are never told. For KV events (the vLLM manager); None costs nothing.
         self.listener: Callable[[str, int, ChunkHash, bool], None] | None = None
+        # share="learned": one controller per tier (kvtier.index.share)
+        self.learners: tuple[LearnedShare, ...] = ()
+        if share == "learned":
+            self.learners = tuple(LearnedShare(self, tier) for tier in self.tiers)
 
     # -- queries -------------------------------------------------------------------------------
 
@@ -224,6 +252,56 @@ class Index:
                         break
             chunks.append(tuple(loads))
         return Hit(tokens, tuple(chunks))
+
+    def observe(self) -> Resized:
+        """Once per request (after its save): with share="learned", now and then move bytes
+        between the groups' pools (`resize`). Returns what moved: evicted entries (demote or
+        free them) and relocated ones (copy their payloads); nothing for other shares."""
+        if not self.learners:
+            return _NO_RESIZE
+        evicted: list[Entry] = []
+        moved: list[Move] = []
+        for learner in self.learners:
+            for r in learner.observe():
+                evicted.extend(r.evicted)
+                moved.extend(r.moved)
+        return Resized(0, tuple(evicted), tuple(moved)) if evicted or moved else _NO_RESIZE
+
+    def resize(self, group: int, tier: str, slots: int) -> Resized:
+        """Give (tier, group) `slots` slots. Shrinking evicts (dead, cold, then the policy's
+        victims) down to `slots` and relocates kept entries from slots >= `slots` into free
+        ones below (`moved`: the caller copies their bytes); pinned or reserved entries are
+        neither evicted nor moved, so the pool may keep more slots than asked (`Resized.slots`).
+        Byte budgets across groups are the caller's (`LearnedShare` keeps the tier's)."""
+        if isinstance(slots, bool) or not isinstance(slots, int) or slots <= 0:
+            raise ConfigError(f"resize of group {group} tier {tier!r} to {slots!r} slots: give a "
+                              "positive number of slots")
+        pool = self._pool(group, tier)
+        if slots >= pool.num_slots:
+            pool.num_slots = slots
+            return Resized(slots)
+        evicted: list[Entry] = []
+        while pool.used > slots:
+            victim = pool.pick_victim()
+            if victim is None:
+                break
+            evicted.append(self._evict(pool, victim))
+        keep = max(slots, pool.used)
+        high = [(h, rec) for h, rec in pool.recs.items() if rec.slot >= keep]
+        pinned = [rec.slot for _, rec in high if rec.pins or rec.state != _COMMITTED]
+        if pinned:
+            keep = max(keep, max(pinned) + 1)
+            high = [(h, rec) for h, rec in high if rec.slot >= keep]
+        moved: list[Move] = []
+        if pool.next_fresh > keep:
+            free = [s for s in pool.freed if s < keep]
+            for h, rec in high:
+                to = free.pop()
+                moved.append(Move(h, group, tier, rec.slot, to))
+                rec.slot = to
+            pool.freed, pool.next_fresh = free, keep
+        pool.num_slots = keep
+        return Resized(keep, tuple(evicted), tuple(moved))
 
     # -- pins and touches -----------------------------------------------------------------------
 
@@ -325,12 +403,53 @@ class Index:
         if victim is None:
             pool.counts["full"] += 1
             return None, ()
+        entry = self._evict(pool, victim)
+        return pool.alloc(), (entry,)
+
+    def _evict(self, pool: _Pool, victim: ChunkHash) -> Entry:
         vrec = pool.recs[victim]
         dead = victim in pool.dead
         entry = Entry(victim, pool.group, pool.tier, vrec.slot, dead)
         pool.counts["dead_evictions" if dead else "evictions"] += 1
         self._drop(pool, victim, vrec)
-        return pool.alloc(), (entry,)
+        if not dead and len(self._dependents) > 1 and pool.group in self._dependents:
+            self._orphan(victim, pool.group)
+        return entry
+
+    def _orphan(self, chunk_hash: ChunkHash, group: int) -> None:
+        # A hit ending at this chunk needed the evicted entry too: the other non-anchor groups'
+        # entries there lost the endpoint they were stored for (a sliding chunk may still serve
+        # a later endpoint of its window, so it is demoted, not dropped).
+        if self._held(chunk_hash, group):
+            return
+        for g in self._dependents:
+            if g != group:
+                for p in self._by_group[g]:
+                    rec = p.recs.get(chunk_hash)
+                    if rec is not None and rec.state == _COMMITTED and chunk_hash not in p.dead:
+                        p.cold[chunk_hash] = None
+
+    def victim(self, group: int, tier: str) -> Entry | None:
+        """The entry the next `reserve` in a full (tier, group) pool would evict (dead entries,
+        then cold ones, then the policy's choice; never a pinned one), or None; nothing changes.
+        For a caller that decides what to drop itself (e.g. before a batch of saves)."""
+        pool = self._pool(group, tier)
+        h = pool.pick_victim()
+        if h is None:
+            return None
+        return Entry(h, group, tier, pool.recs[h].slot, h in pool.dead)
+
+    def demote(self, chunk_hash: ChunkHash, group: int, tier: str | None = None) -> bool:
+        """Make a committed entry a first victim (cold: after dead entries, before the policy's
+        victims) until a hit or touch warms it; in every tier when `tier` is None. For a caller
+        that knows the entry lost its worth (the endpoint it served is gone). False: not held."""
+        found = False
+        for pool in self._by_group[group] if tier is None else [self._pool(group, tier)]:
+            rec = pool.recs.get(chunk_hash)
+            if rec is not None and rec.state == _COMMITTED:
+                pool.cold[chunk_hash] = None
+                found = True
+        return found
 
     def commit(self, chunk_hash: ChunkHash, group: int, tier: str, *, cold: bool = False) -> None:
         """The payload is written: the entry becomes visible to lookup and evictable.
@@ -349,6 +468,8 @@ class Index:
         pool.counts["commits"] += 1
         if cold:
             pool.cold[chunk_hash] = None
+        else:
+            pool.counts["warm_commits"] += 1
         if self._dependents and group not in self._anchor_set and not self._anchored(chunk_hash):
             pool.dead[chunk_hash] = None
         if self.listener is not None:
@@ -385,6 +506,8 @@ class Index:
         pool.counts["commits"] += 1
         if cold:
             pool.cold[chunk_hash] = None
+        else:
+            pool.counts["warm_commits"] += 1
         if self._dependents:
             if group in self._anchor_set:
                 self._maybe_revive(chunk_hash)

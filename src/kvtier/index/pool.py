@@ -15,7 +15,7 @@ ChunkHash = bytes | int
 PolicyFactory = Callable[[int], EvictionPolicy]
 
 _RESERVED, _COMMITTED, _DOOMED = 0, 1, 2
-SHARES = ("proportional", "equal", "row-per-key")
+SHARES = ("proportional", "equal", "row-per-key", "learned")
 
 
 class _Rec:
@@ -46,7 +46,8 @@ class _Pool:
         self.dead: dict[ChunkHash, None] = {}  # ordered set, oldest first
         self.cold: dict[ChunkHash, None] = {}  # stored as unlikely to be read: evicted next
         self.counts = dict.fromkeys(
-            ("commits", "hits", "evictions", "dead_evictions", "removes", "aborts", "full"), 0)
+            ("commits", "warm_commits", "hits", "evictions", "dead_evictions", "removes", "aborts",
+             "full"), 0)
 
     def alloc(self) -> int | None:
         if self.freed:
@@ -107,7 +108,7 @@ def _slots(plan: Plan, tier: str, capacity: int, share: str | Mapping[str, float
     cacheable = plan.cacheable_groups
     total = sum(gp.chunk_bytes for gp in cacheable)
     n = len(cacheable)
-    if share == "proportional":
+    if share in ("proportional", "learned"):  # learned: starts proportional (kvtier.index.share)
         slots = [capacity // total] * n
         shares = [capacity * gp.chunk_bytes / total for gp in cacheable]
     elif share == "equal":
@@ -151,7 +152,7 @@ def _min_capacity(plan: Plan, share: str | Mapping[str, float], group: int) -> i
     cacheable = plan.cacheable_groups
     total = sum(gp.chunk_bytes for gp in cacheable)
     gp = plan.groups[group]
-    if share == "proportional":
+    if share in ("proportional", "learned"):
         return total
     if share == "equal":
         return gp.chunk_bytes * len(cacheable)

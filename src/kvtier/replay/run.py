@@ -33,7 +33,7 @@ from typing import Protocol
 
 from kvtier.core.cost import ComputeModel, Term
 from kvtier.errors import ConfigError
-from kvtier.index.index import ChunkHash, Index
+from kvtier.index.index import ChunkHash, Entry, Index
 from kvtier.core.plan import Plan
 from kvtier.index.policies import POLICIES, EvictionPolicy
 from kvtier.replay.oracle import NEVER, Belady, next_uses
@@ -98,6 +98,7 @@ class Result:
     wall_seconds: float
     flops_saved: float = 0.0  # prefill FLOPs the hits skip
     flops_total: float = 0.0  # prefill FLOPs of every prompt with no cache
+    share_final: dict[str, dict[str, float]] | None = None  # share="learned": tier -> group -> fraction at the end
 
     @property
     def compute_saved(self) -> float:
@@ -209,7 +210,12 @@ def replay(
         if r.slot is None:
             return
         written[tier][names[g]] += chunk_bytes[g]
-        for ev in r.evicted:  # write-back demotion, cascading down the tiers
+        demote(r.evicted)
+
+    def demote(evicted: Sequence[Entry]) -> None:
+        for ev in evicted:  # write-back demotion, cascading down the tiers
+            level = tiers.index(ev.tier)
+            g = ev.group
             if ev.dead or level + 1 >= len(tiers) or index.contains(ev.chunk_hash, g, tiers[level + 1]):
                 continue
             put(ev.chunk_hash, g, level + 1)
@@ -225,6 +231,7 @@ def replay(
             f = flops_of[tokens] = model.flops(tokens)
         return f
     contains, touch_all = index.contains, index.touch_all
+    learned = bool(index.learners)
     for r, req in enumerate(trace.requests):
         chunks = req.chunks
         if is_min:
@@ -280,6 +287,8 @@ def replay(
                             put(chunks[i], g, 0, True)
                     elif not touch_all(chunks[i], g):
                         put(chunks[i], g, 0)
+        if learned:
+            demote(index.observe().evicted)
         if observe is not None:
             observe(r, index)
         if progress is not None:
@@ -308,6 +317,8 @@ def replay(
         wall_seconds=time.perf_counter() - t_start,
         flops_saved=flops_saved,
         flops_total=flops_total,
+        share_final={lr.tier: {names[g]: round(f, 4) for g, f in lr.shares().items()}  # type: ignore[attr-defined]
+                     for lr in index.learners} or None,
     )
 
 
@@ -396,10 +407,12 @@ def run_all(plan: Plan, trace: Trace, capacities: Mapping[str, int], policies: I
                                       admission=make() if make else None, admission_name=adm_name,
                                       progress=progress))
                     continue
+                # row-per-key models a layout-blind offloader: every chunk of every group warm
+                blind = share == "row-per-key"
                 out.append(replay(plan, trace, capacities, pol, admission=make() if make else None,
                                   admission_name=adm_name, share=share, cost=cost,
-                                  progress=progress, tail_endpoints=tail_endpoints,
-                                  placement=placement() if placement else None))
+                                  progress=progress, tail_endpoints=None if blind else tail_endpoints,
+                                  placement=placement() if placement and not blind else None))
         out.append(replay(plan, trace, capacities, "min", share=share, cost=cost,
                           progress=progress, future=future, tail_endpoints=tail_endpoints))
     return out

@@ -1,0 +1,119 @@
+"""Each group's share of a tier's bytes, learned from recent traffic (`Index(share="learned")`).
+
+A hit of T needs every cacheable group's entry at T, so the entries of one endpoint are worth
+something only while *all* of them are held. Under recency eviction an entry lives about
+(its pool's bytes) / (the bytes its group stores warm per request) requests; a pool whose entries
+live shorter than the others' is the one hits miss on, and the others' extra lifetime is bytes no
+hit can use. So the controller equalises lifetimes: every `period` requests it sets each group's
+target bytes in proportion to the bytes it stored *warm* lately (new warm entries x chunk bytes,
+fading by `fade` a period; cold entries ride on free room and do not count), and moves each pool
+toward its target by at most `step` x the tier's bytes (`Index.resize`: shrinking evicts cold and
+dead entries first). With every chunk warm this is the proportional share; with warm only where
+hits land (`kvtier.index.placement`) a state group's share falls to what its endpoints need
+(Qwen3-Next, Mooncake traces: ~22-27% of the bytes against 86% proportional).
+
+No group goes below `floor` x its proportional bytes (and one chunk): a hit needs every group, so
+none may be starved, even one that stored nothing warm lately. Starts proportional.
+
+Rejected (measured, docs/admission.md): hill-climbing on ghost lists (per group, the compute the
+keys it evicted lately would have saved: hits a little more capacity would have served, FLOPs
+per byte). Per-period ghost hits are few and the two groups' hits are joint (a longer hit needs
+the full chunks *and* the checkpoint), so the share swung between the floor and 56% and lost 1-7
+points of token hit rate to this rule; tilting this rule's target by the ghost value lost too.
+
+Memory: 3 numbers per group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Protocol
+
+from kvtier.core.plan import Plan
+from kvtier.errors import ConfigError
+from kvtier.index.pool import _Pool
+
+
+class Index(Protocol):
+    """What the controller uses of `kvtier.index.index.Index` (which owns it; a Protocol, so this
+    module does not import index.py back)."""
+
+    plan: Plan
+    capacities: Mapping[str, int]
+
+    def _pool(self, group: int, tier: str) -> _Pool: ...
+    def resize(self, group: int, tier: str, slots: int) -> object: ...
+
+
+class LearnedShare:
+    """One tier's byte share across its groups' pools: equal lifetimes of warm entries."""
+
+    def __init__(self, index: Index, tier: str, *, period: int = 64, step: float = 1 / 32,
+                 floor: float = 0.1, fade: float = 0.875) -> None:
+        if period <= 0 or not 0 < step <= 1 or not 0 <= floor <= 1 or not 0 < fade <= 1:
+            raise ConfigError(f"learned share: period={period} must be > 0, step={step} in (0, 1], "
+                              f"floor={floor} in [0, 1], fade={fade} in (0, 1]")
+        plan = index.plan
+        self.index, self.tier = index, tier
+        self.period, self.step, self.fade = period, step, fade
+        self.capacity = index.capacities[tier]
+        self.groups = [gp.index for gp in plan.cacheable_groups]
+        self.chunk_bytes = {g: plan.groups[g].chunk_bytes for g in self.groups}
+        total = sum(self.chunk_bytes.values())
+        self.pools = {g: index._pool(g, tier) for g in self.groups}
+        self.floor_slots = {g: max(1, int(floor * self.capacity / total)) for g in self.groups}
+        self.rate = dict.fromkeys(self.groups, 0.0)  # warm bytes stored, fading
+        self._seen = {g: self.pools[g].counts["warm_commits"] for g in self.groups}
+        self.requests = 0
+        self.moves = 0
+
+    def shares(self) -> dict[int, float]:
+        """Each group's fraction of the tier's bytes now."""
+        return {g: self.pools[g].num_slots * self.chunk_bytes[g] / self.capacity for g in self.groups}
+
+    def observe(self) -> list:
+        """One request went by; every `period` requests, move bytes toward the targets."""
+        self.requests += 1
+        if self.requests % self.period:
+            return []
+        return self.rebalance()
+
+    def targets(self) -> dict[int, int] | None:
+        """Slots per group that equalise warm lifetimes, from the fading warm byte rates (None:
+        nothing stored warm yet)."""
+        pools, cb = self.pools, self.chunk_bytes
+        for g in self.groups:
+            c = pools[g].counts["warm_commits"]
+            self.rate[g] = self.rate[g] * self.fade + (c - self._seen[g]) * cb[g]
+            self._seen[g] = c
+        total = sum(self.rate.values())
+        if total <= 0:
+            return None
+        return {g: max(self.floor_slots[g], int(self.capacity * self.rate[g] / total) // cb[g])
+                for g in self.groups}
+
+    def rebalance(self) -> list:
+        target = self.targets()
+        if target is None:
+            return []
+        pools, cb = self.pools, self.chunk_bytes
+        step = self.step * self.capacity
+        out = []
+        for g in self.groups:  # shrink first: what grows takes only bytes no pool holds
+            have = pools[g].num_slots
+            if target[g] < have:
+                out.append(self.index.resize(g, self.tier, max(target[g], have - max(1, int(step // cb[g])))))
+        spare = self.capacity - sum(p.num_slots * cb[g] for g, p in pools.items())
+        for g in sorted(self.groups, key=lambda g: pools[g].num_slots - target[g]):
+            have = pools[g].num_slots
+            grow = min(target[g] - have, int(min(step, spare) // cb[g]))
+            if grow > 0:
+                out.append(self.index.resize(g, self.tier, have + grow))
+                spare -= grow * cb[g]
+        if out:
+            self.moves += 1
+        return out
+
+    @property
+    def memory_bytes(self) -> int:
+        return 3 * 8 * len(self.groups)
