@@ -151,7 +151,9 @@ def _corrupt(store: Store, pc: PrefixCache, prompt: torch.Tensor, group: int, ch
 def test_corrupt_chunk_on_disk_stops_the_hit_before_it(load_tiny, prompt, tmp_path) -> None:  # type: ignore[no-untyped-def]
     model = load_tiny("gemma3")
     plan, ns = model_plan(model, chunk_tokens=C)
-    kw = dict(disk_dir=str(tmp_path / "kv"), disk_bytes=8 << 20)
+    # every chunk stored: a hit at 2 * C needs the sliding chunks before it, which the default
+    # placement keeps only where hits land (test_store_placement.py)
+    kw = dict(disk_dir=str(tmp_path / "kv"), disk_bytes=8 << 20, placement="every")
     with Store(plan, ns, **kw) as store:  # type: ignore[arg-type]
         pc = PrefixCache(model, store)
         pc.generate(prompt[:, :T + 1], max_new_tokens=1, pad_token_id=0)
@@ -237,7 +239,8 @@ def test_batch_and_padding_are_refused(load_tiny, prompt) -> None:  # type: igno
 
 def test_prefill_to_an_earlier_end_restores_only_up_to_it(load_tiny, prompt) -> None:  # type: ignore[no-untyped-def]
     model = load_tiny("gemma3")  # sliding W=24: a smaller hit needs other chunks than a larger one
-    pc = PrefixCache.for_model(model, chunk_tokens=C, cpu_bytes=8 << 20)
+    # placement "every": the default stores the sliding chunks only where hits land (here at 80)
+    pc = PrefixCache.for_model(model, chunk_tokens=C, cpu_bytes=8 << 20, placement="every")
     pc.forward(prompt)  # stores chunks 0..4 (tokens < 80)
     pf = pc.prefill(prompt, end=40, logits="last")
     assert pf.stats.restored_tokens == 32 and pf.stats.computed_tokens == 8

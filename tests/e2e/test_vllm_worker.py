@@ -440,7 +440,8 @@ def _tp_group(tmp_path: Path, world: int = 2, host_only: bool = False, attach: b
     base = _ctx(tmp_path, "cpu,disk")
     chunk = base.plan.groups[0].chunk_bytes
     extra = {"kvtier.tiers": "cpu,disk", "kvtier.directory": str(tmp_path), "kvtier.disk_bytes": 1 << 20,
-             "kvtier.cpu_bytes": cpu_chunks * chunk * 2, "kvtier.host_region": str(tmp_path)}
+             "kvtier.cpu_bytes": cpu_chunks * chunk * 2, "kvtier.host_region": str(tmp_path),
+             "kvtier.placement": "every"}  # slots counted per group, as with every chunk stored
     if host_only:
         extra["sync_load_budget_bytes"] = 1 << 30
     config = parse_config(extra)
@@ -547,6 +548,7 @@ def test_the_handshake_maps_every_ranks_region_or_none(tmp_path: Path, regions_f
     assert not manager.promotions.promoter.ready()
     conn = KvtierConnector.__new__(KvtierConnector)
     conn.connector_scheduler = SimpleNamespace(manager=manager)
+    conn._journal = None  # KV events off: no disk journal (connector.__init__ sets it)
     meta = {(r, 0): KvtierHandshake(page_bytes=(), host_region=names[r] if r in regions_from else "", rank=r)
             for r in (1, 0)}
     conn.set_xfer_handshake_metadata(meta)

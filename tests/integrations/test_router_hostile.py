@@ -27,7 +27,7 @@ zmq = pytest.importorskip("zmq")
 from kvtier.router import PrefixIndex, Subscriber, decode_batch  # noqa: E402
 
 C = 4  # chunk tokens
-W = 2 * C + 1  # the sliding group's window: a hit of T needs the chunks of tokens [T-2C, T)
+W = 2 * C  # the sliding group's window: vLLM looks up cdiv(W, C) = 2 chunks, tokens [T-2C, T)
 
 
 def stored(h: object, parent: object, tokens: object, g: object = 0, kind: object = "full_attention",

@@ -22,6 +22,7 @@ HERE = Path(__file__).parent
 HARNESS = HERE / "vllm_engineless" / "harness.py"
 REPO = HERE.parents[1]
 VLLM033 = Path(os.environ.get("VLLM033", REPO / ".vllm033"))
+TRACE = REPO.parent / "shared" / "traces" / "conversation_trace.jsonl"
 
 SCENARIOS = [
     # Gemma-3-like: three sliding layers (window 48 tokens) and one full layer, 16-token blocks;
@@ -143,7 +144,18 @@ SCENARIOS = [
     # an EAGLE/MTP drafter's group beside the target's full-attention groups
     {"name": "draft_group", "draft_layers": [2],
      "layers": ["full", "full", {"kind": "sliding", "window": 1024, "name": "model.layers.2.mtp.attn"}]},
+    # kvtier.placement's default ("hits", with its share) against "every" in the same bytes: 12
+    # sessions of Mooncake's conversation trace (52 requests, a trace block = one 16-token block)
+    # through a Qwen3-Next-like engine in align mode, a cpu tier of 48 chunks a group (1.5 MiB)
+    {"name": "multi_turn_state", "trace": str(TRACE), "sessions": 12,
+     "layers": ["full", {"kind": "state"}, {"kind": "state"}, {"kind": "state"}],
+     "extra": {"kvtier.cpu_bytes": "1536KiB"}},
 ]
+# Scenarios about promotion, stats and eviction sized in chunks a group for every chunk stored,
+# with equal slots per group: kvtier.placement "every" (its "proportional" share) keeps them so.
+for _sc in SCENARIOS:
+    if _sc["name"] in ("stats", "disk_unpromoted") or _sc["name"].startswith("promote"):
+        _sc["extra"] = {**_sc.get("extra", {}), "kvtier.placement": "every"}
 # The same scenarios as a GPU runs them: kvtier's worker sees CUDA tensors and moves chunks in
 # cpu slots through vLLM's own SingleDirectionOffloadingHandler (copier.py), whose descriptor code
 # runs unchanged; only the copy itself is emulated (vllm_engineless/fake_cuda.py: CPU tensors that
@@ -713,3 +725,22 @@ def test_a_lookup_promotes_a_redis_hit_before_the_load(results: dict) -> None:
     at_lookup = _delta(r, "after_c", "after_b", "promote_at_lookup")
     assert at_lookup > 0 and _delta(r, "after_c", "after_b", "promoted_chunks_redis") == at_lookup, r
     assert _delta(r, "after_c", "after_b2", "loaded_chunks_redis") == 0, r
+
+
+def test_the_default_placement_restores_more_than_every_chunk_in_the_same_bytes(results: dict) -> None:
+    """kvtier.placement "hits" (the default, with share "auto": half of the cpu tier to the
+    full-attention group) against "every" (equal slots per group), one cpu tier of 1.5 MiB, the
+    same 52 requests: more restored tokens, every loaded position of every group checked. In
+    align mode vLLM offers a state group only the checkpoints it keeps (a prompt's end), so the
+    placement skips none of them here: the bytes it leaves to the full group are the gain."""
+    if not TRACE.is_file():
+        pytest.skip(f"needs {TRACE}")
+    r = ok(results, "multi_turn_state")
+    assert r["requests"] == 52, r
+    every, hits = r["every"], r["hits"]
+    for x in (every, hits):
+        assert x["checked"] > 1000 and x["mismatches"] == 0 and x["failed"] == [], r
+    assert every["slots"] == {"vllm0_full": 48, "vllm1_state": 48, "vllm2_state": 48, "vllm3_state": 48}, every
+    assert hits["slots"] == {"vllm0_full": 95, "vllm1_state": 31, "vllm2_state": 31, "vllm3_state": 31}, hits
+    assert hits["restored_tokens"] >= 1.5 * every["restored_tokens"] > 0, r
+    assert every["skipped"] == every["cold"] == 0, every

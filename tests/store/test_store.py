@@ -62,10 +62,19 @@ def roundtrip(store: Store, toks: list[int], seed: int = 0) -> tuple[int, int]:
     return hit.tokens, got
 
 
-def test_cpu_round_trip_restores_the_hand_derived_hit() -> None:
-    s = Store(PLAN, NS, cpu_bytes=10 * ROW)
+# Tests of the store's mechanics (admission, restart, demotion, corruption) with hand-derived
+# counts of every chunk stored: placement "every". The default ("hits") is tested where its
+# counts differ, and in test_store_placement.py.
+EVERY = {"placement": "every"}
+
+
+@pytest.mark.parametrize("placement, saved", [("every", 4 * 3), ("hits", 4 + 3 + 2)])
+def test_cpu_round_trip_restores_the_hand_derived_hit(placement: str, saved: int) -> None:
+    s = Store(PLAN, NS, cpu_bytes=10 * ROW, placement=placement)
     toks = tokens(130)  # 4 full chunks; the hit may use at most 129 tokens -> 128 = 4 chunks
-    assert s.save_tokens(toks, payloads(130)) == 4 * 3
+    # hits: the endpoints are chunks 3 and 2 (ends at T = 128 and 96): full 0..3, sliding
+    # (W=40) 1..3, state 2 and 3
+    assert s.save_tokens(toks, payloads(130)) == saved
     hit = s.lookup_tokens(toks)
     assert hit.tokens == 128
     # full: chunks 0..3; sliding W=40 needs tokens [89, 128) -> chunks 2, 3; state: chunk 3
@@ -91,13 +100,13 @@ def test_admission_limits_the_stored_prefix() -> None:
         def admit(self, chunk_hashes: list[bytes]) -> int:
             return 1
 
-    s = Store(PLAN, NS, cpu_bytes=10 * ROW, admission=AdmitOne())
+    s = Store(PLAN, NS, cpu_bytes=10 * ROW, admission=AdmitOne(), **EVERY)
     assert s.save_tokens(tokens(130), payloads(130)) == 3  # chunk 0 of 3 cacheable groups
     assert s.metrics()["not_admitted"] == 3
 
 
 def test_nth_sighting_admission_stores_on_the_second_sighting() -> None:
-    s = Store(PLAN, NS, cpu_bytes=10 * ROW, admission="nth:2")
+    s = Store(PLAN, NS, cpu_bytes=10 * ROW, admission="nth:2", **EVERY)
     toks = tokens(130, seed=2)
     assert s.save_tokens(toks, payloads(130, 2)) == 0  # first sighting: nothing admitted
     assert s.metrics()["not_admitted"] == 4
@@ -109,15 +118,15 @@ def test_nth_sighting_admission_stores_on_the_second_sighting() -> None:
 
 def test_disk_store_survives_a_restart(tmp_path) -> None:
     toks = tokens(100, seed=3)
-    with Store(PLAN, NS, disk_dir=tmp_path, disk_bytes=8 * ROW) as s:
+    with Store(PLAN, NS, disk_dir=tmp_path, disk_bytes=8 * ROW, **EVERY) as s:
         assert s.save_tokens(toks, payloads(100, 3)) == 9
-    with Store(PLAN, NS, disk_dir=tmp_path, disk_bytes=8 * ROW) as s2:
+    with Store(PLAN, NS, disk_dir=tmp_path, disk_bytes=8 * ROW, **EVERY) as s2:
         assert s2.rebuilt == 9
         assert roundtrip(s2, toks, seed=3) == (96, 96)
 
 
 def test_write_back_demotes_cpu_evictions_and_promotes_disk_hits(tmp_path) -> None:
-    s = Store(PLAN, NS, cpu_bytes=2 * ROW, disk_dir=tmp_path, disk_bytes=16 * ROW)
+    s = Store(PLAN, NS, cpu_bytes=2 * ROW, disk_dir=tmp_path, disk_bytes=16 * ROW, **EVERY)
     toks = tokens(170, seed=5)  # 5 chunks; cpu holds 2 per group
     assert s.save_tokens(toks, payloads(170, 5)) == 15
     m = s.metrics()
@@ -141,9 +150,14 @@ def test_write_through_writes_every_tier(tmp_path) -> None:
     assert s.metrics()["demotions"] == 0
 
 
-def test_a_flipped_byte_on_disk_shrinks_the_hit_and_is_dropped(tmp_path) -> None:
+@pytest.mark.parametrize("placement, restored", [("every", 64), ("hits", 0)])
+def test_a_flipped_byte_on_disk_shrinks_the_hit_and_is_dropped(tmp_path, placement: str, restored: int) -> None:
+    """Full chunk 2 is bad: the hit shrinks to the largest T every group still has. With
+    "hits" the state group holds checkpoints only at T = 128 and 96 (the endpoints), so no
+    shorter T is whole and nothing is restored: a skipped checkpoint shortens a hit, it never
+    makes one partial."""
     toks = tokens(130, seed=9)
-    with Store(PLAN, NS, disk_dir=tmp_path, disk_bytes=8 * ROW) as s:
+    with Store(PLAN, NS, disk_dir=tmp_path, disk_bytes=8 * ROW, placement=placement) as s:
         s.save_tokens(toks, payloads(130, 9))
         hit = s.lookup_tokens(toks)
         full_chunk2 = next(ld for ld in hit.chunks[0] if ld.chunk_index == 2)
@@ -155,10 +169,10 @@ def test_a_flipped_byte_on_disk_shrinks_the_hit_and_is_dropped(tmp_path) -> None
             b = f.read(1)
             f.seek(off)
             f.write(bytes([b[0] ^ 0x40]))
-        assert roundtrip(s, toks, seed=9) == (128, 64)  # full chunk 2 bad -> T = 2 chunks
+        assert roundtrip(s, toks, seed=9) == (128, restored)  # full chunk 2 bad -> T = 2 chunks
         m = s.metrics()
         assert m["corrupt_dropped"] == 1
-        assert s.lookup_tokens(toks).tokens == 64  # removed: never offered again
+        assert s.lookup_tokens(toks).tokens == restored  # removed: never offered again
 
 
 def test_missing_buffer_limits_the_restore() -> None:

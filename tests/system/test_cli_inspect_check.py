@@ -32,7 +32,7 @@ ROW = sum(gp.chunk_bytes for gp in PLAN.groups)
 def _fill(root: Path) -> None:
     toks = list(range(3 * C + 1))
     pl = {(gp.index, i): torch.full((gp.chunk_bytes,), i + 1, dtype=torch.uint8) for gp in PLAN.groups for i in range(3)}
-    with Store(PLAN, NS, disk_dir=root, disk_bytes=4 * ROW) as s:
+    with Store(PLAN, NS, placement="every", disk_dir=root, disk_bytes=4 * ROW) as s:
         assert s.save_tokens(toks, pl) == 6
 
 
@@ -67,7 +67,7 @@ def test_inspect_counts_chunks_bytes_and_groups(tmp_path: Path, capsys) -> None:
 def test_inspect_shows_the_live_writer(tmp_path: Path, capsys) -> None:
     import os
 
-    with Store(PLAN, NS, disk_dir=tmp_path, disk_bytes=4 * ROW):
+    with Store(PLAN, NS, placement="every", disk_dir=tmp_path, disk_bytes=4 * ROW):
         code, info = _run(capsys, "inspect", str(tmp_path), "--json")
     assert info["namespaces"][0]["in_use_by_pid"] == str(os.getpid())
 
@@ -88,7 +88,7 @@ def test_check_finds_and_fixes_a_bad_checksum(tmp_path: Path, capsys) -> None:
 def test_check_fix_refuses_a_directory_in_use(tmp_path: Path, capsys) -> None:
     _fill(tmp_path)
     _flip(tmp_path, 1, 0)
-    with Store(PLAN, NS, disk_dir=tmp_path, disk_bytes=4 * ROW) as s:
+    with Store(PLAN, NS, placement="every", disk_dir=tmp_path, disk_bytes=4 * ROW) as s:
         # the store dropped the bad slot at its restart scan? no: the header is fine, the
         # payload is bad, which only a read or `check` sees
         assert s.rebuilt == 6

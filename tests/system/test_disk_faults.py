@@ -43,7 +43,7 @@ def _payloads() -> dict[tuple[int, int], torch.Tensor]:
 
 
 def _filled(tmp_path) -> None:
-    with Store(PLAN, NS, disk_dir=tmp_path, disk_bytes=8 * ROW) as s:
+    with Store(PLAN, NS, placement="every", disk_dir=tmp_path, disk_bytes=8 * ROW) as s:
         assert s.save_tokens(TOKS, _payloads()) == 8
 
 
@@ -58,7 +58,7 @@ def _slot_of(tmp_path, group: int, chunk_index: int) -> tuple[str, int]:
 
 
 def _restart_and_load(tmp_path) -> tuple[int, dict[str, object], dict]:
-    s = Store(PLAN, NS, disk_dir=tmp_path, disk_bytes=8 * ROW)
+    s = Store(PLAN, NS, placement="every", disk_dir=tmp_path, disk_bytes=8 * ROW)
     hit = s.lookup_tokens(TOKS)
     bufs = {(gp.index, i): torch.zeros(gp.chunk_bytes, dtype=torch.uint8) for gp in PLAN.groups for i in range(4)}
     got = s.load(hit, bufs)
@@ -119,7 +119,7 @@ def test_slot_from_another_namespace_is_never_restored(tmp_path) -> None:
     dst.mkdir()
     for f in src.glob("*.kvslab"):
         (dst / f.name).write_bytes(f.read_bytes())
-    with Store(PLAN, other, disk_dir=tmp_path, disk_bytes=8 * ROW) as s:
+    with Store(PLAN, other, placement="every", disk_dir=tmp_path, disk_bytes=8 * ROW) as s:
         assert s.rebuilt == 0
         assert s.metrics()["corrupt_dropped"] == 8  # every foreign slot dropped at restart
         assert s.lookup_tokens(TOKS).tokens == 0

@@ -42,7 +42,7 @@ WRITER = textwrap.dedent("""
     from test_disk_faults_process import PLAN, NS, ROW, pattern
     import kvtier.store.tiers.disk as disk
     disk.PIPELINE, disk.PIECE_BYTES = {pipeline!r}, 64 << 10  # "always": 512 KiB payloads in 8 pieces
-    s = Store(PLAN, NS, disk_dir={root!r}, disk_bytes=6 * ROW)
+    s = Store(PLAN, NS, placement="every", disk_dir={root!r}, disk_bytes=6 * ROW)
     print("ready", flush=True)
     k = {start}
     while True:
@@ -74,7 +74,7 @@ def test_sigkill_during_writes_never_leaves_a_wrong_slot(tmp_path: Path, pipelin
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
         # restart: the kernel dropped the dead writer's lock; every listed slot is checked
-        with Store(PLAN, NS, disk_dir=tmp_path, disk_bytes=6 * ROW) as s:
+        with Store(PLAN, NS, placement="every", disk_dir=tmp_path, disk_bytes=6 * ROW) as s:
             disk = s.slot_tiers["disk"]
             dropped += s.metrics()["corrupt_dropped"]
             for g, slot, h in list(disk.list()):
@@ -110,7 +110,7 @@ def test_disk_full_is_a_counted_failed_save(tiny_fs: Path, pipeline: str, monkey
 
     monkeypatch.setattr(disk, "PIPELINE", pipeline)
     monkeypatch.setattr(disk, "PIECE_BYTES", 64 << 10)
-    s = Store(PLAN, NS, disk_dir=tiny_fs, disk_bytes=6 * ROW)  # 6 chunks ~ 3.5 MiB > 1 MiB
+    s = Store(PLAN, NS, placement="every", disk_dir=tiny_fs, disk_bytes=6 * ROW)  # 6 chunks ~ 3.5 MiB > 1 MiB
     toks = [(5 * i) % 40000 for i in range(3 * C + 1)]
     hashes = s.hashes(toks)
     stored = s.save(hashes, lambda g, i: pattern(hashes[i], PLAN.groups[g].chunk_bytes), len(toks))
@@ -132,11 +132,11 @@ def test_read_only_file_system_reads_but_counts_failed_saves(tmp_path: Path) -> 
         pytest.skip("needs root to mount a tmpfs and remount it read-only")
     try:
         toks = [(3 * i) % 40000 for i in range(2 * C + 1)]
-        with Store(PLAN, NS, disk_dir=mnt, disk_bytes=6 * ROW) as s:
+        with Store(PLAN, NS, placement="every", disk_dir=mnt, disk_bytes=6 * ROW) as s:
             hashes = s.hashes(toks)
             assert s.save(hashes, lambda g, i: pattern(hashes[i], PLAN.groups[g].chunk_bytes), len(toks)) == 4
         subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
-        with Store(PLAN, NS, disk_dir=mnt, disk_bytes=6 * ROW) as s:
+        with Store(PLAN, NS, placement="every", disk_dir=mnt, disk_bytes=6 * ROW) as s:
             assert s.slot_tiers["disk"].read_only
             assert s.rebuilt == 4
             hit = s.lookup_tokens(toks)
@@ -159,7 +159,7 @@ FSIZE_WRITER = textwrap.dedent("""
     import kvtier.store.tiers.disk as disk
     disk.PIPELINE, disk.PIECE_BYTES = {pipeline!r}, 64 << 10  # "always": 512 KiB payloads in 8 pieces
     from kvtier.store.store import Store
-    s = Store(PLAN, NS, disk_dir={root!r}, disk_bytes=6 * ROW)
+    s = Store(PLAN, NS, placement="every", disk_dir={root!r}, disk_bytes=6 * ROW)
     toks = [(7 * i) % 40000 for i in range(3 * 256 + 1)]
     h = s.hashes(toks)
     n = s.save(h, lambda g, i: pattern(h[i], PLAN.groups[g].chunk_bytes), len(toks))

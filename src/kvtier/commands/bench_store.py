@@ -157,7 +157,7 @@ def _run(args: argparse.Namespace) -> int:
         kw = ({"cpu_bytes": n * row} if tier == "cpu" else
               {"disk_dir": os.path.join(tmp.name, "tier"), "disk_bytes": n * row, "fsync": args.fsync,
                "secret": os.urandom(32) if args.secret else None})
-        store = Store(plan, ns, **kw)  # type: ignore[arg-type]
+        store = Store(plan, ns, placement="every", **kw)  # type: ignore[arg-type]  # every chunk: tier speed, not placement
         plain_file = os.path.join(tmp.name, "plain.bin")
         with open(plain_file, "wb") as f:  # preexisting, as the tier's slab files are after round 0
             f.truncate(save_bytes)
@@ -329,7 +329,7 @@ def _lookup_bench(rounds: int) -> dict[str, object]:
         hash_times.append(time.perf_counter() - t0)
     nchunks = len(hashes)
     # an index-sized store: capacity for every chunk of every group, no slab traffic measured
-    store = Store(plan, ns, cpu_bytes=(nchunks + 1) * plan.chunk_bytes_all_groups, pin_memory=False)
+    store = Store(plan, ns, cpu_bytes=(nchunks + 1) * plan.chunk_bytes_all_groups, pin_memory=False, placement="every")
     assert store.index is not None
     for gp in plan.cacheable_groups:
         for i in plan.store_chunks(gp.index, len(tokens)):

@@ -14,7 +14,13 @@ local index lacks.
   read, so wrong KV is never used.
   A chunk read from disk/redis is promoted (copied up to cpu) when a cpu tier exists.
 - save(chunk_hashes, payloads, num_tokens): stores only what `plan.store_chunks` says some hit
-  reads, only the leading chunks the admission policy admits, skips chunks already held.
+  reads, only the leading chunks the admission policy admits, skips chunks already held. Of
+  those, the placement (default "hits": `kvtier.index.placement.HitsLand`) says per group which
+  are *warm* (the first tier), *cold* (only a later tier: disk or a shared tier; not stored
+  when there is none) or skipped: full/MLA chunks are always warm, a sliding window or a state
+  checkpoint only where hits land (docs/admission.md). `placement="every"` stores every chunk
+  warm. A hit still needs every cacheable group's entry at its T (lookup, load), so a skipped
+  entry only makes a hit shorter, never partial.
   Write-back (default): saves go to the first slot tier; cpu evictions are demoted (written to
   disk) before their slot is reused. Write-through: every slot tier gets the save. Shared tiers
   get the chunks they lack at save time, in one batch, so other processes see them at once.
@@ -39,6 +45,7 @@ import torch
 
 from kvtier.errors import ConfigError
 from kvtier.index.index import Index, Load
+from kvtier.index.placement import COLD, SKIP, WARM, HitsLand
 from kvtier.core.keys import Namespace, chunk_hashes as _chunk_hashes
 from kvtier.store.metrics import StoreMetrics, metrics_dict, register_prometheus
 from kvtier.store.integrity import Keyed, keyed_from_env
@@ -53,6 +60,53 @@ log = logging.getLogger("kvtier.store.store")
 
 Buffers = Mapping[tuple[int, int], torch.Tensor] | Callable[[int, int], "torch.Tensor | None"]
 SHARED_SLOT = -1  # the slot of a Load from a key-addressed tier
+PLACEMENTS = ("hits", "every")
+
+
+def placement_share(plan: Plan) -> str | dict[str, float]:
+    """The byte share that goes with placement "hits" (share="auto"): half of each tier to the
+    full/MLA groups, half to the others, each half in proportion to chunk bytes; "proportional"
+    when one side is missing. Storing windows and checkpoints only where hits land leaves those
+    pools mostly empty under "proportional" (equal slots), so the bytes go to the groups every
+    hit reads: measured in replay (docs/admission.md, "share full=0.5,..."), not learned.
+    Rejected: keeping "proportional" with "hits" (the same hits as "every" in the same bytes:
+    the full group's pool is the bound in both)."""
+    cacheable = plan.cacheable_groups
+    anchors = [gp for gp in cacheable if gp.kind in ("full", "mla")]
+    rest = [gp for gp in cacheable if gp.kind not in ("full", "mla")]
+    if not anchors or not rest or len({gp.name for gp in cacheable}) != len(cacheable):
+        return "proportional"
+    half = 0.5 * (1 - 1e-9)  # fractions must sum to at most 1
+    out: dict[str, float] = {}
+    for side in (anchors, rest):
+        total = sum(gp.chunk_bytes for gp in side)
+        out.update({gp.name: half * gp.chunk_bytes / total for gp in side})
+    return out
+
+
+def make_placement(plan: Plan, placement: object) -> object | None:
+    """The placement object for `placement` ("hits", "every", or an object with
+    `admit(request_chunks, group, n)`); None stores every chunk warm."""
+    if placement == "every":
+        return None
+    if placement == "hits":
+        # one full-attention group (or none but state/sliding ones with nothing to share): a
+        # HitsLand still finds the endpoints, but only non-anchor groups have anything to skip
+        if all(gp.kind in ("full", "mla") for gp in plan.cacheable_groups):
+            return None
+        return HitsLand(plan)
+    if isinstance(placement, str) or not callable(getattr(placement, "admit", None)):
+        raise ConfigError(f"placement={placement!r} is unknown; use one of {', '.join(PLACEMENTS)} or an "
+                          "object with admit(request_chunks, group, n) (kvtier.index.placement.HitsLand)")
+    return placement
+
+
+def resolve_share(plan: Plan, share: str | Mapping[str, float], placement: object) -> str | Mapping[str, float]:
+    """share="auto": `placement_share(plan)` with a placement that stores only where hits land,
+    "proportional" with placement "every"."""
+    if share != "auto":
+        return share
+    return "proportional" if placement in (None, "every") else placement_share(plan)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,8 +143,9 @@ class Store(TierIO):
         disk_bytes: int | None = None,
         shared: Sequence[Tier] = (),
         policy: str = "lru",
-        share: str | Mapping[str, float] = "proportional",
+        share: str | Mapping[str, float] = "auto",
         admission: object | str | None = None,
+        placement: object | str = "hits",
         write_through: bool = False,
         promote: bool = True,
         fsync: str = "never",
@@ -100,7 +155,11 @@ class Store(TierIO):
     ) -> None:
         """`secret`: the tenant's key for the disk tier's payload MACs (integrity.Keyed); None reads
         `KVTIER_SECRET_FILE` / `KVTIER_SECRET`. A shared tier takes its own (`RedisTier(keyed=)`).
-        `accept_legacy_macs=False`: the disk tier restores only current-format MACs (Keyed)."""
+        `accept_legacy_macs=False`: the disk tier restores only current-format MACs (Keyed).
+        `admission`: how many leading chunks of a save are stored at all (kvtier.index.admission);
+        `placement`: of those, per group, which are warm, cold or skipped ("hits", "every", or a
+        HitsLand-like object); `share="auto"`: the share that goes with the placement
+        (`placement_share` with "hits", "proportional" with "every")."""
         self.plan = plan
         self.namespace = namespace
         self.ns_id = namespace.id
@@ -122,8 +181,12 @@ class Store(TierIO):
             admission = make_admission(admission)  # unknown names raise ConfigError here
         if admission is not None and not callable(getattr(admission, "admit", None)):
             raise ConfigError(f"admission {admission!r} has no admit(chunk_hashes) method; use kvtier.index.admission.make_admission")
+        self.placement = make_placement(plan, placement)
+        share = resolve_share(plan, share, self.placement)
         self.index: Index | None = Index(plan, capacities, policy=policy, share=share) if capacities else None
         self.m = StoreMetrics()
+        for name in ("placement_cold", "placement_skipped"):  # entries the placement kept out of the first tier
+            self.m.totals.setdefault(name, 0)
         self.slot_tiers: dict[str, Tier] = {}
         for name in capacities:
             layout = self._layout(name)
@@ -385,7 +448,8 @@ class Store(TierIO):
         get = _getter(payloads)
         plan = self.plan
         with self._lock:
-            n = min(len(chunk_hashes), num_tokens // plan.chunk_tokens)
+            whole = min(len(chunk_hashes), num_tokens // plan.chunk_tokens)  # the request's chunks
+            n = whole
             if self.admission is not None:
                 admitted = int(self.admission.admit(list(chunk_hashes[:n])))  # type: ignore[attr-defined]
                 self.m.add("not_admitted", n - min(n, admitted))
@@ -393,12 +457,18 @@ class Store(TierIO):
             # anchors (full/mla) first, so a dependent chunk is never stored ahead of its prefix
             order = sorted(plan.cacheable_groups, key=lambda gp: gp.kind not in ("full", "mla"))
             wanted = {gp.index: set(plan.store_chunks(gp.index, n * plan.chunk_tokens)) for gp in order}
-            todo: list[tuple[bytes, int, ChunkHeader, object]] = []
+            places = self._places([gp.index for gp in order], chunk_hashes[:whole], n)
+            warm: list[tuple[bytes, int, ChunkHeader, object]] = []
+            cold: list[tuple[bytes, int, ChunkHeader, object]] = []
             for i in range(n):
                 h = chunk_hashes[i]
                 for gp in order:
                     g = gp.index
                     if i not in wanted[g]:
+                        continue
+                    where = places[g][i] if places else WARM
+                    if where == SKIP or (where == COLD and not self._cold_tiers()):
+                        self.m.add("placement_skipped")
                         continue
                     data = get((g, i))
                     if data is None:
@@ -410,32 +480,60 @@ class Store(TierIO):
                         raise ConfigError(
                             f"payload of group {g} chunk {i} has {size} bytes; the plan "
                             f"says {header.payload_bytes} (plan.groups[{g}].chunk_bytes)")
-                    todo.append((h, g, header, data))
-            wrote = self._save_all(todo)
-            stored = sum(wrote)
-            # a chunk a slot tier already held was shared when it was first saved
-            shared_batch = [(g, SHARED_SLOT, header, data) for (_, g, header, data), w in zip(todo, wrote)
-                            if w or self.index is None]
-            for tier in self.shared:
-                if shared_batch:
-                    stored += self._shared_write(tier, shared_batch)
+                    (warm if where == WARM else cold).append((h, g, header, data))
+            self.m.add("placement_cold", len(cold))
+            stored = self._write(warm, cold=False) + self._write(cold, cold=True)
             return stored
+
+    def _places(self, groups: list[int], request: Sequence[bytes], n: int) -> dict[int, Sequence[str]]:
+        """Per group, warm / cold / skip for each of the first `n` chunks (empty: all warm)."""
+        if self.placement is None or n == 0:
+            return {}
+        chunks = list(request)
+        return {g: self.placement.admit(chunks, g, n) for g in groups}  # type: ignore[attr-defined]
+
+    def _cold_tiers(self) -> bool:
+        """Whether a tier after the first exists for cold entries (a later slot tier or a shared one)."""
+        return len(self.slot_tiers) + len(self.shared) > 1
+
+    def _write(self, todo: list[tuple[bytes, int, ChunkHeader, object]], cold: bool) -> int:
+        """Write `todo` to the first tier (warm) or only the tiers after it (cold), shared tiers
+        last: they get, in one batch, what was written to a slot tier now (a chunk a slot tier
+        already held was shared when it was first saved), or all of it without a slot tier."""
+        if not todo:
+            return 0
+        wrote = self._save_all(todo, skip_first=cold)
+        stored = sum(w or 0 for w in wrote)
+        shared = self.shared[1:] if cold and not self.slot_tiers else self.shared
+        shared_batch = [(g, SHARED_SLOT, header, data) for (_, g, header, data), w in zip(todo, wrote)
+                        if w is None or w > 0]
+        for tier in shared:
+            if shared_batch:
+                stored += self._shared_write(tier, shared_batch)
+        return stored
 
     def save_tokens(self, token_ids: Sequence[int], payloads: Buffers, extra_keys: Sequence[object] = ()) -> int:
         return self.save(self.hashes(token_ids, extra_keys), payloads, len(token_ids))
 
-    def _save_all(self, todo: list[tuple[bytes, int, ChunkHeader, object]]) -> list[int]:
+    def _save_all(self, todo: list[tuple[bytes, int, ChunkHeader, object]], skip_first: bool = False,
+                  ) -> list[int | None]:
         """Write each payload no slot tier holds yet to the first slot tier (to every one with
-        write_through, tier after tier); per payload, how many tiers it was written to."""
-        if self.index is None:
-            return [0] * len(todo)
-        targets = list(self.slot_tiers) if self.write_through else list(self.slot_tiers)[:1]
+        write_through, tier after tier); per payload, how many tiers it was written to, or None
+        when no slot tier was to take it (no index, or a cold entry without a later slot tier)
+        and none holds it. `skip_first` (cold entries): the slot tiers after the first only."""
+        index = self.index
+        names = list(self.slot_tiers)[1:] if skip_first else list(self.slot_tiers)
+        if index is None:
+            return [None] * len(todo)
+        if not names:
+            return [0 if any(index.contains(h, g, t) for t in self.slot_tiers) else None for h, g, _, _ in todo]
+        targets = names if self.write_through else names[:1]
         first = self._store_many(targets[0], todo, skip_held=True)
-        wrote = [w or 0 for w in first]
+        wrote: list[int | None] = [w or 0 for w in first]
         new = [k for k, w in enumerate(first) if w is not None]
         for t in targets[1:]:
             for k, w in zip(new, self._store_many(t, [todo[k] for k in new])):
-                wrote[k] += w or 0
+                wrote[k] = (wrote[k] or 0) + (w or 0)
         return wrote
 
     # -- metrics and lifecycle ------------------------------------------------------------

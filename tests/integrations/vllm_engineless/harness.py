@@ -20,7 +20,8 @@ is a GDN/Mamba layer with {"conv", "ssm"} state shapes); mamba_cache_mode (defau
 draft_layers (layer indices whose groups vLLM marks as an EAGLE/MTP drafter's); kv_bytes and
 max_model_len (a small GPU cache, so requests preempt each other); window;
 block_size (the scheduler's hash block); prompt_tokens;
-b_extra_tokens (B = A's prompt + this many new tokens); extra (merged into
+b_extra_tokens (B = A's prompt + this many new tokens); trace (run_multi_turn: sessions of that
+Mooncake trace, once per kvtier.placement); extra (merged into
 kv_connector_extra_config); fail_reads ("load": every tier read fails after A); partial (run
 the partial-chunk worker check instead of the two requests); lookups (N distinct keys looked up
 through the manager: its per-key maps must stay bounded); lifecycle ("abort_load", "reset_load",
@@ -1028,6 +1029,85 @@ def run_submit_timing(sc: dict) -> dict:
     return out
 
 
+def conversation_sessions(path: str, sessions: int, max_blocks: int = 40, min_turns: int = 3,
+                          scan: int = 3000) -> list[dict]:
+    """A multi-turn workload derived from Mooncake's conversation trace: its first `sessions`
+    conversations (a request that repeats all but the last block of an earlier one is its next
+    turn) of at least `min_turns` turns and at most `max_blocks` blocks a prompt, their requests in
+    trace order. Each returned request is {"hash_ids", "input_length"}."""
+    reqs: list[dict] = []
+    with open(path) as f:
+        for line in f:
+            reqs.append(json.loads(line))
+            if len(reqs) >= scan:
+                break
+    session_of: dict[int, int] = {}
+    members: dict[int, list[int]] = {}
+    for k, r in enumerate(reqs):
+        ids, parent = r["hash_ids"], None
+        for q in range(k - 1, -1, -1):  # the latest earlier request this one continues
+            prev = reqs[q]["hash_ids"]
+            common = next((m for m, (a, b) in enumerate(zip(prev, ids)) if a != b), min(len(prev), len(ids)))
+            if common >= max(2, len(prev) - 1):  # block 0 alone is the shared system prompt
+                parent = q
+                break
+        s = session_of[parent] if parent is not None else k
+        session_of[k] = s
+        members.setdefault(s, []).append(k)
+    chosen = [s for s, ks in members.items()
+              if len(ks) >= min_turns and all(len(reqs[k]["hash_ids"]) <= max_blocks for k in ks)][:sessions]
+    return [reqs[k] for k in sorted(k for s in chosen for k in members[s])]
+
+
+def trace_prompt(req: dict, block_tokens: int) -> list[int]:
+    """A trace request's prompt: each 512-token trace block becomes `block_tokens` token ids (a
+    function of the block's id), the last block its share of 512 tokens (1 .. block_tokens - 1)."""
+    ids, c = req["hash_ids"], block_tokens
+
+    def block(b: int, n: int) -> list[int]:
+        return [((b * c + j) * 2654435761) % 1000 + 10 for j in range(n)]
+
+    tail = req["input_length"] - 512 * (len(ids) - 1)
+    out = [t for b in ids[:-1] for t in block(b, c)]
+    return out + block(ids[-1], min(c - 1, max(1, tail * c // 512)))
+
+
+def run_multi_turn(sc: dict) -> dict:
+    """Sessions of the conversation trace through one engine per placement, same cpu bytes: per
+    request, vLLM's prefix cache is reset first (every reused token comes from kvtier) and every
+    loaded position of every group is compared with what its earlier forward wrote."""
+    workload = conversation_sessions(sc["trace"], int(sc.get("sessions", 12)))
+    out: dict = {"requests": len(workload)}
+    for placement in sc.get("placements", ("every", "hits")):
+        h = Harness(dict(sc, extra={**sc.get("extra", {}), "kvtier.placement": placement}))
+        restored = checked = bad = hits = 0
+        for n, req in enumerate(workload):
+            prompt = trace_prompt(req, h.bs)
+            assert _fresh_gpu_cache(h), "vLLM refused reset_prefix_cache"
+            r = _load_and_check(h, f"r{n}", prompt)
+            assert r["external_tokens"] >= 0, r
+            restored += r["external_tokens"]
+            hits += int(r["external_tokens"] > 0)
+            checked += r["checked"]
+            bad += r["mismatches"]
+            for _ in _steps(10.0):  # to its end: its stores are submitted when it finishes
+                if not h.sched.requests:
+                    break
+                h.step()
+            h.drain()
+        c = h.counters()
+        manager = h.sched.connector.scheduler.manager
+        stats = manager.index.stats()["tiers"]["cpu"]["groups"]
+        out[placement] = {"restored_tokens": restored, "hit_requests": hits, "checked": checked,
+                          "mismatches": bad, "failed": sorted(h.failed),
+                          "slots": {name: g["slots"] for name, g in stats.items()},
+                          "slot_bytes": {name: g["slot_bytes"] for name, g in stats.items()},
+                          "skipped": c.get("store_skipped_placement", 0), "cold": c.get("store_cold", 0),
+                          "store_chunks": c.get("store_chunks", 0),
+                          "stored_bytes_cpu": c.get("stored_bytes_cpu", 0)}
+    return out
+
+
 def run_lookups(sc: dict) -> dict:
     """Many distinct keys looked up (all misses): the manager's per-key maps stay bounded."""
     import random
@@ -1062,7 +1142,8 @@ def main() -> None:
                    else run_slow_disk if sc.get("slow_disk") else run_slow_redis if sc.get("slow_redis")
                    else run_submit_timing if sc.get("submit_timing")
                    else run_stats if sc.get("stats") else run_promote if sc.get("promote")
-                   else run_lifecycle if sc.get("lifecycle") else run_two_requests)
+                   else run_lifecycle if sc.get("lifecycle") else run_multi_turn if sc.get("trace")
+                   else run_two_requests)
             if sc.get("fake_cuda"):
                 import fake_cuda
                 with fake_cuda.installed():

@@ -114,12 +114,22 @@ class SpecContext:
         covers the same tokens (equal slots would give a 64-token group a quarter of a 256-token
         group's tokens)."""
         share: str | dict[str, float] = self.config.share
+        if share == "auto":  # the placement's; groups of mixed spans store every chunk (self.placement)
+            from kvtier.store.store import resolve_share
+
+            share = resolve_share(self.plan, "auto", self.placement)  # type: ignore[assignment]
         if self.mixed_spans and share == "proportional":
             per_token = {gp.name: gp.chunk_bytes / span
                          for gp, span in zip(self.plan.groups, self.span_tokens) if gp.cacheable}
             total = sum(per_token.values()) * (1 + 1e-9)  # fractions must sum to at most 1
             share = {name: v / total for name, v in per_token.items()}
         return share
+
+    @property
+    def placement(self) -> str:
+        """`kvtier.placement`, "every" where the groups' chunks span different tokens: the
+        placement's endpoints are chunk indices of one chunk size (kvtier.index.placement)."""
+        return "every" if self.mixed_spans else self.config.placement
 
     def new_index(self) -> Index:
         """The scheduler's index (`share()`); with mixed spans the dead-first rule is off (chunk

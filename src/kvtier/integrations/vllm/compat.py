@@ -142,3 +142,44 @@ def transfer_event(handler: object, transfer_id: int):  # noqa: ANN201 - a torch
     """The event vLLM's GPU copy handler records at the end of a transfer (0.32 and 0.33 keep one
     per transfer in `_transfer_events`), or None where a handler keeps none."""
     return getattr(handler, "_transfer_events", {}).get(transfer_id)
+
+
+# -- KV events (events.py): vLLM's offloading events tracker ---------------------------------------
+
+def events_tracker(scheduler: object) -> object | None:
+    """The offloading scheduler's OffloadingEventsTracker (both versions: `_events_tracker`)."""
+    return getattr(scheduler, "_events_tracker", None)
+
+
+def tracker_records(tracker: object) -> dict:
+    """The tracker's OffloadKey -> BlockStored payload snapshots (both versions)."""
+    return tracker._pending_event_metadata  # type: ignore[attr-defined]
+
+
+def replace_fields(record, **fields):  # noqa: ANN001, ANN201 - one of vLLM's NamedTuples
+    """A copy of a vLLM NamedTuple (GroupOffloadConfig, OffloadingEventGroupSpec) with `fields`."""
+    return record._replace(**fields)
+
+
+def scheduler_publisher(connector: object, depth: int = 12) -> object | None:
+    """The scheduler's KV event publisher, found among the callers of `connector`'s method (vLLM
+    hands a connector no handle on it and creates it after the connector): the Scheduler itself
+    (a reset) or the EngineCore holding it (the handshake). None when no caller holds one."""
+    import sys
+
+    frame = sys._getframe(1)
+    for _ in range(depth):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        for o in (owner, getattr(owner, "scheduler", None)):
+            if getattr(o, "connector", None) is connector and hasattr(o, "kv_event_publisher"):
+                return o.kv_event_publisher
+        frame = frame.f_back
+    return None
+
+
+def offload_key_positions(req_context: object) -> dict | None:
+    """vLLM's offload key -> end token of every key it hashed for a request (0.32 and 0.33 keep
+    them in ReqContext._offload_key_positions); None where a version keeps none."""
+    return getattr(req_context, "_offload_key_positions", None)

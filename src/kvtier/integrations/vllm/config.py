@@ -14,7 +14,8 @@ vLLM's and are left to it.
 | `kvtier.disk_bytes` | disk tier capacity | required with disk |
 | `kvtier.directory` | existing directory: disk slabs and the metrics file | required with disk |
 | `kvtier.policy` | eviction policy (`lru`, `fifo`, `arc`, `s3fifo`) | `"lru"` |
-| `kvtier.share` | how a tier's bytes are shared by groups (`proportional`, `equal`) | `"proportional"` |
+| `kvtier.placement` | `hits`: full-attention chunks every time, a state checkpoint or sliding window only where hits land (docs/admission.md), the rest to a later tier (disk, Redis) or not at all; `every`: every chunk to every tier | `"hits"` |
+| `kvtier.share` | how a tier's bytes are shared by groups (`auto`: the placement's, `proportional`, `equal`) | `"auto"` |
 | `kvtier.chunk_tokens` | tokens per chunk (a multiple of vLLM's block size) | vLLM's blocks_per_chunk |
 | `kvtier.redis_bytes` | bytes of this namespace the index tracks in Redis (Redis's maxmemory is the real bound) | required with redis |
 | `kvtier.redis_url` | `redis://host:port/db`, `rediss://`, `redis+cluster://`, `redis+sentinel://`; never with a password in it, in the userinfo or the query (`?password=`): vLLM logs this config | required with redis |
@@ -36,12 +37,14 @@ from kvtier.errors import ConfigError
 from kvtier.core.units import parse_bytes
 
 PREFIX = "kvtier."
-KEYS = ("tiers", "cpu_bytes", "disk_bytes", "redis_bytes", "directory", "policy", "share",
+KEYS = ("tiers", "cpu_bytes", "disk_bytes", "redis_bytes", "directory", "policy", "share", "placement",
         "chunk_tokens", "redis_url", "redis_password_file", "secret_file", "tenant", "io_queue_bytes", "host_region",
         "accept_legacy_macs")
 IO_QUEUE_BYTES = 256 << 20  # disk/Redis writes waiting for the background lane, per worker
 PASSWORD_ENV = "KVTIER_REDIS_PASSWORD"
 TIERS = ("cpu", "disk", "redis")
+PLACEMENTS = ("hits", "every")  # kvtier.store.store.PLACEMENTS (not imported: no torch here)
+SHARES = ("auto", "proportional", "equal")
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +55,7 @@ class VllmTierConfig:
     capacities_bytes: tuple[tuple[str, int], ...]  # (tier, bytes), fastest first
     directory: str | None
     policy: str
-    share: str
+    share: str  # "auto": the placement's (kvtier.store.store.resolve_share)
     chunk_tokens: int | None
     redis_url: str | None = None
     tenant: str = ""
@@ -64,6 +67,7 @@ class VllmTierConfig:
     # vLLM 0.33's sync_load_budget_bytes is set: every hit is served from the cpu tier only
     # (host_only.py), so no load, synchronous or not, reads disk or Redis
     host_only_loads: bool = False
+    placement: str = "hits"  # kvtier.placement: "hits" or "every"
 
     @property
     def host_region_dir(self) -> str | None:
@@ -163,9 +167,13 @@ def parse_config(extra_config: Mapping[str, object]) -> VllmTierConfig:
 
     if not isinstance(policy, str) or policy not in POLICIES:
         raise ConfigError(f"kvtier.policy={policy!r} is unknown; use one of: {', '.join(POLICIES)}")
-    share = ours.get("share", "proportional")
-    if share not in ("proportional", "equal"):
-        raise ConfigError(f"kvtier.share={share!r} is unknown; use \"proportional\" or \"equal\"")
+    share = ours.get("share", "auto")
+    if share not in SHARES:
+        raise ConfigError(f"kvtier.share={share!r} is unknown; use one of: {', '.join(SHARES)}")
+    placement = ours.get("placement", "hits")
+    if placement not in PLACEMENTS:
+        raise ConfigError(f"kvtier.placement={placement!r} is unknown; use \"hits\" (store where hits land) "
+                          "or \"every\" (every chunk)")
     chunk_tokens = ours.get("chunk_tokens")
     if chunk_tokens is not None and (
         isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens <= 0
@@ -197,6 +205,7 @@ def parse_config(extra_config: Mapping[str, object]) -> VllmTierConfig:
         accept_legacy_macs=accept_legacy,
         host_region=host_region,
         host_only_loads=host_only,
+        placement=str(placement),
     )
 
 

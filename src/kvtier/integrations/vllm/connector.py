@@ -11,7 +11,8 @@ never restore wrong bytes, so this subclass changes these things:
 - the handshake: the worker's page layout goes to the scheduler once
   (`get_handshake_metadata` / `set_xfer_handshake_metadata` -> `manager.adopt_worker_layout`);
 - KV events: every tier's commits, evictions and removals reach vLLM's event stream
-  (`take_events`, events.py), with each group's kind and window filled in.
+  (`take_events`, events.py), every group's chunks described (tokens, parent, tokens per block,
+  kind and window); a reset is published at once, a restart announces the disk chunks it adopted.
 It also hands kvtier's counters to vLLM's stats path (stats.py): each side's
 `get_kv_connector_stats()` is what the stock connector reports plus kvtier's counts since the
 last step, and `build_prom_metrics()` registers kvtier's Prometheus counters beside vLLM's.
@@ -30,10 +31,12 @@ from vllm.v1.outputs import KVConnectorOutput
 from kvtier.errors import ConfigError
 
 from .common import KvtierHandshake
-from .compat import (engine_id_of, event_group_rules, event_lacks_group_rule, kv_cache_config_for_spec,
+from .compat import (engine_id_of, event_group_rules, event_lacks_group_rule, events_tracker, kv_cache_config_for_spec,
                      manager_lock, offloading_group_ids, worker_load_jobs, worker_transfer_meta)
 from .counters import Metrics
+from .events import DiskJournal, announce_adopted, describe_every_group, publish_now
 from .manager import KvtierManager
+from .rebuild import mark_reset
 from .spec import KvtierOffloadingSpec, chunk_tokens_to_blocks
 from .stats import KvtierConnectorStats, KvtierPromMetrics, merge
 
@@ -48,18 +51,63 @@ class KvtierConnector(OffloadingConnector):
         if w is not None and isinstance(w.spec, KvtierOffloadingSpec):
             w.spec.reports_failures = True
         self._group_rules = event_group_rules(kv_cache_config)
+        self._block_tokens = {g: int(grp.kv_cache_spec.block_size)
+                              for g, grp in enumerate(getattr(kv_cache_config, "kv_cache_groups", ()))}
+        self._early: list = []  # reset removals no publisher was reached for
+        self._journal = self._describe_events()
 
-    # -- KV events: every group's residency rule on every event (events.py) -----------------
+    # -- KV events: every group described on every event (events.py) ------------------------
+
+    def _describe_events(self) -> DiskJournal | None:
+        """Every group's chunks self-describing; with a disk tier, its chunks journaled and the
+        ones adopted at start announced."""
+        s = self.connector_scheduler
+        manager = getattr(s, "manager", None)
+        if not isinstance(manager, KvtierManager) or not manager.events.enabled or not describe_every_group(s):
+            return None
+        root = manager.ctx.disk_root
+        if root is None or not root.is_dir():
+            return None
+        tracker = events_tracker(s)
+        tracker.kvtier_journal = journal = DiskJournal(root)
+        with manager_lock(manager):
+            announce_adopted(manager, tracker, journal)
+        return journal
 
     def take_events(self):  # noqa: ANN201 - Iterable[KVCacheEvent]
-        """vLLM's events, each BlockStored with its group's kind and sliding window filled in
-        where vLLM left them empty (0.32 leaves them empty on every placeholder; 0.33 too unless
-        self-describing events are on): a router needs them to know what a group can restore."""
+        """vLLM's events, each BlockStored with its group's kind, sliding window and tokens per
+        block filled in where vLLM left them empty (0.32 leaves them empty on every placeholder;
+        0.33 too unless self-describing events are on): a router needs them to know what a group
+        can restore."""
         rules = self._group_rules
+        early, self._early = self._early, []
+        yield from early
         for ev in super().take_events():
             if rules and event_lacks_group_rule(ev) and ev.group_idx in rules:
                 ev.kv_cache_spec_kind, ev.kv_cache_spec_sliding_window = rules[ev.group_idx]
+            if getattr(ev, "block_size", None) == 0 and ev.group_idx in self._block_tokens:
+                ev.block_size = self._block_tokens[ev.group_idx]
             yield ev
+
+    def reset_cache(self) -> bool | None:
+        """vLLM's reset, its removals published at once (vLLM would publish them with the next
+        step, so a router kept the old view until then) and translated before vLLM's tracker
+        forgets the chunks (drained later, a removal deleted the record of the same chunk stored
+        again after the reset, whose store then went out without token ids); and made durable:
+        the disk chunks it drops are not adopted at the next start."""
+        s = self.connector_scheduler
+        manager = getattr(s, "manager", None)
+        early: list = []
+        if isinstance(manager, KvtierManager) and manager.events.enabled:
+            with manager_lock(manager):
+                manager.events.reset(manager.held.key_of)  # every announced chunk, removed
+            early = list(self.take_events())
+        result = super().reset_cache()
+        if isinstance(manager, KvtierManager):
+            mark_reset(manager.ctx.disk_root)
+        if early and not publish_now(self, early):
+            self._early = early  # no publisher reached: with the next step's events
+        return result
 
     # -- the workers' layout reaches the scheduler -------------------------------------------
     # vLLM hands the scheduler one representative KV-cache spec per group (it flattens a group
@@ -96,7 +144,9 @@ class KvtierConnector(OffloadingConnector):
             return
         if layouts:
             with manager_lock(manager):
-                manager.adopt_worker_layout(*layouts.pop())
+                relaid = manager.adopt_worker_layout(*layouts.pop())
+                if relaid and self._journal is not None:  # a new index: its adopted chunks announced again
+                    announce_adopted(manager, events_tracker(s), self._journal)
         # every worker (one per tensor-parallel rank) with its cpu tier in a host region: map
         # them now, before any request; if one has none, no promotion at lookup
         regions = {m.rank: m.host_region for m in metadata.values() if isinstance(m, KvtierHandshake) and m.host_region}
@@ -104,6 +154,8 @@ class KvtierConnector(OffloadingConnector):
         if len(metadata) == world and set(regions) == set(range(world)):
             with manager_lock(manager):
                 manager.adopt_region([regions[r] for r in range(world)])
+        if self._journal is not None:  # the disk chunks adopted at start, published before any request
+            publish_now(self, self.take_events())
 
     # -- kvtier's counters on vLLM's stats path (stats.py) -----------------------------------
 

@@ -11,17 +11,20 @@ failed load, reset). vLLM's connector turns them into `BlockStored` / `BlockRemo
   "kvtier-disk" / "kvtier-redis" for the others, so a consumer tells the tiers apart;
 - `group_idx`: vLLM's KV-cache group; `kv_cache_spec_kind` and `kv_cache_spec_sliding_window`:
   the group's residency rule (full attention: every chunk of the prefix; sliding window W: the
-  chunks holding the last W-1 tokens before a boundary; mamba/state: a checkpoint at exactly the
-  boundary). kvtier turns vLLM's `self_describing_kv_events` on by default, which fills these on
-  every event and the token ids of full-attention chunks (their chain of hashes, from which a
-  router matches a prompt).
+  chunks of the window before a boundary; mamba/state: a checkpoint at exactly the boundary;
+  chunked local attention: its local chunk, in the window field); `block_size`: the group's
+  tokens per block. kvtier turns vLLM's `self_describing_kv_events` on by default, which fills
+  these on every event, and (`SelfDescribing`, below) the token ids and parent hash of every
+  group's chunks, not only full attention's: groups of one model may span different tokens per
+  chunk (Gemma 4, DeepSeek V4), and a router needs each group's own chain of hashes.
 
 `kvtier.router` consumes exactly these events and answers the longest prefix each engine can
 restore in every group (docs/vllm.md, "KV events").
 
 The rule: an event names a chunk by vLLM's key, so only chunks whose key this manager knows are
 announced. A chunk adopted from disk at start (kvtier keeps a digest of vLLM's hash, not the
-hash) is announced when a lookup first names it. Every announced chunk is removed exactly once
+hash) is announced at start from the disk's event journal (`DiskJournal`), else when a lookup
+first names it. Every announced chunk is removed exactly once
 per tier; nothing is announced twice. With vLLM's KV events off nothing is kept (vLLM never
 drains `take_events` then).
 
@@ -36,6 +39,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from vllm.v1.kv_offload.base import Locality, Medium, OffloadingEvent, OffloadKey
+
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import OffloadingEventsTracker
 
 from kvtier.index.index import Entry, Index
 
@@ -181,3 +186,181 @@ class HeldKeys:
         self.index = index
         self.key_of.clear()
         self.later.clear()
+
+
+class SelfDescribing(OffloadingEventsTracker):
+    """vLLM's tracker, recording every group's chunks (vLLM's records full attention's only and
+    publishes the others as placeholders: one hash, no tokens, no parent, block_size 0). A windowed
+    group's chunk is described like a full one: its block hashes at its own tokens per block, its
+    tokens and its parent (the hash of the token before it), so a router can name the chunks of
+    that group's own span. Chunked local attention's local chunk rides in the window field.
+    Installed on vLLM's scheduler by `describe_every_group`."""
+
+    def record_store(self, req, group_config, chunk_idx, offload_key) -> None:  # noqa: ANN001 - vLLM's
+        super().record_store(req, _as_full(group_config), chunk_idx, offload_key)
+
+    def record_lookup(self, req, group_config, chunk_idx, offload_key) -> None:  # noqa: ANN001 - vLLM's
+        super().record_lookup(req, _as_full(group_config), chunk_idx, offload_key)
+
+    def take_events(self, events):  # noqa: ANN001, ANN201 - vLLM's types
+        journal: DiskJournal | None = getattr(self, "kvtier_journal", None)
+        if journal is not None:
+            events = list(events)
+            journal.note(events, self._pending_event_metadata)
+        return super().take_events(events)
+
+
+def _as_full(group_config):  # noqa: ANN001, ANN202 - vLLM's GroupOffloadConfig (a NamedTuple)
+    """The group as vLLM's tracker describes a full-attention one, its own kind kept."""
+    from .compat import replace_fields
+
+    spec = group_config.kv_event_group_spec
+    chunk = getattr(group_config.kv_cache_spec, "attention_chunk_size", None)
+    if spec.kv_cache_spec_sliding_window is None and chunk:
+        spec = replace_fields(spec, kv_cache_spec_sliding_window=int(chunk))
+    return replace_fields(group_config, sliding_window_size_in_chunks=None, kv_event_group_spec=spec)
+
+
+def describe_every_group(scheduler: object) -> bool:
+    """Make vLLM's offloading scheduler describe every group's chunks (`SelfDescribing`); False
+    where its tracker is not vLLM's (another version: events stay as vLLM makes them)."""
+    from .compat import events_tracker
+
+    tracker = events_tracker(scheduler)
+    if type(tracker) is not OffloadingEventsTracker:
+        return False
+    tracker.__class__ = SelfDescribing  # same state and constructor arguments (0.33 takes group specs)
+    return True
+
+
+class DiskJournal:
+    """What the disk tier's chunks were announced with, kept beside them (`<disk>/events.journal`,
+    0600): a restarted engine adopts its disk chunks by kvtier's digest of vLLM's hash, not the
+    hash, and without the request no chunk's tokens are known; so each disk store's payload (vLLM's
+    key, block hashes, parent, token ids) is appended here, each disk removal too, and at start
+    the chunks the manager adopted are announced again from it (`announce_adopted`). It reveals
+    the prompts' token ids as the disk payloads do: same directory, same owner."""
+
+    NAME = "events.journal"
+
+    def __init__(self, root) -> None:  # noqa: ANN001 - a Path
+        self.path = root / self.NAME
+        self._f = None
+
+    def note(self, events: list[OffloadingEvent], meta: dict) -> None:  # noqa: ANN001
+        import msgspec
+
+        out = []
+        for ev in events:
+            if ev.ownership != PLACE["disk"][2]:
+                continue
+            for key in ev.keys:
+                m = meta.get(key)
+                if ev.removed:
+                    out.append(["-", bytes(key)])
+                elif m is not None:
+                    out.append(["+", bytes(key), [bytes(h) for h in m.block_hashes],
+                                None if m.parent_block_hash is None else bytes(m.parent_block_hash),
+                                list(m.token_ids), m.block_size, m.lora_id, m.lora_name, m.group_idx,
+                                m.kv_cache_spec.kv_cache_spec_kind, m.kv_cache_spec.kv_cache_spec_sliding_window])
+        if out:
+            self._write(b"".join(_frame(msgspec.msgpack.encode(r)) for r in out))
+
+    def _write(self, data: bytes) -> None:
+        import os
+
+        if self._f is None:
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            self._f = os.fdopen(fd, "ab", buffering=0)
+        self._f.write(data)
+
+    def load(self) -> dict[bytes, list]:
+        """vLLM key -> its last announced store record, removals applied; a torn tail is ignored."""
+        import msgspec
+
+        try:
+            data = self.path.read_bytes()
+        except OSError:
+            return {}
+        out: dict[bytes, list] = {}
+        i = 0
+        while i + 4 <= len(data):
+            n = int.from_bytes(data[i:i + 4], "big")
+            if i + 4 + n > len(data):
+                break
+            try:
+                rec = msgspec.msgpack.decode(data[i + 4:i + 4 + n])
+            except msgspec.DecodeError:
+                break
+            i += 4 + n
+            if isinstance(rec, list) and len(rec) >= 2 and isinstance(rec[1], bytes):
+                if rec[0] == "-":
+                    out.pop(rec[1], None)
+                elif rec[0] == "+" and len(rec) == 11:
+                    out[rec[1]] = rec
+        return out
+
+    def rewrite(self, records: Iterable[list]) -> None:
+        """Keep only `records` (the adopted chunks'), atomically."""
+        import os
+
+        import msgspec
+
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+        tmp = self.path.with_name(f".{self.NAME}.{os.getpid()}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(b"".join(_frame(msgspec.msgpack.encode(r)) for r in records))
+        os.replace(tmp, self.path)
+
+
+def _frame(data: bytes) -> bytes:
+    return len(data).to_bytes(4, "big") + data
+
+
+def announce_adopted(manager, tracker, journal: DiskJournal) -> int:  # noqa: ANN001 - KvtierManager, SelfDescribing
+    """Announce the disk chunks the manager adopted at start, described as when they were stored
+    (the journal), so a router sees a restarted engine's warm disk before any lookup names it;
+    the journal is compacted to them. The number announced."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import (OffloadingEventGroupSpec,
+                                                                                _OffloadEventMetadata)
+    from vllm.v1.kv_offload.base import OffloadKey
+
+    from .compat import tracker_records
+
+    kept = []
+    for raw, rec in journal.load().items():
+        key = OffloadKey(raw)
+        split = manager.ctx.split_key(key)
+        if split is None or not any(t == "disk" for t, _ in manager.index.where(*split)):
+            continue
+        kept.append(rec)
+        _, _, hashes, parent, tokens, block, lora_id, lora_name, group, kind, window = rec
+        tracker_records(tracker)[key] = _OffloadEventMetadata(
+            block_hashes=tuple(hashes), parent_block_hash=parent, token_ids=tuple(tokens), block_size=block,
+            lora_id=lora_id, lora_name=lora_name, extra_keys=None, group_idx=group,
+            kv_cache_spec=OffloadingEventGroupSpec(kind, window), active_residencies=set())
+        manager.held.key_of[split] = key
+        manager.events.named(split, key, [t for t, _ in manager.index.where(*split)])
+    journal.rewrite(kept)
+    return len(kept)
+
+
+def publish_now(connector, events: Iterable) -> bool:  # noqa: ANN001 - KvtierConnector, KVCacheEvents
+    """Publish `events` (drained only then) at once through the scheduler's publisher; False when
+    none was found."""
+    import time
+
+    from vllm.distributed.kv_events import KVEventBatch
+
+    from .compat import scheduler_publisher
+
+    publisher = scheduler_publisher(connector)
+    if publisher is None:
+        return False
+    batch = list(events)
+    if batch:
+        publisher.publish(KVEventBatch(ts=time.time(), events=batch))
+    return True

@@ -15,6 +15,18 @@ promotion slots aborted, never committed unfilled); redis_lookup.py (a key the i
 in the shared Redis tier, asked off the engine thread: RETRY meanwhile); rebuild.py (at start, what
 a previous engine left on disk); host_only.py (vLLM 0.33's `sync_load_budget_bytes`: HIT only for
 a whole cpu chunk); events.py (vLLM's key of every held chunk, for KV events and evicted keys).
+Placement (`kvtier.placement`, default "hits": kvtier.index.placement.HitsLand, the Store's rule):
+`prepare_store` may store a subset of the keys it is given. A state checkpoint is stored in every
+tier only where hits of the request can end (its
+last chunks, the branch points of the prefix tree) in every tier, elsewhere only in the tiers
+after the first (cold: disk, Redis) or, with one tier, not at all; every other group's chunks
+as vLLM offers them (its search for a sliding or chunked-local hit reads more than kvtier's rule,
+see `_request_places`). What is not stored is never
+reserved, committed or announced in a KV event; a lookup of it is a miss, and vLLM's own hit
+search (a state group: the last stored checkpoint at or before the full groups' prefix) makes
+the hit shorter, never partial. The request's chunks come from vLLM's positions of its keys
+(`ReqContext`), all of them known from its first store; the placement learns once per request
+and again when decoding adds chunks.
 Only chunks a load needs whole are promoted at load (bytes a load does not need are not restored,
 so a slot filled from a partial load would claim too few blocks): with more than one block per
 chunk, the first chunk of each group in a load may start mid-chunk and is not promoted.
@@ -42,7 +54,9 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.index.index import Index
+from kvtier.index.placement import COLD, SKIP
 
+from .compat import offload_key_positions
 from .common import SPLIT_MEMO_KEYS, ChunkItem, KvtierLoadStoreSpec, SpecContext
 from .counters import Metrics
 from .events import HeldKeys, KvEvents
@@ -55,6 +69,7 @@ from .stats import config_info
 from .store_plan import chunks_to_store, plan_store, protect, reserve
 
 _HIT_SOURCE = {"cpu": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
+PLACED_REQUESTS = 4096  # requests whose placement is kept (finished ones are dropped at once)
 
 
 # the spec's context for the workers' layout (page bytes, fingerprint, kv dtype), None when unchanged
@@ -86,8 +101,17 @@ class KvtierManager(OffloadingManager):
         self.promotions = Promotions(ctx, self.index, metrics, self.held.evicted_elsewhere, self.held.report_gone)
         # shared with other engines: a key this index lacks may still be in Redis
         self.redis_lookup = RedisLookup(ctx, metrics) if "redis" in ctx.config.tiers else None
+        self._new_placement()
         rebuild_from_disk(ctx, self.index, metrics)
         metrics.flush(force=True)
+
+    def _new_placement(self) -> None:
+        """The placement rule for `self.ctx` (None: every chunk), and per request its chunks'
+        count and the answer per group (learned once per request and chunk count)."""
+        from kvtier.store.store import make_placement
+
+        self.placement = make_placement(self.ctx.plan, self.ctx.placement)
+        self._placed: dict[str, tuple[int, dict[int, tuple[str, ...]]]] = {}
 
     def adopt_worker_layout(self, page_bytes: tuple[int, ...], fingerprint: str = "", kv_dtype: str = "") -> bool:
         """The workers' exact bytes per block and namespace (KvtierConnector's handshake, before
@@ -101,6 +125,7 @@ class KvtierManager(OffloadingManager):
             raise RuntimeError("kvtier: the workers' layout arrived after transfers began")
         self.ctx = ctx
         self._new_index()
+        self._new_placement()
         self.promotions.relayout(ctx, self.index)
         self._split.clear()
         if self.redis_lookup is not None:
@@ -278,8 +303,11 @@ class KvtierManager(OffloadingManager):
             return PrepareStoreOutput(keys_to_store=[], store_spec=KvtierLoadStoreSpec([]),
                                       evicted_keys=self.held.take_later())
         todo = chunks_to_store(keys, self._key, self._pending)
-        with protect(self.index, [split for _, split in todo]):
-            plan = plan_store(self.index, self.ctx.config.tiers, todo)
+        with protect(self.index, [split for _, split in todo]):  # skipped keys too: never a victim
+            cold, skipped = self._place(todo, req_context)
+            if skipped:
+                todo = [t for t in todo if t[0] not in skipped]
+            plan = plan_store(self.index, self.ctx.config.tiers, todo, cold=cold)
             for (tier, g), n in plan.skipped.items():
                 self.metrics.add(f"store_skipped_full_{tier}", n, group=g)
             if plan.refused:
@@ -306,6 +334,64 @@ class KvtierManager(OffloadingManager):
             self.metrics.add("store_chunks", 0)
         return PrepareStoreOutput(keys_to_store=to_store, store_spec=KvtierLoadStoreSpec(items),
                                   evicted_keys=evicted)
+
+    def _place(self, todo: list, rc: ReqContext) -> tuple[set[OffloadKey], set[OffloadKey]]:
+        """(cold keys: stored in the tiers after the first only; skipped keys: not stored) of a
+        prepare_store call, by the placement's answer for the request's chunks."""
+        if self.placement is None or not todo:
+            return set(), set()
+        places = self._request_places(rc)
+        if places is None:
+            return set(), set()
+        cold_ok = len(self.ctx.config.tiers) > 1
+        cold: set[OffloadKey] = set()
+        skipped: set[OffloadKey] = set()
+        for key, (_, g) in todo:
+            end = rc.get_offload_key_position(key)
+            answer = places.get(g, ())
+            i = end // self.ctx.span(g) - 1 if end is not None else -1
+            where = answer[i] if 0 <= i < len(answer) else None
+            if where == SKIP or (where == COLD and not cold_ok):
+                skipped.add(key)
+                self.metrics.add("store_skipped_placement", group=g)
+            elif where == COLD:
+                cold.add(key)
+                self.metrics.add("store_cold", group=g)
+        return cold, skipped
+
+    def _request_places(self, rc: ReqContext) -> dict[int, tuple[str, ...]] | None:
+        """Per plan group, warm / cold / skip for each chunk of the request, from its keys' chunk
+        hashes in prefix order (vLLM's positions of the request's keys, every one it hashed so
+        far); asked once per request and chunk count. None: vLLM gave no positions."""
+        positions = offload_key_positions(rc)
+        if not isinstance(positions, dict) or not positions:
+            return None
+        req_id = str(getattr(rc, "req_id", ""))
+        memo = self._placed.get(req_id)
+        if memo is not None and memo[0] == len(positions):
+            return memo[1]
+        ref = self.ctx.plan.cacheable_groups[0].index  # every group's chunk i has the same hash
+        span = self.ctx.span(ref)
+        by_index: dict[int, bytes] = {}
+        for key, end in positions.items():
+            split = self._key(key)
+            if split is not None and split[1] == ref and end % span == 0:
+                by_index[end // span - 1] = split[0]
+        chunks: list[bytes] = []
+        while len(chunks) in by_index:
+            chunks.append(by_index[len(chunks)])
+        # state groups only. vLLM looks a state group up as a window of one chunk from the end:
+        # exactly the checkpoint kvtier's rule keeps. Chunked-local groups it looks up as a prefix
+        # from chunk 0, and a sliding group as a run of cdiv(W, C) chunks (one more than kvtier's
+        # W - 1 tokens where C divides W - 1; more with EAGLE): leaving out what kvtier's rule
+        # does not read would end hits vLLM's search still asks for
+        places = {gp.index: tuple(self.placement.admit(chunks, gp.index))  # type: ignore[union-attr]
+                  for gp in self.ctx.plan.cacheable_groups if gp.kind == "state"} if chunks else {}
+        if len(self._placed) >= PLACED_REQUESTS:  # requests vLLM never finished: the oldest go
+            del self._placed[next(iter(self._placed))]
+        self._placed.pop(req_id, None)
+        self._placed[req_id] = (len(positions), places)
+        return places
 
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
@@ -335,6 +421,7 @@ class KvtierManager(OffloadingManager):
         are then kept until the load completes, so a failed load still forgets them."""
         self.promotions.request_finished(req_context.req_id)
         self.loads.finished(req_context.req_id)
+        self._placed.pop(str(req_context.req_id), None)
 
     def load_failed(self, req_id: str) -> None:
         """The worker could not restore this request's load (a tier error, a corrupt payload):
@@ -357,6 +444,7 @@ class KvtierManager(OffloadingManager):
         announced in a KV event is announced removed (vLLM's own manager says nothing here)."""
         self._new_index()
         self._pending.clear()
+        self._placed.clear()  # what it learned of traffic stays (the placement's tree)
         self.loads.clear()
         self.promotions.reset(self.index)  # no promotion at lookup until on_reset_flushed
         if self.redis_lookup is not None:  # Redis answers from before the reset are not used

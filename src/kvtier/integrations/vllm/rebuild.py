@@ -11,11 +11,16 @@ but decide differently, and one function would change one of them.
 - Validation: here a record must be of this plan's cacheable group with its chunk size (another
   chunk size is another plan's slab); the Store checks the header's token span and dtype too,
   for payloads it wrote itself with those fields.
+- A reset is durable: `mark_reset` writes the time of the reset into the disk directory, and a
+  record written before it is not adopted (the reset dropped it; a restart must not bring it back).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import time
+from pathlib import Path
 
 from kvtier.index.index import Index
 
@@ -34,6 +39,7 @@ def rebuild_from_disk(ctx: SpecContext, index: Index, metrics: Metrics) -> int:
     from kvtier.store.tiers.disk_scan import scan_dir  # no torch
 
     ns = ctx.namespace
+    reset_ns = reset_time(root)
     ranks: dict[str, dict] = {i: {} for i in ctx.rank_namespace_ids()}  # (group, slot) -> hash
     found: list[tuple[int, bytes, int, int]] = []
     for rec in scan_dir(root):
@@ -45,6 +51,8 @@ def rebuild_from_disk(ctx: SpecContext, index: Index, metrics: Metrics) -> int:
             continue
         if rec.slot_bytes != ctx.plan.groups[g].chunk_bytes:
             continue  # another chunk size: another plan's slab
+        if h.created_ns <= reset_ns:  # type: ignore[union-attr]
+            continue  # written before a reset that dropped it
         ranks[rec.namespace_id][(g, rec.slot)] = h.chunk_hash  # type: ignore[union-attr]
         if rec.namespace_id == ns.id:
             found.append((h.created_ns, h.chunk_hash, g, rec.slot))  # type: ignore[union-attr]
@@ -55,3 +63,24 @@ def rebuild_from_disk(ctx: SpecContext, index: Index, metrics: Metrics) -> int:
     metrics.add("rebuilt_chunks", adopted)
     log.info("kvtier: adopted %d chunks from %s", adopted, root)
     return adopted
+
+
+RESET_FILE = "reset-ns"  # in the disk directory: the wall-clock time of the last reset, in ns
+
+
+def mark_reset(root: Path | None) -> None:
+    """A reset dropped every chunk: records written until now are never adopted again. Written
+    atomically (a rename), so a crash leaves the old mark or the new one."""
+    if root is None or not root.is_dir():
+        return
+    tmp = root / f".{RESET_FILE}.{os.getpid()}"
+    tmp.write_text(f"{time.time_ns()}\n")
+    os.replace(tmp, root / RESET_FILE)
+
+
+def reset_time(root: Path) -> int:
+    """The time `mark_reset` wrote, 0 when none (or unreadable: nothing is refused then)."""
+    try:
+        return int((root / RESET_FILE).read_text().strip())
+    except (OSError, ValueError):
+        return 0

@@ -114,6 +114,11 @@ FAMILIES: tuple[Family, ...] = (
            "slower tier; a miss with host-only loads)."),
     Family("store_skipped_full_{tier}", TIER_AND_GROUP, "Stores skipped because every slot of the "
            "tier was pinned by transfers in flight."),
+    Family("store_skipped_placement", ("group",), "Chunks not stored because no hit is likely to end "
+           "where they serve (kvtier.placement hits, one tier: a state checkpoint or sliding window away "
+           "from the request's ends and branch points)."),
+    Family("store_cold", ("group",), "Chunks stored only in the tiers after the first (kvtier.placement "
+           "hits: unlikely to be read)."),
     Family("store_calls_refused", (), "prepare_store calls answered None because no tier could "
            "take every new key (vLLM offers the keys again later)."),
     Family("store_keys_offload_off", (), "Stores skipped because offloading is off for this engine."),

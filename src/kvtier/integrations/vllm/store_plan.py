@@ -72,12 +72,13 @@ def protect(index: Index, chunks: Iterable[Chunk]) -> Iterator[None]:
             index.unpin(h, g, tier)
 
 
-def plan_store(index: Index, tiers: Sequence[str], todo: Todo) -> StorePlan:
+def plan_store(index: Index, tiers: Sequence[str], todo: Todo, cold: Container[Hashable] = ()) -> StorePlan:
     """Per tier (in `tiers` order), the chunks of `todo` it lacks, and whether it can take them
-    all now (`Index.can_take` per group). Reserves nothing: call inside `protect`."""
+    all now (`Index.can_take` per group). Keys in `cold` (the placement's) are planned in the
+    tiers after the first only. Reserves nothing: call inside `protect`."""
     new: dict[str, Todo] = {t: [] for t in tiers}
     for key, chunk in todo:
-        for tier in tiers:
+        for tier in tiers[1:] if key in cold else tiers:
             if not index.has_record(*chunk, tier):
                 new[tier].append((key, chunk))
     taking: list[str] = []

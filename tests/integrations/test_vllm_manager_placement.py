@@ -1,0 +1,109 @@
+"""kvtier.placement in the vLLM manager: prepare_store stores a subset (vLLM's contract), what it
+leaves out is never reserved, committed or announced in a KV event, cold chunks go to the tiers
+after the first only, and the share goes with the placement."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm.v1.kv_offload.base import ReqContext, make_offload_key  # noqa: E402
+
+from kvtier.core.geometry import Geometry, Group  # noqa: E402
+from kvtier.core.keys import Namespace  # noqa: E402
+from kvtier.core.plan import make_plan  # noqa: E402
+from kvtier.integrations.vllm.common import SpecContext  # noqa: E402
+from kvtier.integrations.vllm.config import parse_config  # noqa: E402
+from kvtier.integrations.vllm.counters import Metrics  # noqa: E402
+from kvtier.integrations.vllm.manager import KvtierManager  # noqa: E402
+
+TOKENS = 16
+GEOM = Geometry(groups=(
+    Group(name="attn", kind="full", num_layers=1, tokens_per_block=TOKENS, bytes_per_token_per_layer=64,
+          dtype="float16", layers=(0,)),
+    Group(name="gdn", kind="state", num_layers=1, tokens_per_block=TOKENS, state_bytes_per_layer=1024,
+          dtype="float16", layers=(1,)),
+), tokens_per_hash=TOKENS, name="placement")
+PLAN = make_plan(GEOM, blocks_per_chunk=1)
+ROW = sum(gp.chunk_bytes for gp in PLAN.groups)
+
+
+def _manager(tmp_path: Path, placement: str | None = None, **tier_bytes: int) -> KvtierManager:
+    extra = {"kvtier.tiers": ",".join(tier_bytes), "kvtier.host_region": "off", "kvtier.directory": str(tmp_path)}
+    extra.update({f"kvtier.{t}_bytes": n for t, n in tier_bytes.items()})
+    if placement is not None:
+        extra["kvtier.placement"] = placement
+    ctx = SpecContext(plan=PLAN, namespace=Namespace("m", GEOM.fingerprint(), "float16"),
+                      config=parse_config(extra), group_of={0: 0, 1: 1}, blocks_per_chunk=1)
+    return KvtierManager(ctx, Metrics("scheduler", None), events=True)
+
+
+def _request(req: str, n: int, seed: int) -> tuple[ReqContext, list[list]]:
+    """A request of n chunks: its keys per vLLM group, every position known (as vLLM's
+    update_offload_keys records them when the request is hashed)."""
+    rc = ReqContext(req_id=req)
+    keys = [[make_offload_key(bytes([seed, i]) * 16, g) for i in range(n)] for g in (0, 1)]
+    for g in (0, 1):
+        for i, k in enumerate(keys[g]):
+            rc.set_offload_key_position(k, (i + 1) * TOKENS)
+    return rc, keys
+
+
+def _store(m: KvtierManager, rc: ReqContext, keys: list) -> list:
+    out = m.prepare_store(keys, rc)
+    m.complete_store(out.keys_to_store, rc)
+    return list(out.keys_to_store)
+
+
+def test_state_checkpoints_only_where_hits_land_and_never_announced_otherwise(tmp_path: Path) -> None:
+    m = _manager(tmp_path, cpu=64 * ROW)
+    rc, keys = _request("a", 6, 1)
+    stored = _store(m, rc, keys[0] + keys[1])
+    # every attention chunk; the state checkpoints at the request's last two chunks only
+    assert stored == keys[0] + keys[1][4:]
+    announced = [k for e in m.take_events() if not e.removed for k in e.keys]
+    assert sorted(announced) == sorted(stored)  # the four skipped checkpoints: no event
+    assert m.metrics.counts["store_skipped_placement"] == 4
+    for k in keys[1][:4]:
+        assert m.lookup(k, rc).name == "MISS"
+    assert m.lookup(keys[1][5], rc).name == "HIT"
+    m.on_request_finished(rc)
+    assert m._placed == {}
+
+
+def test_cold_checkpoints_go_to_the_later_tier_only(tmp_path: Path) -> None:
+    m = _manager(tmp_path, cpu=64 * ROW, disk=64 * ROW)
+    rc, keys = _request("a", 6, 2)
+    assert _store(m, rc, keys[0] + keys[1]) == keys[0] + keys[1]
+    tiers = {i: [t for t, _ in m.index.where(*m._key(k))] for i, k in enumerate(keys[1])}
+    assert tiers == {0: ["disk"], 1: ["disk"], 2: ["disk"], 3: ["disk"], 4: ["cpu", "disk"], 5: ["cpu", "disk"]}
+    assert all([t for t, _ in m.index.where(*m._key(k))] == ["cpu", "disk"] for k in keys[0])
+    assert m.metrics.counts["store_cold"] == 4
+
+
+def test_every_stores_what_vllm_offers_and_keeps_equal_slots(tmp_path: Path) -> None:
+    m = _manager(tmp_path, "every", cpu=64 * ROW)
+    rc, keys = _request("a", 6, 3)
+    assert _store(m, rc, keys[0] + keys[1]) == keys[0] + keys[1]
+    assert m.index.slots(0, "cpu") == m.index.slots(1, "cpu") == 64
+    hits = _manager(tmp_path, cpu=64 * ROW)  # share "auto": half of the tier to the attention group
+    assert hits.index.slots(0, "cpu") == int(64 * ROW * 0.5 * (1 - 1e-9)) // PLAN.groups[0].chunk_bytes
+
+
+def test_a_follow_up_turn_keeps_the_checkpoint_its_next_turn_hits(tmp_path: Path) -> None:
+    """Turn 2 repeats turn 1's 4 chunks and adds 3; its stores offer the new chunks only, yet the
+    placement sees the whole request (vLLM's positions of every key): the checkpoints at its
+    last two chunks are kept, the one after turn 1's prefix is not."""
+    m = _manager(tmp_path, cpu=64 * ROW)
+    rc1, k1 = _request("t1", 4, 4)
+    _store(m, rc1, k1[0] + k1[1])
+    m.on_request_finished(rc1)
+    rc2 = ReqContext(req_id="t2")
+    k2 = [k1[g] + [make_offload_key(bytes([5, i]) * 16, g) for i in range(4, 7)] for g in (0, 1)]
+    for g in (0, 1):
+        for i, k in enumerate(k2[g]):
+            rc2.set_offload_key_position(k, (i + 1) * TOKENS)
+    assert _store(m, rc2, k2[0][4:] + k2[1][4:]) == k2[0][4:] + k2[1][5:]
