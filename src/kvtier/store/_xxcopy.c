@@ -1,6 +1,9 @@
 /*
- * kvtier.store._xxcopy: copy a payload and compute its XXH3-64 checksum in one pass; and (with
- * _ghash.h) its AES-256-GMAC, alone, fused with a copy, or fused with the XXH3-64 that seals it.
+ * kvtier.store._xxcopy: copy a payload and compute its XXH3-64 checksum in one pass.
+ *
+ * C only for what no maintained library does for kvtier: the fused copy (or pwrite) + XXH3-64
+ * pass (and `fence`, the cpu tier's barrier). No cryptography here: the keyed MAC is OpenSSL's,
+ * through `cryptography` (integrity.py).
  *
  * A verified load is a copy plus a checksum of the same bytes. Done as two passes (the kernel's
  * copy, then python-xxhash), the checksum reads every byte a second time; here each 64-byte
@@ -29,7 +32,6 @@
 #else
 #define KV_X86 0
 #endif
-#include "_ghash.h" /* AES-256-GMAC: gmac_run, the GHASH kernels (keyed payloads) */
 
 #define STRIPE 64
 #define SECRET_SIZE 192
@@ -327,296 +329,6 @@ static PyObject *py_pwrite_xxh3(PyObject *self, PyObject *args) {
     return PyLong_FromUnsignedLongLong(h);
 }
 
-static PyObject *py_gmac(PyObject *self, PyObject *args, PyObject *kw) {
-    static char *names[] = {"key", "head", "src", "dst", "mode", NULL};
-    Py_buffer key, head, src, dst = {0};
-    PyObject *dst_arg = Py_None;
-    int mode = -1;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "y*y*y*|Oi", names, &key, &head, &src, &dst_arg, &mode)) return NULL;
-    int have_dst = dst_arg != Py_None;
-    if (have_dst && PyObject_GetBuffer(dst_arg, &dst, PyBUF_WRITABLE) < 0) {
-        PyBuffer_Release(&key);
-        PyBuffer_Release(&head);
-        PyBuffer_Release(&src);
-        return NULL;
-    }
-    int best = gmac_mode();
-    if (mode < 0) mode = best;
-    const char *err = NULL;
-    if (key.len != 32)
-        err = "gmac needs a 32-byte key";
-    else if (have_dst && dst.len != src.len)
-        err = "gmac's dst must have src's length";
-    else if (mode < 1 || mode > best)
-        err = "gmac mode not available on this CPU (see gmac_mode())";
-    PyObject *out = NULL;
-    if (err) {
-        PyErr_SetString(PyExc_ValueError, err);
-    } else {
-#if KV_X86
-        uint8_t tag[16];
-        Py_BEGIN_ALLOW_THREADS
-        gmac_run((const uint8_t *)key.buf, (const uint8_t *)head.buf, (size_t)head.len, (const uint8_t *)src.buf,
-                 have_dst ? (uint8_t *)dst.buf : NULL, (size_t)src.len, mode, tag);
-        Py_END_ALLOW_THREADS
-        out = PyBytes_FromStringAndSize((const char *)tag, 16);
-#else
-        PyErr_SetString(PyExc_ValueError, "gmac runs on x86-64 only (gmac_mode() is 0 here)");
-#endif
-    }
-    if (have_dst) PyBuffer_Release(&dst);
-    PyBuffer_Release(&key);
-    PyBuffer_Release(&head);
-    PyBuffer_Release(&src);
-    return out;
-}
-
-/* seal_gmac(key, head, src, at, mode=-1) -> (xxh3, tag): XXH3-64 of src (> 240 bytes) and the GMAC
- * tag of head || src under key, where head's 8 bytes at `at` (the header's checksum field, zero in
- * the head given) hold that XXH3-64, little-endian. One pass over src: GHASH cannot wait for the
- * checksum it covers, so it hashes src's blocks first (P) and the header's last (Q), and
- * GHASH(head || src) = Q H^k ^ P, k the number of src's blocks after the one it shares with head
- * (GHASH is linear: every block is multiplied by H to the power of its distance from the end). */
-#define SEAL_PIECE (16 << 10) /* XXH3 then GHASH each 16 KiB while it is in L1 */
-#define SEAL_HEAD_MAX 256
-
-#if KV_X86
-/* The XXH3-64 of p[0..n) (n > 240) into *h_out and the GMAC tag of head || p (head's 8 bytes at
- * `at` replaced by that XXH3-64, little-endian) into tag; the caller checked every length. */
-static void seal_core(const uint8_t *key, const uint8_t *head, size_t hlen, size_t at, const uint8_t *p,
-                      size_t n, int mode, int simd, uint64_t *h_out, uint8_t *tag) {
-    uint64_t h = 0;
-    ghash_key g;
-    ghash_setup(&g, key, mode);
-    size_t lead = hlen % 16 ? 16 - hlen % 16 : 0; /* src's bytes in head's last block */
-    const uint8_t *s = p + lead;
-    size_t nb = (n - lead) / 16, tail = n - lead - 16 * nb, hashed = 0;
-    uint64_t acc[8];
-    memcpy(acc, k_init, sizeof acc);
-    __m128i P = _mm_setzero_si128();
-    for (size_t a = 0; a < n; a += SEAL_PIECE) {
-        size_t b = a + SEAL_PIECE < n ? a + SEAL_PIECE : n;
-        xxh3_range(acc, NULL, p, n, a, b, simd, &h);
-        size_t upto = b == n ? nb : (b - lead) / 16; /* src's whole blocks read so far */
-        P = ghash_span(&g, P, s + 16 * hashed, NULL, upto - hashed);
-        hashed = upto;
-    }
-    size_t k = nb;
-    if (tail) {
-        P = ghash_partial(&g, P, s + 16 * nb, NULL, tail);
-        k++;
-    }
-    uint8_t hb[SEAL_HEAD_MAX + 16];
-    memcpy(hb, head, hlen);
-    for (int i = 0; i < 8; i++) hb[at + i] = (uint8_t)(h >> (8 * i));
-    memcpy(hb + hlen, p, lead);
-    __m128i Q = ghash_span(&g, _mm_setzero_si128(), hb, NULL, (hlen + lead) / 16);
-    __m128i X = k ? _mm_xor_si128(gfmul(Q, ghash_pow(&g, k)), P) : Q;
-    ghash_tag(&g, X, (uint64_t)(hlen + n), tag);
-    *h_out = h;
-}
-#endif
-
-static PyObject *py_seal_gmac(PyObject *self, PyObject *args, PyObject *kw) {
-    static char *names[] = {"key", "head", "src", "at", "mode", NULL};
-    Py_buffer key, head, src;
-    Py_ssize_t at;
-    int mode = -1;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "y*y*y*n|i", names, &key, &head, &src, &at, &mode)) return NULL;
-    int best = gmac_mode();
-    if (mode < 0) mode = best;
-    const char *err = NULL;
-    if (key.len != 32)
-        err = "seal_gmac needs a 32-byte key";
-    else if (src.len <= 240)
-        err = "seal_gmac hashes payloads of more than 240 bytes";
-    else if (head.len > SEAL_HEAD_MAX || head.len < 8 || at < 0 || at > head.len - 8)
-        err = "seal_gmac needs a head of at most 256 bytes holding 8 checksum bytes at `at`";
-    else if (mode < 1 || mode > best)
-        err = "gmac mode not available on this CPU (see gmac_mode())";
-    PyObject *out = NULL;
-    if (err) {
-        PyErr_SetString(PyExc_ValueError, err);
-    } else {
-#if KV_X86
-        uint8_t tag[16];
-        uint64_t h = 0;
-        int simd = have_avx2();
-        Py_BEGIN_ALLOW_THREADS
-        seal_core((const uint8_t *)key.buf, (const uint8_t *)head.buf, (size_t)head.len, (size_t)at,
-                  (const uint8_t *)src.buf, (size_t)src.len, mode, simd, &h, tag);
-        Py_END_ALLOW_THREADS
-        out = Py_BuildValue("Ky#", (unsigned long long)h, (const char *)tag, (Py_ssize_t)16);
-#else
-        PyErr_SetString(PyExc_ValueError, "seal_gmac runs on x86-64 only (gmac_mode() is 0 here)");
-#endif
-    }
-    PyBuffer_Release(&key);
-    PyBuffer_Release(&head);
-    PyBuffer_Release(&src);
-    return out;
-}
-
-/* A batch of keyed seals shared by two threads (the redis tier's save stream, redis_wire): a
- * helper calls seal_batch(k, helper=True) for each value in order while the sender calls
- * seal_batch(k) for each value it is about to send. Value k's state byte goes 0 (free) -> 1
- * (claimed, by a compare-and-swap: exactly one thread seals into out's slot k) -> 2 (its bytes
- * are in out; a release store, read with an acquire load). Claims and reads are made holding the
- * GIL, which already orders them in CPython; the atomics keep the rule where there is none
- * (free-threaded builds) and say what the code relies on. Every seal runs without the GIL; the
- * Python part of each value's seal (its header body, salt and key) was done for the whole batch
- * before (integrity.Keyed.seal_batch).
- *
- * heads holds n covered headers of hlen bytes (checksum, MAC and MAC kind zero); keys n 32-byte
- * GMAC keys. A sealed header is the covered one with the XXH3-64 at `at`, the tag at `mac_at`,
- * the byte `kind` after the tag, and the CRC-32 (zlib's) of those hlen bytes, little-endian,
- * after them: hlen + 4 bytes, what payload.encode_header writes. */
-#define ST_FREE 0
-#define ST_CLAIMED 1
-#define ST_DONE 2
-
-static uint32_t crc_table[256];
-
-static void crc_init(void) {
-    for (uint32_t i = 0; i < 256; i++) {
-        uint32_t c = i;
-        for (int j = 0; j < 8; j++) c = c & 1 ? 0xEDB88320U ^ (c >> 1) : c >> 1;
-        crc_table[i] = c;
-    }
-}
-
-static uint32_t crc32_ieee(const uint8_t *p, size_t n) {
-    uint32_t c = 0xFFFFFFFFU;
-    for (size_t i = 0; i < n; i++) c = crc_table[(c ^ p[i]) & 0xFF] ^ (c >> 8);
-    return c ^ 0xFFFFFFFFU;
-}
-
-typedef struct {
-    const uint8_t *keys, *heads;
-    size_t hlen, at, mac_at;
-    int kind, mode, simd;
-} seal_spec;
-
-#if KV_X86
-static void seal_header(const seal_spec *sp, size_t k, const uint8_t *p, size_t n, uint8_t *out) {
-    const uint8_t *head = sp->heads + k * sp->hlen;
-    uint64_t h = 0;
-    uint8_t tag[16];
-    seal_core(sp->keys + 32 * k, head, sp->hlen, sp->at, p, n, sp->mode, sp->simd, &h, tag);
-    memcpy(out, head, sp->hlen);
-    for (int i = 0; i < 8; i++) out[sp->at + i] = (uint8_t)(h >> (8 * i));
-    memcpy(out + sp->mac_at, tag, 16);
-    out[sp->mac_at + 16] = (uint8_t)sp->kind;
-    uint32_t c = crc32_ieee(out, sp->hlen);
-    for (int i = 0; i < 4; i++) out[sp->hlen + i] = (uint8_t)(c >> (8 * i));
-}
-#endif
-
-/* Parse and check what both calls share; 0 on success, else -1 with an exception set. */
-static int batch_args(Py_buffer *keys, Py_buffer *heads, Py_buffer *state, Py_buffer *out, Py_ssize_t at,
-                      Py_ssize_t mac_at, int kind, int mode, seal_spec *sp, Py_ssize_t *n) {
-    int best = gmac_mode();
-    if (mode < 0) mode = best;
-    *n = state->len;
-    Py_ssize_t hlen = *n ? heads->len / *n : 0;
-    const char *err = NULL;
-    if (best < 1)
-        err = "seal_batch runs on x86-64 with PCLMULQDQ only (gmac_mode() is 0 here)";
-    else if (mode < 1 || mode > best)
-        err = "gmac mode not available on this CPU (see gmac_mode())";
-    else if (*n == 0 || keys->len != 32 * *n || heads->len != hlen * *n || out->len != (hlen + 4) * *n)
-        err = "seal_batch needs, for n state bytes, n 32-byte keys, n heads of hlen bytes and (hlen + 4) * n "
-              "bytes of out";
-    else if (hlen > SEAL_HEAD_MAX || hlen < 8 || at < 0 || at > hlen - 8 || mac_at < 0 || mac_at > hlen - 17
-             || (mac_at < at + 8 && at < mac_at + 17))
-        err = "seal_batch needs heads of at most 256 bytes holding 8 checksum bytes at `at` and 17 MAC "
-              "bytes at `mac_at`, apart";
-    else if (kind < 0 || kind > 255)
-        err = "seal_batch's MAC kind is one byte (0-255)";
-    if (err) {
-        PyErr_SetString(PyExc_ValueError, err);
-        return -1;
-    }
-    sp->keys = (const uint8_t *)keys->buf;
-    sp->heads = (const uint8_t *)heads->buf;
-    sp->hlen = (size_t)hlen;
-    sp->at = (size_t)at;
-    sp->mac_at = (size_t)mac_at;
-    sp->kind = kind;
-    sp->mode = mode;
-    sp->simd = have_avx2();
-    return 0;
-}
-
-/* seal_batch(keys, heads, view, state, out, k, at, mac_at, kind, mode=-1, helper=False) -> bytes | bool:
- * seal value k of the batch. The sender (helper=False) gets value k's sealed header and never waits:
- * the helper's where it is done; sealed here into out's slot where it is free; sealed here apart
- * where the helper is still on it. The helper (helper=True) seals value k into its slot only if it
- * is free, and says whether it did. */
-static PyObject *py_seal_batch(PyObject *self, PyObject *args, PyObject *kw) {
-    static char *names[] = {"keys", "heads", "view", "state", "out", "k", "at", "mac_at", "kind", "mode", "helper",
-                            NULL};
-    Py_buffer keys, heads, view, state, out;
-    Py_ssize_t k, at, mac_at, n = 0;
-    int kind, mode = -1, helper = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "y*y*y*w*w*nnni|ip", names, &keys, &heads, &view, &state, &out, &k,
-                                     &at, &mac_at, &kind, &mode, &helper))
-        return NULL;
-    seal_spec sp;
-    PyObject *res = NULL;
-    if (batch_args(&keys, &heads, &state, &out, at, mac_at, kind, mode, &sp, &n) < 0) goto done;
-    if (k < 0 || k >= n || view.len <= 240) {
-        PyErr_SetString(PyExc_ValueError, "seal_batch needs 0 <= k < n and a payload of more than 240 bytes");
-        goto done;
-    }
-#if KV_X86
-    {
-        uint8_t *st = (uint8_t *)state.buf + k, *slot = (uint8_t *)out.buf + k * (sp.hlen + 4);
-        uint8_t mine[SEAL_HEAD_MAX + 4], *dst = slot;
-        uint8_t expect = ST_FREE;
-        int claimed = 0;
-        if (__atomic_load_n(st, __ATOMIC_ACQUIRE) == ST_FREE)
-            claimed = __atomic_compare_exchange_n(st, &expect, ST_CLAIMED, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
-        else
-            expect = __atomic_load_n(st, __ATOMIC_ACQUIRE);
-        if (!claimed && expect != ST_DONE && !helper) dst = mine; /* the helper is on it: a copy of our own */
-        if (claimed || dst == mine) {
-            Py_BEGIN_ALLOW_THREADS
-            seal_header(&sp, (size_t)k, (const uint8_t *)view.buf, (size_t)view.len, dst);
-            Py_END_ALLOW_THREADS
-            if (claimed) __atomic_store_n(st, ST_DONE, __ATOMIC_RELEASE);
-        }
-        if (helper) {
-            res = PyBool_FromLong(claimed);
-        } else {
-            res = PyBytes_FromStringAndSize((const char *)dst, (Py_ssize_t)(sp.hlen + 4));
-        }
-    }
-#endif
-done:
-    PyBuffer_Release(&keys);
-    PyBuffer_Release(&heads);
-    PyBuffer_Release(&view);
-    PyBuffer_Release(&state);
-    PyBuffer_Release(&out);
-    return res;
-}
-
-/* seal_batch_halt(state): claim every free value, so that a helper seals no more. */
-static PyObject *py_seal_batch_halt(PyObject *self, PyObject *args) {
-    Py_buffer state;
-    if (!PyArg_ParseTuple(args, "w*", &state)) return NULL;
-    uint8_t *st = (uint8_t *)state.buf;
-    for (Py_ssize_t k = 0; k < state.len; k++) {
-        uint8_t expect = ST_FREE;
-        __atomic_compare_exchange_n(st + k, &expect, ST_CLAIMED, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
-    }
-    PyBuffer_Release(&state);
-    Py_RETURN_NONE;
-}
-
-static PyObject *py_gmac_mode(PyObject *self, PyObject *unused) { return PyLong_FromLong(gmac_mode()); }
-
 static PyObject *py_simd(PyObject *self, PyObject *unused) { return PyBool_FromLong(have_avx2()); }
 
 /* A full memory barrier (the cpu tier's seqlock, cpu.py: on ARM a lock's acquire and release
@@ -635,21 +347,6 @@ static PyMethodDef methods[] = {
     {"pwrite_xxh3", py_pwrite_xxh3, METH_VARARGS,
      "pwrite_xxh3(fd, src, offset, piece) -> int: pwrite src at offset, piece bytes at a time, "
      "checksumming each piece right after it is written; returns XXH3-64 of src."},
-    {"gmac", (PyCFunction)(void (*)(void))py_gmac, METH_VARARGS | METH_KEYWORDS,
-     "gmac(key, head, src, dst=None, mode=-1) -> bytes: the 16-byte AES-256-GMAC tag (zero 12-byte nonce) "
-     "of head + src as associated data, copying src into dst (same length) on the way; mode 1 or 2 forces "
-     "a kernel (at most gmac_mode())."},
-    {"seal_gmac", (PyCFunction)(void (*)(void))py_seal_gmac, METH_VARARGS | METH_KEYWORDS,
-     "seal_gmac(key, head, src, at, mode=-1) -> (int, bytes): XXH3-64 of src and the GMAC tag of head + src "
-     "with that XXH3-64 written little-endian into head's 8 bytes at `at`; one pass over src."},
-    {"seal_batch", (PyCFunction)(void (*)(void))py_seal_batch, METH_VARARGS | METH_KEYWORDS,
-     "seal_batch(keys, heads, view, state, out, k, at, mac_at, kind, mode=-1, helper=False) -> bytes | bool: seal "
-     "value k of a batch shared by a sender and a helper thread (state byte k: 0 free, 1 claimed, 2 sealed into "
-     "out); the sender gets its header and never waits, the helper seals it only where it is free (True)."},
-    {"seal_batch_halt", py_seal_batch_halt, METH_VARARGS,
-     "seal_batch_halt(state): claim every free value (a helper seals no more)."},
-    {"gmac_mode", py_gmac_mode, METH_NOARGS,
-     "gmac_mode() -> int: 2 (VPCLMULQDQ, AVX-512), 1 (PCLMULQDQ) or 0 (neither: use cryptography)."},
     {"fence", py_fence, METH_NOARGS, "fence(): a sequentially consistent memory barrier."},
     {"simd", py_simd, METH_NOARGS, "simd() -> bool: whether the AVX2 code runs on this CPU."},
     {NULL, NULL, 0, NULL},
@@ -658,6 +355,5 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_xxcopy", NULL, -1, methods};
 
 PyMODINIT_FUNC PyInit__xxcopy(void) {
-    crc_init();
     return PyModule_Create(&module);
 }

@@ -15,12 +15,12 @@ kind travels in the header, so every reader checks every kind it can compute:
   is no better than a random nonce under one fleet-wide key: two of ~2^32 values share a salt
   with probability ~2^-32, and two tags under one key give away its GHASH key, letting a writer
   of the shared tier forge any value carrying that salt; bound to the whole header, a repeated
-  salt reuses no key unless the same chunk was also written in the same nanosecond. GHASH with the CPU's carry-less multiply runs at 25-30 GB/s on a
-  core of the build machine, 4-5x keyed BLAKE3, as fast as the xxh3 checksum: a keyed tier moves
-  bytes at nearly its unkeyed speed (issue 31; docs/store.md, "Cost"). Where kvtier's C
-  extension (`_xxcopy`, src/kvtier/store/_ghash.h) runs (x86-64 with AES-NI and PCLMULQDQ) it computes the same tags in one C
-  call per value, fused with the load's copy; `cryptography` stays the reference and streams
-  the MAC of cold reads that land piece by piece.
+  salt reuses no key unless the same chunk was also written in the same nanosecond. OpenSSL
+  (through `cryptography`, which releases the GIL while it hashes) computes it with AES-NI and
+  the CPU's carry-less multiply, several times keyed BLAKE3 (docs/store.md, "Cost"): one
+  streamed GCM context a value, fed the header and then the payload (`_hasher`, `seal`), or
+  piece by piece (`copy_check`, `stream`). No AES or GHASH is written by hand here (issue 41:
+  the C kernel that did ran slower than OpenSSL's on the build machine).
 - MAC_BLAKE3 (keyed BLAKE3, 6-8 GB/s a core) where `cryptography` is not installed and `blake3`
   is, and MAC_BLAKE2B (the standard library's, ~0.4 GB/s) where neither is: both still read. See docs/store.md, "Threat model". Split from `payload` (the format) because
 the secret and its checks are their own job.
@@ -36,9 +36,9 @@ unverified bytes: the caller reports a miss and never uses them.
 
 One core per MAC (`max_threads=1` for BLAKE3), never a thread pool: the hosts kvtier runs on
 keep their cores busy (an engine's scheduler, its workers, the disk tier's helper), and on the
-2-core build machine two threads hashed no faster than one (docs/store.md, "Cost"). Where a tier
-has a core to spare it overlaps the MAC with its I/O on its own helper thread instead (the redis
-tier hashes the next value while this one is on the wire).
+2-core build machine two threads hashed no faster than one (docs/store.md, "Cost"). The disk
+tier overlaps a cold read's MAC with its I/O on its own helper thread; the redis tier seals an
+AES-GMAC value inline on its sender, which measured faster than a helper (redis_wire).
 """
 
 from __future__ import annotations
@@ -47,14 +47,12 @@ import hashlib
 import hmac
 import os
 import time
-from collections.abc import Sequence
 
 from kvtier.errors import ConfigError
 from kvtier.store.payload import (CHECKSUM_AT, CHECKSUM_NONE, CHECKSUM_XXH3, DEFAULT_CHECKSUM, FORMAT_BOUND,
-                                  FORMAT_SALTED,
-                                  FUSED_MIN_BYTES, HEADER_BODY_BYTES, MAC_BLAKE2B, MAC_BLAKE3, MAC_BYTES,
-                                  MAC_GMAC, MAC_SALT_BYTES, ChunkHeader, as_bytes_view, encode_header,
-                                  sealing_body, with_seal)
+                                  FORMAT_SALTED, HEADER_BODY_BYTES, MAC_BLAKE2B, MAC_BLAKE3, MAC_BYTES,
+                                  MAC_GMAC, MAC_SALT_BYTES, ChunkHeader, as_bytes_view, checksum,
+                                  encode_header, sealing_body, with_seal)
 
 
 SECRET_MIN_BYTES = 16
@@ -74,13 +72,8 @@ try:  # optional: AES-GMAC is ~4x keyed BLAKE3 where the CPU multiplies carry-le
     from cryptography.hazmat.primitives.ciphers import modes as _modes
 except ImportError:  # pragma: no cover - exercised where cryptography is absent
     _Cipher = None
-try:  # optional C extension (src/kvtier/store/_ghash.h): the same GMAC, fused with a copy or a seal
-    from kvtier.store import _xxcopy as _gmac_c
-    if _gmac_c.gmac_mode() == 0:  # no AES-NI / carry-less multiply on this CPU: cryptography's
-        _gmac_c = None
-except ImportError:  # pragma: no cover - exercised where it was not compiled
-    _gmac_c = None
 _GCM_NONCE = bytes(12)  # every GMAC key tags one value (module docstring): one nonce is enough
+_GCM = _modes.GCM(_GCM_NONCE) if _Cipher is not None else None  # immutable: made once (~0.5 us a value)
 NO_SECRET_FOR_MAC = "payload carries a MAC and this reader has no secret"
 NO_MAC = "payload written without the secret (no MAC)"
 MAC_MISMATCH = "payload MAC mismatch (forged, or written with another secret)"
@@ -131,18 +124,14 @@ class Keyed:
 
     def mac(self, header: ChunkHeader, data: object, kind: int | None = None) -> bytes:
         kind = self.kind if kind is None else kind
-        if kind == MAC_GMAC and _gmac_c is not None:
-            head = _covered(header)
-            return _gmac_c.gmac(self._gmac_key(header, head), head,  # type: ignore[no-any-return]
-                                as_bytes_view(data)[:header.payload_bytes])
         h = self._hasher(header, kind)
         h.update(as_bytes_view(data)[:header.payload_bytes])
         return h.digest()
 
     def _gmac_key(self, header: ChunkHeader, covered: bytes) -> bytes:
         """The value's own GMAC key (module docstring): keyed BLAKE2b of the secret over the header
-        bytes the MAC covers, checksum zeroed (a seal computes the checksum in the same pass as
-        the GHASH that needs the key), so it binds salt, namespace, chunk, span, length, dtype
+        bytes the MAC covers, checksum zeroed (so a seal can derive it before the checksum is
+        known), so it binds salt, namespace, chunk, span, length, dtype
         and creation time; format 2 values (read only) over the salt alone."""
         if header.format_version == FORMAT_SALTED:
             return hashlib.blake2b(header.mac_salt, key=self._keyg, digest_size=32,
@@ -157,9 +146,7 @@ class Keyed:
         """The keyed hash of `kind`, fed the header (its MAC fields zeroed, its salt kept) already."""
         head = _covered(header)
         if kind == MAC_GMAC:
-            g = _Cipher(_algorithms.AES(self._gmac_key(header, head)), _modes.GCM(_GCM_NONCE)).encryptor()
-            g.authenticate_additional_data(head)
-            return _Gmac(g)
+            return _gmac(self._gmac_key(header, head), head)
         if kind == MAC_BLAKE3:
             return _Digest(_blake3.blake3(head, key=self._key3, max_threads=1), True)  # one core
         h = hashlib.blake2b(key=self._key2, digest_size=MAC_BYTES, person=_MAC_PERSON)
@@ -185,10 +172,9 @@ class Keyed:
         return MacStream(self._hasher(header, header.mac_kind), header.mac)
 
     def copy_check(self, header: ChunkHeader, src: object, dst: memoryview) -> str | None:
-        """Copy the payload `src` into `dst` and check its MAC in the same pass: for AES-GMAC where
-        the C extension runs, one call that loads each line once, stores it and folds it into
-        GHASH (as fast as a plain copy); otherwise each MAC_PIECE is copied, then hashed from
-        `dst` while it is still in the core's L2, so the bytes come from memory once. None when the MAC verifies; else why not, and `dst` then holds bytes that
+        """Copy the payload `src` into `dst` and check its MAC in the same pass: each MAC_PIECE is
+        copied, then hashed from `dst` while it is still in the core's L2, so the bytes come from
+        memory once. None when the MAC verifies; else why not, and `dst` then holds bytes that
         must not be used (the caller reports a miss). The MAC covers header and bytes, so no
         checksum pass is needed besides it (module docstring)."""
         why = self.unverifiable(header)
@@ -198,10 +184,6 @@ class Keyed:
         n = header.payload_bytes
         if len(view) != n or len(dst) < n:
             return f"payload truncated: {len(view)} of {n} bytes"
-        if header.mac_kind == MAC_GMAC and _gmac_c is not None:  # one C pass: copy and GHASH
-            head = _covered(header)
-            tag = _gmac_c.gmac(self._gmac_key(header, head), head, view, dst[:n])
-            return None if hmac.compare_digest(tag, header.mac) else MAC_MISMATCH
         mac = self.stream(header)
         for a in range(0, n, MAC_PIECE):
             b = min(a + MAC_PIECE, n)
@@ -218,33 +200,22 @@ class Keyed:
 
     def seal(self, header: ChunkHeader, data: object) -> bytes | None:
         """The encoded header of `data` under `header` (unsealed): its checksum, creation time, salt
-        and MAC, in one pass over the bytes (C: the checksum and GHASH fused, then the header's
-        own GHASH, `seal_gmac`); what `encode_header(sign(seal(header, data), data))` gives. None
-        where that pass does not run here (another MAC kind, no C extension, a payload of at
-        most 240 bytes, a header sealed already): the caller seals, then signs."""
+        and MAC; what `encode_header(sign(seal(header, data), data))` gives, without building the
+        two ChunkHeaders in between (a keyed save seals every value of a batch). Two passes over
+        the bytes: the xxh3 checksum, then the GMAC of the header carrying it and the bytes (GCM
+        takes the header first, so its MAC cannot start before the checksum is known). None for
+        another MAC kind, a header sealed already, or bytes not of the header's length: the
+        caller seals, then signs."""
         view = as_bytes_view(data)
-        if not self._seals_in_c(header, view):
+        if (self.kind != MAC_GMAC or header.checksum_kind != CHECKSUM_NONE or DEFAULT_CHECKSUM != CHECKSUM_XXH3
+                or len(view) != header.payload_bytes):
             return None
         covered = sealing_body(header, time.time_ns(), os.urandom(MAC_SALT_BYTES))
-        value, tag = _gmac_c.seal_gmac(self._gmac_key_bound(covered), covered, view, CHECKSUM_AT)
-        return with_seal(covered, value, tag, MAC_GMAC)
-
-    def seal_batch(self, headers: Sequence[ChunkHeader], views: Sequence[memoryview]) -> tuple[bytes, bytes] | None:
-        """What `_xxcopy.seal_batch` needs to seal `views` under `headers` (unsealed) as `seal`
-        would, one value a call and without the GIL: the n GMAC keys and the n covered header
-        bodies (one creation time for the batch, a fresh salt each), each concatenated. None where
-        `seal` would return None for any value."""
-        if not all(self._seals_in_c(h, v) for h, v in zip(headers, views)):
-            return None
-        now, salts = time.time_ns(), os.urandom(MAC_SALT_BYTES * len(headers))
-        bodies = [sealing_body(h, now, salts[MAC_SALT_BYTES * i:MAC_SALT_BYTES * (i + 1)])
-                  for i, h in enumerate(headers)]
-        return b"".join(map(self._gmac_key_bound, bodies)), b"".join(bodies)
-
-    def _seals_in_c(self, header: ChunkHeader, view: memoryview) -> bool:
-        return (self.kind == MAC_GMAC and _gmac_c is not None and header.checksum_kind == CHECKSUM_NONE
-                and DEFAULT_CHECKSUM == CHECKSUM_XXH3 and len(view) >= FUSED_MIN_BYTES
-                and len(view) == header.payload_bytes)
+        key = self._gmac_key_bound(covered)  # the checksum is zero in `covered`
+        value = checksum(view, CHECKSUM_XXH3)
+        g = _gmac(key, covered[:CHECKSUM_AT] + value.to_bytes(8, "little") + covered[CHECKSUM_AT + 8:])
+        g.update(view)
+        return with_seal(covered, value, g.digest(), MAC_GMAC)
 
     def check(self, header: ChunkHeader, data: object) -> str | None:
         """Why `data` under `header` is not this secret's writing, or None when the MAC verifies."""
@@ -291,9 +262,17 @@ class _Digest:
         return self._h.digest(MAC_BYTES) if self._b3 else self._h.digest()  # type: ignore[attr-defined,no-any-return]
 
 
+def _gmac(key: bytes, head: bytes) -> _Gmac:
+    """AES-256-GMAC under `key` (nonce zero: one key a value), fed `head` already."""
+    g = _Cipher(_algorithms.AES(key), _GCM).encryptor()
+    g.authenticate_additional_data(head)
+    return _Gmac(g)
+
+
 class _Gmac:
     """A GCM encryptor fed only associated data: its tag is the GMAC, cut to MAC_BYTES (all 16).
-    `authenticate_additional_data` runs without the GIL, like the hashes' `update`."""
+    `authenticate_additional_data` runs without the GIL (measured, cryptography 51), like the
+    hashes' `update`."""
 
     __slots__ = ("_g",)
 

@@ -55,13 +55,15 @@ own bytes and recompute both checksums. With a secret set (`Store(secret=...)`,
 environment), every payload also carries a 128-bit keyed MAC over its header and its bytes, and
 a reader with the secret restores only payloads whose MAC verifies: one written without the
 secret, or forged, is a counted miss. A reader without a secret cannot check a MAC and treats a
-MACed payload as a plain miss (kept: it is another keyed writer's). The MAC is keyed BLAKE3 where
-the `blake3` package is installed (3.3-3.7 GB/s on one core of the build machine), else keyed
-BLAKE2b from the standard library (0.36 GB/s there); the kind travels in the header, so either
-reader checks either writer's MACs. A writer computes checksum and MAC (one more pass over the
-payload); a keyed reader checks the MAC alone, in the same pass as its copy (the MAC covers the
-header with its checksum field and every byte: `integrity`). `kvtier bench store --secret` and
-`kvtier bench redis --secret` measure what it costs. The format did not change for any of this.
+MACed payload as a plain miss (kept: it is another keyed writer's). The MAC a writer writes is
+AES-256-GMAC under a key derived per value from the secret and the header (MAC kind 3, format 3),
+computed by OpenSSL through the `cryptography` package; no AES or GHASH is in kvtier's C. Keyed
+BLAKE2b and keyed BLAKE3 (kinds 1-2, format 1) and format 2 are still read, never written where
+`cryptography` is installed; the kind travels in the header, so a reader checks every kind it
+can compute. A writer computes checksum and MAC (one more pass over the payload); a keyed reader
+checks the MAC alone, in the same pass as its copy (the MAC covers the header with its checksum
+field and every byte: `integrity`). `kvtier bench store --secret` and
+`kvtier bench redis --secret` measure what it costs (docs/store.md, "Cost").
 """
 
 from __future__ import annotations
@@ -425,7 +427,7 @@ def unverifiable(header: ChunkHeader) -> str | None:
 MAC_BYTES = 16
 MAC_BLAKE2B = 1
 MAC_BLAKE3 = 2
-MAC_GMAC = 3  # AES-256-GMAC, one key per value derived from the secret and the header's salt
+MAC_GMAC = 3  # AES-256-GMAC, one key per value derived from the secret and the header (format 3; the salt alone in 2)
 MAC_SALT_BYTES = 12
 HEADER_BODY_BYTES = _BODY.size  # the header bytes before its own CRC (what a MAC covers)
 _ZERO_MAC, _ZERO_SALT, _ZERO_SPARE = bytes(MAC_BYTES), bytes(MAC_SALT_BYTES), bytes(3)
@@ -437,7 +439,7 @@ def sealing_body(header: ChunkHeader, created_ns: int, salt: bytes) -> bytes:
     """The HEADER_BODY_BYTES that a keyed seal covers for `header` (unsealed): format
     FORMAT_BOUND, checksum kind xxh3_64, `created_ns` and `salt`, with checksum, MAC and MAC kind
     zero; `encode_header` of that header cut to its body, without building it (a keyed save seals
-    64 values a batch; `Keyed.seal`, `Keyed.seal_batch`)."""
+    64 values a batch; `Keyed.seal`)."""
     return _BODY.pack(MAGIC, FORMAT_BOUND, HEADER_BYTES, bytes.fromhex(header.namespace_id),
                       header.chunk_hash.ljust(HASH_BYTES, b"\0"), header.group, DTYPE_CODES[header.dtype],
                       CHECKSUM_XXH3, header.token_start, header.token_end, header.payload_bytes, 0, created_ns,

@@ -15,10 +15,9 @@ its payload, so it is computed before the value is sent; on the caller's thread 
 the server waiting for it, value after value (measured on the 2-core build machine: the arena
 copy and the checksum were a third of a save's time, the MAC as much again; the server, not the
 client, bounds the send, so the client's core idles while a value is on the wire). A helper
-thread seals value k+1 while this thread sends value k (the C checksum and MAC release the GIL;
-with a secret both are one pass, `Keyed.seal`; in C, the Python part done for the whole batch
-first, `Keyed.seal_batch`). The sender never waits for the helper: a value the helper has not
-finished when the sender needs it is sealed by the sender (`_Sealer`, `_BatchSealer`), so a
+thread seals value k+1 while this thread sends value k (the C checksum and OpenSSL's MAC release
+the GIL). The sender never waits for the helper: a value the helper has not finished when the
+sender needs it is sealed by the sender (`_Sealer`), so a
 helper that a busy host does not schedule never stalls the stream. This thread never returns
 while the helper can still read the caller's buffers. The tier
 hands work to the helper only while a core looks free (`SpareCore`, the disk tier's `auto`
@@ -27,6 +26,15 @@ redis-py to 0.90-1.01; at load average 4-7 it was no faster than inline (its CPU
 same busy cores). Loads (`get_stream`) read the replies off the socket straight into the
 caller's buffers, checked as they land (`redis_reader`): no helper. Both streams run inside the
 tier's call deadline: each sendmsg and receive of theirs ends by it (`redis_conn.DeadlineSocket`).
+
+With a secret (AES-GMAC) every value is sealed inline on the sender, one `Keyed.seal` a value
+(xxh3 in C, then one streamed OpenSSL GMAC of header and payload), helper or not: measured on
+the 2-core build machine (issue 41, load average ~1, one process, 31 rounds of 64 x 256 KiB,
+3 alternated runs each, the helper forced on and off), inline 0.63 / 0.73 / 0.62 of raw
+redis-py (2.51 / 2.91 / 2.53 GB/s; raw 3.99-4.07) against the helper's 0.53 / 0.53 / 0.78
+(2.20 / 2.19 / 2.11; raw 4.12 / 4.16 / 2.70), likely because the helper takes the core the server
+needs. (The C batch seal this replaced, `_BatchSealer`, went with the hand-written GMAC.) Keyed
+BLAKE3 (written only where `cryptography` is missing) keeps the helper.
 
 Rejected: waves of smaller redis-py pipelines, sealed one wave ahead: every wave waits for its
 replies before the next is sent, and 4 waves of a 16 MiB batch cost 9% of the send (measured);
@@ -47,14 +55,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 
 from kvtier.store.integrity import Keyed
-from kvtier.store.payload import (CHECKSUM_AT, CHECKSUM_NONE, MAC_AT, MAC_GMAC, ChunkHeader,
-                                  encode_header, seal)
+from kvtier.store.payload import CHECKSUM_NONE, MAC_GMAC, ChunkHeader, encode_header, seal
 from kvtier.store.tiers.redis_reader import ReplyReader, Streamed, read_reply, socket_of
-
-try:  # the keyed seal in C (`_BatchSealer`); without it, `_Sealer`
-    from kvtier.store._xxcopy import seal_batch, seal_batch_halt
-except ImportError:  # pragma: no cover - exercised where the extension was not compiled
-    seal_batch = seal_batch_halt = None
 
 CRLF = b"\r\n"
 # a batch of fewer values (or fewer bytes) is sealed on the caller's thread: waking the helper
@@ -81,7 +83,7 @@ class SpareCore:
 
 def seal_value(header: ChunkHeader, view: memoryview, keyed: Keyed | None) -> bytes:
     """The 128 encoded bytes of one value's sealed header (checksum if the header has none yet;
-    MAC with a secret: checksum and MAC in one pass where `Keyed.seal` can)."""
+    MAC with a secret: `Keyed.seal` builds the header once where it can)."""
     if keyed is not None and (raw := keyed.seal(header, view)) is not None:
         return raw
     if header.checksum_kind == CHECKSUM_NONE:
@@ -162,43 +164,6 @@ class _Sealer:
             self.stop = True
 
 
-class _BatchSealer:
-    """`_Sealer` for a keyed save whose MAC the C extension computes (AES-GMAC): the Python part of
-    every value's seal (header body, salt, key: ~1.3 us a value) is done for the whole stream
-    before it starts (`Keyed.seal_batch`); then each seal is one C call without the GIL
-    (`_xxcopy.seal_batch`), the helper's for value k only where nobody claimed it, the sender's
-    never waiting (the helper's header where it is done, else sealed there and then).
-
-    Measured on the idle 2-core build machine, 101 rounds of 64 x 256 KiB, ratio to raw redis-py
-    in the same process, 3 runs each: `_Sealer` (the helper seals in Python, ~5 us of GIL a
-    value) 0.94-1.00; this 0.98-1.05; one C call sealing the whole batch flat out without the GIL
-    0.88-0.92: a helper that never stops takes the core the redis server needs while the sender
-    fills its socket; coming back to Python between values (and to the GIL, after the sender's
-    turn) paces it."""
-
-    def __init__(self, views: Sequence[memoryview], keys: bytes, bodies: bytes) -> None:
-        self.views, self.keys, self.bodies = list(views), keys, bodies
-        self.state = bytearray(len(self.views))  # 0 free, 1 claimed, 2 sealed (C's atomics)
-        self.out = bytearray(len(bodies) + 4 * len(self.views))
-        self.layout = (CHECKSUM_AT, MAC_AT, MAC_GMAC)  # where C writes checksum, tag, kind
-
-    def run(self) -> None:
-        seal, state = seal_batch, self.state
-        for k, view in enumerate(self.views):
-            if not state[k]:  # free: nobody has it (a stale read only costs a C call that skips it)
-                try:
-                    seal(self.keys, self.bodies, view, state, self.out, k, *self.layout, helper=True)
-                except BaseException:  # noqa: BLE001 - value k stays free: the sender seals it
-                    return  # and raises that error itself; never one of this thread's over the sender's
-
-    def get(self, k: int) -> bytes:
-        return seal_batch(self.keys, self.bodies, self.views[k], self.state, self.out, k,  # type: ignore[no-any-return]
-                          *self.layout)
-
-    def halt(self) -> None:
-        seal_batch_halt(self.state)
-
-
 def plain_socket(conn: object) -> socket.socket | None:
     """The connection's socket where `sendmsg` can write it (a plain TCP or Unix socket, or the
     `DeadlineSocket` around one; not TLS, whose SSLSocket has no sendmsg), else None (then
@@ -244,11 +209,11 @@ def set_stream(client: object, keys: Sequence[str], headers: Sequence[ChunkHeade
     the connection is then dropped. `helper` gives the executor that seals ahead (None: seal on
     this thread)."""
     n = len(keys)
-    sealer: _Sealer | _BatchSealer | None = None
+    sealer: _Sealer | None = None
     fut = None
-    if helper is not None and n >= OVERLAP_MIN_VALUES and sum(len(v) for v in views) >= OVERLAP_MIN_BYTES:
-        batch = keyed.seal_batch(headers, views) if keyed is not None and seal_batch is not None else None
-        sealer = _BatchSealer(views, *batch) if batch is not None else _Sealer(headers, views, keyed)
+    if (helper is not None and n >= OVERLAP_MIN_VALUES and sum(len(v) for v in views) >= OVERLAP_MIN_BYTES
+            and (keyed is None or keyed.kind != MAC_GMAC)):  # an AES-GMAC seal runs inline (module docstring)
+        sealer = _Sealer(headers, views, keyed)
         try:
             fut = helper().submit(sealer.run)
         except RuntimeError:  # the executor shut down under us (tier closing): seal here
