@@ -417,3 +417,23 @@ def test_nothing_listening_is_fast(clock: FakeClock) -> None:
         tier.exists_many([hdr(0)])
     assert time.monotonic() - t0 < 1.0  # one refused connect, then the breaker answers
     tier.close()
+
+
+def test_a_big_batch_on_a_healthy_link_gets_time_for_its_bytes(server, clock: FakeClock) -> None:
+    """A call's deadline is socket_timeout_s plus its bytes at MIN_RATE_BYTES_S (a flat deadline
+    cut a 64 MiB batch off below 64 MiB/s and opened the breaker), and a batch of 48 MiB through a
+    real server is saved and read back whole under it."""
+    from kvtier.store.tiers import redis as redis_tier
+
+    nbytes = 4 << 20
+    tier = make(server.url, clock, socket_timeout_s=0.5)
+    try:
+        assert tier._deadline_s(0) == 0.5  # a lookup: the flat part only
+        assert tier._deadline_s(64 << 20) == pytest.approx(0.5 + (64 << 20) / redis_tier.MIN_RATE_BYTES_S)
+        assert redis_tier.MIN_RATE_BYTES_S == 32 << 20  # docs/redis.md states it
+        assert write(tier, range(12), nbytes) == [True] * 12, (tier.metrics(), tier.last_error)
+        ok, outs = read(tier, range(12), nbytes)
+        assert ok == [True] * 12 and all(torch.equal(o, data(i, nbytes)) for i, o in enumerate(outs))
+        assert tier.up and tier.metrics()["failed_writes"] == 0
+    finally:
+        tier.close()

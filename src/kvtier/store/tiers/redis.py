@@ -71,6 +71,10 @@ log = logging.getLogger("kvtier.store.tiers.redis")
 
 __all__ = ["RedisOptions", "RedisTier"]
 
+# the slowest link a batch's bytes may take before its call counts as hung (32 MiB/s): the deadline
+# of a call moving B bytes is socket_timeout_s + B / MIN_RATE_BYTES_S, so a 64 MiB batch on a
+# healthy link is never cut off, and a drip still is
+MIN_RATE_BYTES_S = 32 << 20
 SLOT_MEMORY = 4096  # (group, slot) -> last header written, for free(group, slot)
 
 
@@ -181,8 +185,13 @@ class RedisTier(Tier):
 
         return self._call(execute, skipped, n)
 
+    def _deadline_s(self, nbytes: int) -> float:
+        """A call's deadline: `socket_timeout_s`, plus the time its payload bytes take at
+        MIN_RATE_BYTES_S, so a healthy link moving a big batch is never cut off as if hung."""
+        return self.options.socket_timeout_s + nbytes / MIN_RATE_BYTES_S
+
     def _call(self, execute: Callable[[object], list[object]], skipped: str,
-              n: int) -> list[object] | None:
+              n: int, nbytes: int = 0) -> list[object] | None:
         """`execute(client)` (a pipeline, or a `redis_wire` stream) behind the breaker and within
         one deadline, `socket_timeout_s` from now, for all of its I/O (`call_deadline`): its
         replies, or None (and `n` counted as `skipped`) when the breaker is open or the call
@@ -192,7 +201,7 @@ class RedisTier(Tier):
             self._count(skipped, n)
             return None
         try:
-            with call_deadline(self.options.socket_timeout_s):
+            with call_deadline(self._deadline_s(nbytes)):
                 results = execute(self._get_client())
         except Exception as exc:  # noqa: BLE001 - any failure of a remote cache is a miss
             if isinstance(exc, ConfigError):
@@ -419,7 +428,7 @@ class RedisTier(Tier):
         bucket, extra = self._budget.charge(ns, total) if self._budget is not None else (0, [])
         res = self._call(lambda client: set_stream(
             client, [k for _, k, _ in part], [h for _, _, h in part], views, self.keyed,
-            self._ttl_ms, extra, self._overlap()), "skipped_saves", len(part))
+            self._ttl_ms, extra, self._overlap()), "skipped_saves", len(part), total)
         if res is None:
             self._count("failed_writes", len(part))
             return
@@ -509,7 +518,8 @@ class RedisTier(Tier):
                     if isinstance(raw, bytes):
                         verify(j, raw)
                 return got
-            return self._call(lambda client: get_stream(client, commands(), n, direct, verify), "skipped_reads", n)
+            return self._call(lambda client: get_stream(client, commands(), n, direct, verify), "skipped_reads", n,
+                              sum(HEADER_BYTES + it[2].payload_bytes for it in items[start:end]))
 
         res = call()
         if res is not None and self._getex and ttl is not None and unknown_command(res):
