@@ -159,3 +159,28 @@ def test_a_branch_point_is_stored_warm() -> None:
 def test_unknown_placement_is_a_clear_error() -> None:
     with pytest.raises(ConfigError, match="placement='sometimes' is unknown; use one of hits, every"):
         Store(PLAN, NS, cpu_bytes=10 * ROW, placement="sometimes")
+
+
+class _FirstTwo:
+    """An admission that lets a save store its first two chunks only."""
+
+    name = "first-two"
+
+    def admit(self, chunk_hashes: list[bytes]) -> int:
+        return min(2, len(chunk_hashes))
+
+
+def test_a_save_cut_short_by_admission_keeps_its_last_chunk_warm() -> None:
+    """A state checkpoint is stored warm where the stored prefix ends: a save of 5 chunks that
+    admission cuts to 2 keeps the state at chunk 1 in the cpu tier (the next request can hit 2
+    chunks there, and only there)."""
+    toks = list(range(5 * C + 3))
+    with Store(PLAN, NS, cpu_bytes=64 * ROW, admission=_FirstTwo()) as s:
+        hashes = s.hashes(toks)
+        s.save(hashes, lambda g, i: expected(hashes[i], g), len(toks))
+        assert s.lookup(hashes, len(toks)).tokens == 2 * C
+
+
+def test_the_learned_share_is_refused_by_the_store() -> None:
+    with pytest.raises(ConfigError, match="share='learned' is replay's"):
+        Store(PLAN, NS, cpu_bytes=8 * ROW, share="learned")

@@ -182,6 +182,9 @@ class Store(TierIO):
         if admission is not None and not callable(getattr(admission, "admit", None)):
             raise ConfigError(f"admission {admission!r} has no admit(chunk_hashes) method; use kvtier.index.admission.make_admission")
         self.placement = make_placement(plan, placement)
+        if share == "learned":  # the learned share resizes pools; the Store does not move slots yet
+            raise ConfigError("share='learned' is replay's (kvtier replay --share learned); the Store takes "
+                              "'auto', 'proportional', 'equal' or NAME=FRACTION shares")
         share = resolve_share(plan, share, self.placement)
         self.index: Index | None = Index(plan, capacities, policy=policy, share=share) if capacities else None
         self.m = StoreMetrics()
@@ -490,7 +493,12 @@ class Store(TierIO):
         if self.placement is None or n == 0:
             return {}
         chunks = list(request)
-        return {g: self.placement.admit(chunks, g, n) for g in groups}  # type: ignore[attr-defined]
+        places = {g: list(self.placement.admit(chunks, g, n)) for g in groups}  # type: ignore[attr-defined]
+        if n < len(chunks):  # admission cut the save short: its last chunk is where the next hit ends
+            for answer in places.values():
+                if len(answer) >= n:
+                    answer[n - 1] = WARM
+        return places
 
     def _cold_tiers(self) -> bool:
         """Whether a tier after the first exists for cold entries (a later slot tier or a shared one)."""
