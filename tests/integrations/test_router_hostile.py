@@ -207,7 +207,7 @@ def test_a_taken_port_or_a_bad_endpoint_is_a_one_line_error(pub: Publisher) -> N
 def test_the_documented_default_caps() -> None:
     from kvtier.router import Limits
 
-    assert Limits() == Limits(max_entries=1_000_000, max_groups=256, max_tiers=16, max_event_tokens=65_536,
+    assert Limits() == Limits(max_entries=1_000_000, max_token_bytes=256 << 20, max_groups=256, max_tiers=16, max_event_tokens=65_536,
                               max_event_hashes=65_536, max_message_bytes=64 << 20)
 
 
@@ -240,6 +240,47 @@ def test_caps_drop_and_count() -> None:
     index.apply("e0", wire([removed(1007)]))
     index.apply("e0", wire([stored(1008, 1007, long[8 * C:9 * C])]))
     assert stats["dropped_entries"] == index.stats("e0")["dropped_entries"]
+
+
+def _token_bytes(index: PrefixIndex, engine: str = "e0") -> int:
+    e = index._engines[engine]
+    return sum(len(tokens) for kids in e.children.values() for tokens in kids)
+
+
+def test_one_hash_at_many_places_stays_bounded() -> None:
+    """One hash stored at 3,000 (parent, tokens) places: the chain keeps one place per hash (the
+    newest), never one per store, and the token ids held stay under `max_token_bytes`."""
+    from kvtier.router import Limits
+
+    index = PrefixIndex(Limits(max_entries=10, max_token_bytes=4096))
+    t0 = time.monotonic()
+    for i in range(3000):
+        index.apply("e0", [stored(77, 10_000 + i, [i % 50000, 1, 2, 3])])
+    assert time.monotonic() - t0 < 30  # was O(n^2): a tuple of places rebuilt per store
+    e = index._engines["e0"]
+    assert len(e.held) == 1
+    assert len(e.links) <= len(e.held) and sum(map(len, e.children.values())) <= len(e.held)
+    # distinct hashes up to the token cap: past it a store is dropped and counted
+    long = prompt(2, 400)
+    index.apply("e0", wire([stored(1000 + j, None if j == 0 else 999 + j, long[j * C:(j + 1) * C]) for j in range(400)]))
+    e = index._engines["e0"]
+    assert len(e.links) <= len(e.held) <= 10 and sum(map(len, e.children.values())) <= len(e.held)
+    assert _token_bytes(index) <= 4096
+    # a valid chain still predicts exactly, and removing it frees its token bytes
+    for j in range(10):
+        index.apply("e0", wire([removed(1000 + j)]))
+    index.apply("e0", wire([removed(77)]))
+    assert _token_bytes(index) == 0 and not index._engines["e0"].links
+    index.apply("e0", wire(hybrid(A, 5000, 5)))
+    assert restored(index, A) == 5 * C and "dropped_tokens" not in index.stats("e0")
+    full = [stored(5000 + j, None if j == 0 else 4999 + j, A[j * C:(j + 1) * C]) for j in range(5)]
+    tight = PrefixIndex(Limits(max_token_bytes=3 * C * 4))  # three chunks' token ids
+    tight.apply("e0", wire(full))
+    assert tight.stats("e0")["dropped_tokens"] == 2
+    assert restored(tight, A) == 3 * C and restored(tight, A[:2 * C] + [1]) == 2 * C  # never more than held
+    tight.apply("e0", wire([removed(5002)]) + wire(full[3:]))  # room for one more chunk: 5003's
+    assert tight.stats("e0")["dropped_tokens"] == 3 and _token_bytes(tight) == 3 * C * 4
+    assert restored(tight, A) == 2 * C  # chunk 2 is gone: 5003 is held but never reached
 
 
 def test_an_oversized_message_is_refused(pub: Publisher) -> None:
@@ -338,6 +379,50 @@ def test_a_gap_is_replayed(pub: Publisher, buffered: tuple[int, ...], reset: int
     finally:
         sub.close()
         router.close(0)
+
+
+def test_a_flapping_engine_never_stalls_the_others(pub: Publisher) -> None:
+    """e0's replay endpoint never answers and e0 gaps on every batch: at most one replay try per
+    `replay_interval_s` (the rest reset it), and e1's batches in between are applied."""
+    dead = zmq.Context.instance().socket(zmq.ROUTER)  # takes requests, never answers
+    dead.setsockopt(zmq.LINGER, 0)
+    replay = f"tcp://127.0.0.1:{dead.bind_to_random_port('tcp://127.0.0.1')}"
+    asked, stop = [], threading.Event()
+
+    def drain() -> None:
+        while not stop.is_set():
+            if dead.poll(20):
+                dead.recv_multipart()
+                asked.append(time.monotonic())
+
+    drainer = threading.Thread(target=drain, daemon=True)
+    drainer.start()
+    pub1 = Publisher()
+    index = PrefixIndex()
+    sub = Subscriber(index, {"e0": pub.endpoint, "e1": pub1.endpoint}, topic="kv", replay={"e0": replay},
+                     replay_timeout_s=0.3, replay_interval_s=1.0)
+    n = 20
+    try:
+        pub.subscribed()
+        pub1.subscribed()
+        t0 = time.monotonic()
+        for i in range(n):
+            pub.send(2 * i, hybrid(A, 1000, 5))  # seq 0, 2, 4, ...: a gap before every batch but the first
+            pub1.send(i, hybrid(prompt(3, 2), 5000 + 10 * i, 2))
+        until(lambda: sub.batches == 2 * n, timeout_s=30)
+        elapsed = time.monotonic() - t0
+        time.sleep(0.1)  # the last request reaches the drainer
+        assert len(asked) <= math.ceil(elapsed / 1.0) + 1, (len(asked), elapsed)
+        assert restored(index, prompt(3, 2) + [1], "e1") == 2 * C
+        stats = index.stats("e0")
+        assert stats["reset_gap"] == n - 1 and stats.get("replayed_batches", 0) == 0
+        assert "reset_gap" not in index.stats("e1")
+    finally:
+        sub.close()
+        stop.set()
+        drainer.join()
+        dead.close(0)
+        pub1.close()
 
 
 # -- 4. geometry and impossible values ----------------------------------------------------------------

@@ -39,7 +39,8 @@ class _Engine:
     held: dict[tuple[int, int], tuple[str, ...]] = field(default_factory=dict)  # (group, hash) -> tiers
     parent: dict[tuple[int, int], int | None] = field(default_factory=dict)  # (group, hash) -> the chunk's parent
     children: dict[int | None, dict[bytes, int]] = field(default_factory=dict)  # chain: parent -> tokens -> hash
-    links: dict[int, tuple[tuple[int | None, bytes], ...]] = field(default_factory=dict)  # hash -> its places in children
+    links: dict[int, tuple[int | None, bytes]] = field(default_factory=dict)  # hash -> its one place in children
+    token_bytes: int = 0  # bytes of token ids the links hold (`Limits.max_token_bytes`)
     groups_of: dict[int, int] = field(default_factory=dict)  # hash -> how many groups hold it
     tiers: dict[str, str] = field(default_factory=dict)  # tier names seen, one string each
     counts: dict[str, int] = field(default_factory=dict)  # skipped, dropped, resets: kept across resets
@@ -139,6 +140,12 @@ class PrefixIndex:
         if held is None and len(e.held) >= self.limits.max_entries:
             self._count(name, "dropped_entries")
             return
+        place = (ev.parent, ev.tokens) if n else None
+        old = e.links.get(key[1]) if n else None
+        if place is not None and old != place and (
+                e.token_bytes - (len(old[1]) if old else 0) + len(ev.tokens) > self.limits.max_token_bytes):
+            self._count(name, "dropped_tokens")
+            return
         if g is None:
             g = e.groups[ev.group] = _Group()
         if ev.spec:
@@ -154,13 +161,13 @@ class PrefixIndex:
             e.groups_of[h] = e.groups_of.get(h, 0) + 1
         if held is None or tier not in held:
             e.held[key] = (held or ()) + (tier,)
-        if n:  # a self-describing chunk: its parent, and its place in the chain of hashes
+        if place is not None:  # a self-describing chunk: its parent, and its place in the chain of hashes
             e.parent[key] = ev.parent
-            place = (ev.parent, ev.tokens)
-            places = e.links.get(h, ())
-            if place not in places:
+            if old != place:  # one place per hash (vLLM's hash names its parent and tokens): the newest
+                _unlink(e, h)
                 e.children.setdefault(ev.parent, {})[ev.tokens] = h
-                e.links[h] = places + (place,)
+                e.links[h] = place
+                e.token_bytes += len(ev.tokens)
 
     @staticmethod
     def _changed(e: _Engine, g: _Group, ev: Event, n: int) -> bool:
@@ -352,9 +359,13 @@ def rule(kind: str, window: int | None) -> str:
 
 
 def _unlink(e: _Engine, h: int) -> None:
-    for parent, tokens in e.links.pop(h, ()):
-        kids = e.children.get(parent)
-        if kids is not None and kids.get(tokens) == h:
-            del kids[tokens]
-            if not kids:
-                del e.children[parent]
+    place = e.links.pop(h, None)
+    if place is None:
+        return
+    parent, tokens = place
+    e.token_bytes -= len(tokens)
+    kids = e.children.get(parent)
+    if kids is not None and kids.get(tokens) == h:
+        del kids[tokens]
+        if not kids:
+            del e.children[parent]

@@ -19,10 +19,13 @@ class Subscriber:
     """Subscribe to engines' ZMQ KV event publishers (vLLM's `--kv-events-config`) on a background
     thread, feeding `index`. `endpoints`: {engine name: "tcp://host:port"}, or "bind:ENDPOINT" for
     an engine whose publisher connects (vLLM connects to a tcp endpoint without `*`, e.g. loopback);
-    `replay`: {engine name: its `replay_endpoint`}, asked for the batches of a gap in the sequence."""
+    `replay`: {engine name: its `replay_endpoint`}, asked for the batches of a gap in the sequence,
+    at most once per `replay_interval_s` per engine (each ask may hold this one thread, which serves
+    every engine, for `replay_timeout_s`): a gap sooner after the last ask resets that engine."""
 
     def __init__(self, index: PrefixIndex, endpoints: Mapping[str, str], topic: str = "",
-                 replay: Mapping[str, str] | None = None, replay_timeout_s: float = 1.0) -> None:
+                 replay: Mapping[str, str] | None = None, replay_timeout_s: float = 1.0,
+                 replay_interval_s: float = 10.0) -> None:
         import zmq
 
         from kvtier.errors import ConfigError
@@ -33,6 +36,8 @@ class Subscriber:
         self.index = index
         self.batches = 0  # applied, replayed ones included
         self._replay, self._replay_timeout_s = dict(replay or {}), replay_timeout_s
+        self._replay_interval_s = replay_interval_s
+        self._replay_at: dict[str, float] = {}  # engine -> when its replay endpoint was last asked
         self._seq: dict[str, int] = {}  # engine -> the last sequence number applied
         self._stop = threading.Event()
         self._ctx = zmq.Context.instance()
@@ -121,11 +126,19 @@ class Subscriber:
 
     def _replayed(self, name: str, start: int, end: int) -> list[bytes]:
         """The payloads of batches [s, end) from the engine's replay endpoint, for the smallest s
-        it still holds (vLLM keeps `buffer_steps` batches); [] without one or on no answer."""
+        it still holds (vLLM keeps `buffer_steps` batches); [] without one, on no answer, or when
+        the engine's endpoint was asked less than `replay_interval_s` ago (`replays_limited`): an
+        engine whose endpoint is down, or that gaps on every batch, costs every engine at most one
+        `replay_timeout_s` wait per interval."""
         import zmq
 
         if (endpoint := self._replay.get(name)) is None:
             return []
+        now = time.monotonic()
+        if (at := self._replay_at.get(name)) is not None and now - at < self._replay_interval_s:
+            self.index.count(name, "replays_limited")
+            return []
+        self._replay_at[name] = now
         got: dict[int, bytes] = {}
         s = self._socket(zmq.DEALER)  # a fresh one each time: no late answer to an earlier ask
         try:
