@@ -107,3 +107,64 @@ def test_a_follow_up_turn_keeps_the_checkpoint_its_next_turn_hits(tmp_path: Path
         for i, k in enumerate(k2[g]):
             rc2.set_offload_key_position(k, (i + 1) * TOKENS)
     assert _store(m, rc2, k2[0][4:] + k2[1][4:]) == k2[0][4:] + k2[1][5:]
+
+
+def test_a_growing_request_teaches_the_placement_once(tmp_path: Path) -> None:
+    """Decode growth adds chunks to the same request: the placement learns from it once (its
+    first call), later calls only insert its new chunks, so it never counts its own growth as
+    a later request reusing its prefix."""
+    m = _manager(tmp_path, cpu=64 * ROW)
+    rc, keys = _request("a", 8, 9)
+    grown = ReqContext(req_id="a")
+    for n in (4, 6, 8):  # the request as vLLM's positions know it after each step
+        for g in (0, 1):
+            for i, k in enumerate(keys[g][:n]):
+                grown.set_offload_key_position(k, (i + 1) * TOKENS)
+        m._request_places(grown)
+        if n == 4:
+            first = (list(m.placement.reuse), m.placement.observed)
+    assert (list(m.placement.reuse), m.placement.observed) == first
+    # the grown chunks are in the tree: a next request repeating them is learned from
+    rc2, _ = _request("b", 7, 9)  # ends one chunk before the grown request's end
+    m._request_places(rc2)
+    assert m.placement.observed == first[1] + 1
+
+
+def _ctx(groups: tuple, tmp_path: Path) -> SpecContext:
+    geom = Geometry(groups=groups, tokens_per_hash=TOKENS, name="share")
+    plan = make_plan(geom, blocks_per_chunk=1)
+    extra = {"kvtier.tiers": "cpu", "kvtier.host_region": "off", "kvtier.directory": str(tmp_path),
+             "kvtier.cpu_bytes": 64 * sum(gp.chunk_bytes for gp in plan.groups)}
+    return SpecContext(plan=plan, namespace=Namespace("m", geom.fingerprint(), "float16"), config=parse_config(extra),
+                       group_of={i: i for i in range(len(groups))}, blocks_per_chunk=1)
+
+
+def _full(name: str, layer: int) -> Group:
+    return Group(name=name, kind="full", num_layers=1, tokens_per_block=TOKENS, bytes_per_token_per_layer=64,
+                 dtype="float16", layers=(layer,))
+
+
+def _sliding(name: str, layer: int) -> Group:
+    return Group(name=name, kind="sliding", num_layers=1, tokens_per_block=TOKENS, bytes_per_token_per_layer=128,
+                 dtype="float16", layers=(layer,), window=4 * TOKENS)
+
+
+def test_auto_share_gives_sliding_groups_vllm_never_places_their_proportional_share(tmp_path: Path) -> None:
+    """vLLM's manager places state groups only: a Gemma-3-like model (full + sliding, no state)
+    under placement "hits" keeps equal slots ("proportional"), not half the bytes per side."""
+    ctx = _ctx((_full("attn", 0), _sliding("swa0", 1), _sliding("swa1", 2)), tmp_path)
+    assert ctx.placement == "hits" and ctx.share() == "proportional"
+    index = ctx.new_index()
+    assert index.slots(0, "cpu") == index.slots(1, "cpu") == index.slots(2, "cpu") == 64
+
+
+def test_auto_share_splits_half_and_half_over_full_and_state_only(tmp_path: Path) -> None:
+    gdn = Group(name="gdn", kind="state", num_layers=1, tokens_per_block=TOKENS, state_bytes_per_layer=1024,
+                dtype="float16", layers=(3,))
+    ctx = _ctx((_full("attn", 0), gdn), tmp_path)  # a state hybrid: the Store's half/half
+    assert ctx.share() == pytest.approx({"attn": 0.5, "gdn": 0.5})
+    ctx = _ctx((_full("attn", 0), _sliding("swa", 1), gdn), tmp_path)
+    b = {gp.name: gp.chunk_bytes for gp in ctx.plan.groups}
+    swa = b["swa"] / sum(b.values())  # what "proportional" gives it: equal slots
+    assert ctx.share() == pytest.approx({"swa": swa, "attn": (1 - swa) / 2, "gdn": (1 - swa) / 2})
+    assert sum(ctx.share().values()) <= 1

@@ -50,14 +50,15 @@ class HitsLand:
         top = max(self.reuse)
         return tuple(j for j in range(ENDS) if self.reuse[j] >= self.ratio * top and top > 0)
 
-    def endpoints(self, chunks: Sequence[ChunkHash]) -> frozenset[int]:
+    def endpoints(self, chunks: Sequence[ChunkHash], learn: bool = True) -> frozenset[int]:
         """This request's endpoints (chunk indices e: a hit may end after chunk e), learning from
-        it on the first call; calls for the same request (per group) get the same answer."""
+        it on the first call; calls for the same request (per group) get the same answer.
+        learn=False: a request already learned from that grew (decode): its chunks only inserted."""
         n = len(chunks)
         key = chunks[-1] if n else None
         if n and self._last[:2] == (n, key):
             return self._last[2]
-        out = self.learn(chunks)
+        out = self.learn(chunks) if learn else self._ends(chunks)
         self._last = (n, key, out)
         return out
 
@@ -72,15 +73,22 @@ class HitsLand:
                 self.observed += 1
                 if self.observed % self.decay == 0:
                     self.reuse = [r / 2 for r in self.reuse]
+        return self._ends(chunks)
+
+    def _ends(self, chunks: Sequence[ChunkHash]) -> frozenset[int]:
+        """Insert the request's chunks (nothing learned) and answer its endpoints."""
+        n = len(chunks)
         ends = set(self.tree.insert(chunks))
         ends.update(n - 1 - j for j in self.offsets() if n - 1 - j >= 0)
         return frozenset(ends)
 
-    def admit(self, chunks: Sequence[ChunkHash], group: int, n: int | None = None) -> tuple[str, ...]:
+    def admit(self, chunks: Sequence[ChunkHash], group: int, n: int | None = None, *,
+              learn: bool = True) -> tuple[str, ...]:
         """warm / cold / skip for each of the first `n` (default all) chunks of `chunks` in
-        `group`: the API the store and the vLLM manager call, per group, per request."""
+        `group`: the API the store and the vLLM manager call, per group, per request.
+        learn=False: the request was learned from already (it grew): its chunks only inserted."""
         n = len(chunks) if n is None else n
-        warm, cold = self.spots(self.endpoints(chunks), group, n)
+        warm, cold = self.spots(self.endpoints(chunks, learn), group, n)
         if warm is None:
             return (WARM,) * n
         return tuple(WARM if i in warm else COLD if i in cold else SKIP for i in range(n))

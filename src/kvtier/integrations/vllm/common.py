@@ -115,9 +115,7 @@ class SpecContext:
         group's tokens)."""
         share: str | dict[str, float] = self.config.share
         if share == "auto":  # the placement's; groups of mixed spans store every chunk (self.placement)
-            from kvtier.store.store import resolve_share
-
-            share = resolve_share(self.plan, "auto", self.placement)  # type: ignore[assignment]
+            share = "proportional" if self.placement in (None, "every") else vllm_placement_share(self.plan)
         if self.mixed_spans and share == "proportional":
             per_token = {gp.name: gp.chunk_bytes / span
                          for gp, span in zip(self.plan.groups, self.span_tokens) if gp.cacheable}
@@ -217,3 +215,25 @@ class SpecContext:
         if g is None or not self.plan.groups[g].cacheable:
             return None
         return self.chunk_hash(bytes(key[:-4])), g
+
+
+def vllm_placement_share(plan) -> str | dict[str, float]:  # noqa: ANN001 - kvtier.core.plan.Plan
+    """share="auto" with placement "hits" in vLLM: the Store's rule (store.py `placement_share`:
+    half to the full/MLA groups, half to the groups stored only where hits land) over the groups
+    vLLM's manager places, which are the state groups only (manager.py `_request_places`):
+    sliding and chunked-local groups store every chunk vLLM offers, so each gets its share under
+    "proportional" (its chunk bytes over all groups'), and the half/half split is over the rest.
+    "proportional" where no state group or no full/MLA group is cacheable."""
+    cacheable = plan.cacheable_groups
+    anchors = [gp for gp in cacheable if gp.kind in ("full", "mla")]
+    state = [gp for gp in cacheable if gp.kind == "state"]
+    others = [gp for gp in cacheable if gp.kind not in ("full", "mla", "state")]
+    if not anchors or not state or len({gp.name for gp in cacheable}) != len(cacheable):
+        return "proportional"
+    total = sum(gp.chunk_bytes for gp in cacheable)
+    out = {gp.name: gp.chunk_bytes / total for gp in others}
+    half = 0.5 * (1 - sum(out.values()))
+    for side in (anchors, state):
+        side_bytes = sum(gp.chunk_bytes for gp in side)
+        out.update({gp.name: half * gp.chunk_bytes / side_bytes for gp in side})
+    return {name: f * (1 - 1e-9) for name, f in out.items()}  # fractions must sum to at most 1

@@ -102,11 +102,12 @@ class KvtierConnector(OffloadingConnector):
             with manager_lock(manager):
                 manager.events.reset(manager.held.key_of)  # every announced chunk, removed
             early = list(self.take_events())
+        self._early = early  # kept until published: with the next step's events if vLLM's reset raises
         result = super().reset_cache()
         if isinstance(manager, KvtierManager):
-            mark_reset(manager.ctx.disk_root)
-        if early and not publish_now(self, early):
-            self._early = early  # no publisher reached: with the next step's events
+            mark_reset(manager.ctx.disk_root)  # marked again when the reset's jobs are flushed (manager)
+        if early and publish_now(self, early):
+            self._early = []  # else no publisher reached: with the next step's events
         return result
 
     # -- the workers' layout reaches the scheduler -------------------------------------------

@@ -36,6 +36,7 @@ ever looked up grew without bound).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 
 from vllm.v1.kv_offload.base import Locality, Medium, OffloadingEvent, OffloadKey
@@ -45,6 +46,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import Offlo
 from kvtier.index.index import Entry, Index
 
 from .counters import Metrics
+
+log = logging.getLogger("kvtier.vllm")
 
 # tier -> (medium, locality, ownership)
 PLACE: dict[str, tuple[Medium, Locality, str | None]] = {
@@ -239,47 +242,120 @@ class DiskJournal:
     hash, and without the request no chunk's tokens are known; so each disk store's payload (vLLM's
     key, block hashes, parent, token ids) is appended here, each disk removal too, and at start
     the chunks the manager adopted are announced again from it (`announce_adopted`). It reveals
-    the prompts' token ids as the disk payloads do: same directory, same owner."""
+    the prompts' token ids as the disk payloads do: same directory, same owner.
+
+    It runs inside vLLM's engine step (`take_events`), so it never raises: an I/O error (ENOSPC,
+    EIO) or a record it cannot encode is logged once, counted (`errors`) and turns the
+    journal off for this process (a restart then announces fewer chunks: router misses, never
+    wrong KV). Bounded: once the file passes twice its live records' bytes (and `COMPACT_MIN`) it
+    is rewritten to them; if the live records alone pass `MAX_BYTES`, journaling stops
+    (counted `full`). Opened with O_NOFOLLOW, mode 0600. (Counted on the journal and logged, not
+    in the counters file: a counter there needs its Prometheus family in stats.py.)"""
 
     NAME = "events.journal"
+    MAX_BYTES = 64 << 20
+    COMPACT_MIN = 1 << 20
 
     def __init__(self, root) -> None:  # noqa: ANN001 - a Path
         self.path = root / self.NAME
-        self._f = None
+        self._fd: int | None = None
+        self.enabled = True
+        self.errors = 0  # writes / compactions that failed
+        self.full = 0  # times journaling stopped at MAX_BYTES
+        self.bad_records = 0  # decodable records of wrong field types (announce_adopted)
+        self._size = 0  # the file's bytes, as this process wrote them
+        self._live: dict[bytes, int] = {}  # key -> its last store record's framed bytes
 
-    def note(self, events: list[OffloadingEvent], meta: dict) -> None:  # noqa: ANN001
-        import msgspec
-
-        out = []
-        for ev in events:
-            if ev.ownership != PLACE["disk"][2]:
-                continue
-            for key in ev.keys:
-                m = meta.get(key)
-                if ev.removed:
-                    out.append(["-", bytes(key)])
-                elif m is not None:
-                    out.append(["+", bytes(key), [bytes(h) for h in m.block_hashes],
-                                None if m.parent_block_hash is None else bytes(m.parent_block_hash),
-                                list(m.token_ids), m.block_size, m.lora_id, m.lora_name, m.group_idx,
-                                m.kv_cache_spec.kv_cache_spec_kind, m.kv_cache_spec.kv_cache_spec_sliding_window])
-        if out:
-            self._write(b"".join(_frame(msgspec.msgpack.encode(r)) for r in out))
-
-    def _write(self, data: bytes) -> None:
+    def _fail(self, what: str, err: BaseException, counter: str = "errors") -> None:
+        """Journaling off for this process, logged once, counted."""
         import os
 
-        if self._f is None:
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-            self._f = os.fdopen(fd, "ab", buffering=0)
-        self._f.write(data)
+        setattr(self, counter, getattr(self, counter) + 1)
+        if self.enabled:
+            log.warning("kvtier: the disk event journal %s %s (%s): journaling stops; a restart "
+                        "announces only the chunks journaled until now", self.path, what, err)
+        self.enabled = False
+        if self._fd is not None:
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+            self._fd = None
+
+    def note(self, events: list[OffloadingEvent], meta: dict) -> None:  # noqa: ANN001
+        """Journal the disk stores and removals among `events`; never raises."""
+        if not self.enabled:
+            return
+        try:
+            import msgspec
+
+            frames: list[tuple[bytes, bytes, bool]] = []  # (key, framed record, a removal)
+            for ev in events:
+                if ev.ownership != PLACE["disk"][2]:
+                    continue
+                for key in ev.keys:
+                    m = meta.get(key)
+                    if ev.removed:
+                        frames.append((bytes(key), _frame(msgspec.msgpack.encode(["-", bytes(key)])), True))
+                    elif m is not None:
+                        rec = ["+", bytes(key), [bytes(h) for h in m.block_hashes],
+                               None if m.parent_block_hash is None else bytes(m.parent_block_hash),
+                               list(m.token_ids), m.block_size, m.lora_id, m.lora_name, m.group_idx,
+                               m.kv_cache_spec.kv_cache_spec_kind, m.kv_cache_spec.kv_cache_spec_sliding_window]
+                        frames.append((bytes(key), _frame(msgspec.msgpack.encode(rec)), False))
+            if not frames:
+                return
+            data = b"".join(f for _, f, _ in frames)
+            live = sum(self._live.values()) + len(data)
+            if self._size + len(data) > max(2 * live, self.COMPACT_MIN) or self._size + len(data) > self.MAX_BYTES:
+                self._compact()  # to the records written until now
+                if not self.enabled:
+                    return
+                if self._size + len(data) > self.MAX_BYTES:
+                    self._fail(f"passed {self.MAX_BYTES} bytes", OverflowError("journal full"), "full")
+                    return
+            for key, f, removed in frames:
+                if removed:
+                    self._live.pop(key, None)
+                else:
+                    self._live[key] = len(f)
+            self._write(data)
+        except Exception as e:  # noqa: BLE001 - inside vLLM's engine step: never raise
+            self._fail("could not be written", e)
+
+    def _compact(self) -> None:
+        """Rewrite the file to its live records (this process's view: the ones it loads)."""
+        self.rewrite(list(self.load().values()))
+
+    def _write(self, data: bytes) -> None:
+        """Append `data`; never raises (an error turns journaling off)."""
+        import os
+
+        if not self.enabled:
+            return
+        try:
+            if self._fd is None:
+                self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                                   0o600)
+                self._size = os.fstat(self._fd).st_size
+            view = memoryview(data)
+            while view:
+                n = os.write(self._fd, view)
+                view = view[n:]
+                self._size += n
+        except (OSError, ValueError) as e:
+            self._fail("could not be written", e)
 
     def load(self) -> dict[bytes, list]:
         """vLLM key -> its last announced store record, removals applied; a torn tail is ignored."""
+        import os
+
         import msgspec
 
         try:
-            data = self.path.read_bytes()
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            with os.fdopen(fd, "rb") as f:
+                data = f.read(self.MAX_BYTES + 1)
         except OSError:
             return {}
         out: dict[bytes, list] = {}
@@ -301,29 +377,73 @@ class DiskJournal:
         return out
 
     def rewrite(self, records: Iterable[list]) -> None:
-        """Keep only `records` (the adopted chunks'), atomically."""
+        """Keep only `records` (the adopted chunks'), atomically; never raises (an error turns
+        journaling off)."""
         import os
 
         import msgspec
 
-        if self._f is not None:
-            self._f.close()
-            self._f = None
+        if self._fd is not None:
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+            self._fd = None
+        if not self.enabled:
+            return
         tmp = self.path.with_name(f".{self.NAME}.{os.getpid()}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(b"".join(_frame(msgspec.msgpack.encode(r)) for r in records))
-        os.replace(tmp, self.path)
+        try:
+            live: dict[bytes, int] = {}
+            frames = []
+            for r in records:
+                f = _frame(msgspec.msgpack.encode(r))
+                frames.append(f)
+                live[bytes(r[1])] = len(f)
+            data = b"".join(frames)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, self.path)
+            self._size, self._live = len(data), live
+        except Exception as e:  # noqa: BLE001 - also called inside vLLM's engine step
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            self._fail("could not be compacted", e)
 
 
 def _frame(data: bytes) -> bytes:
     return len(data).to_bytes(4, "big") + data
 
 
+def _bytes_or_none(v: object) -> bool:
+    return v is None or isinstance(v, bytes)
+
+
+def _int_or_none(v: object) -> bool:
+    return v is None or (isinstance(v, int) and not isinstance(v, bool))
+
+
+def valid_record(rec: list) -> bool:
+    """A journal store record with every field of the type `announce_adopted` hands vLLM."""
+    if not isinstance(rec, list) or len(rec) != 11:
+        return False
+    _, key, hashes, parent, tokens, block, lora_id, lora_name, group, kind, window = rec
+    return (isinstance(key, bytes) and isinstance(hashes, list) and all(isinstance(h, bytes) for h in hashes)
+            and _bytes_or_none(parent) and isinstance(tokens, list)
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in tokens)
+            and isinstance(block, int) and not isinstance(block, bool) and _int_or_none(lora_id)
+            and (lora_name is None or isinstance(lora_name, str))
+            and isinstance(group, int) and not isinstance(group, bool)
+            and isinstance(kind, str) and _int_or_none(window))
+
+
 def announce_adopted(manager, tracker, journal: DiskJournal) -> int:  # noqa: ANN001 - KvtierManager, SelfDescribing
     """Announce the disk chunks the manager adopted at start, described as when they were stored
     (the journal), so a router sees a restarted engine's warm disk before any lookup names it;
-    the journal is compacted to them. The number announced."""
+    the journal is compacted to them. A record whose fields have the wrong types is skipped
+    (counted on the journal, logged). The number announced."""
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import (OffloadingEventGroupSpec,
                                                                                 _OffloadEventMetadata)
     from vllm.v1.kv_offload.base import OffloadKey
@@ -332,6 +452,11 @@ def announce_adopted(manager, tracker, journal: DiskJournal) -> int:  # noqa: AN
 
     kept = []
     for raw, rec in journal.load().items():
+        if not valid_record(rec):
+            if not journal.bad_records:
+                log.warning("kvtier: %s holds records of the wrong types: skipped", journal.path)
+            journal.bad_records += 1
+            continue
         key = OffloadKey(raw)
         split = manager.ctx.split_key(key)
         if split is None or not any(t == "disk" for t, _ in manager.index.where(*split)):

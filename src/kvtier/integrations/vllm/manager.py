@@ -54,7 +54,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.index.index import Index
-from kvtier.index.placement import COLD, SKIP
+from kvtier.index.placement import COLD, SKIP, HitsLand
 
 from .compat import offload_key_positions
 from .common import SPLIT_MEMO_KEYS, ChunkItem, KvtierLoadStoreSpec, SpecContext
@@ -63,7 +63,7 @@ from .events import HeldKeys, KvEvents
 from .host_only import HostOnlyHits
 from .loads import LoadLedger
 from .promotion import Promotions
-from .rebuild import rebuild_from_disk
+from .rebuild import mark_reset, rebuild_from_disk
 from .redis_lookup import RedisLookup
 from .stats import config_info
 from .store_plan import chunks_to_store, plan_store, protect, reserve
@@ -102,6 +102,7 @@ class KvtierManager(OffloadingManager):
         # shared with other engines: a key this index lacks may still be in Redis
         self.redis_lookup = RedisLookup(ctx, metrics) if "redis" in ctx.config.tiers else None
         self._new_placement()
+        self._reset_unflushed = False  # a reset whose in-flight jobs may still write (reset_cache)
         rebuild_from_disk(ctx, self.index, metrics)
         metrics.flush(force=True)
 
@@ -111,7 +112,7 @@ class KvtierManager(OffloadingManager):
         from kvtier.store.store import make_placement
 
         self.placement = make_placement(self.ctx.plan, self.ctx.placement)
-        self._placed: dict[str, tuple[int, dict[int, tuple[str, ...]]]] = {}
+        self._placed: dict[str, tuple[int, dict[int, tuple[str, ...]], bool]] = {}  # + learned from yet
 
     def adopt_worker_layout(self, page_bytes: tuple[int, ...], fingerprint: str = "", kv_dtype: str = "") -> bool:
         """The workers' exact bytes per block and namespace (KvtierConnector's handshake, before
@@ -385,12 +386,16 @@ class KvtierManager(OffloadingManager):
         # from chunk 0, and a sliding group as a run of cdiv(W, C) chunks (one more than kvtier's
         # W - 1 tokens where C divides W - 1; more with EAGLE): leaving out what kvtier's rule
         # does not read would end hits vLLM's search still asks for
-        places = {gp.index: tuple(self.placement.admit(chunks, gp.index))  # type: ignore[union-attr]
+        # learned from once per request: its decode growth (a later call, more chunks) only
+        # inserted, else every step would count the request's own prefix as reused
+        learned = memo is not None and memo[2]
+        kw = {"learn": False} if learned and isinstance(self.placement, HitsLand) else {}
+        places = {gp.index: tuple(self.placement.admit(chunks, gp.index, **kw))  # type: ignore[union-attr]
                   for gp in self.ctx.plan.cacheable_groups if gp.kind == "state"} if chunks else {}
         if len(self._placed) >= PLACED_REQUESTS:  # requests vLLM never finished: the oldest go
             del self._placed[next(iter(self._placed))]
         self._placed.pop(req_id, None)
-        self._placed[req_id] = (len(positions), places)
+        self._placed[req_id] = (len(positions), places, learned or bool(places))
         return places
 
     def complete_store(
@@ -406,6 +411,8 @@ class KvtierManager(OffloadingManager):
             split = self._key(key)
             if not places or split is None:
                 continue
+            if self._reset_unflushed:  # a store prepared after the reset completed: see reset_cache
+                self._reset_flushed()
             ok = success
             cpu_slot = next((slot for t, slot in places if t == "cpu"), None)
             if ok and cpu_slot is not None and self.promotions.promoter.holds(split[1], cpu_slot, split[0]) is False:
@@ -441,8 +448,16 @@ class KvtierManager(OffloadingManager):
         into a slot the new index hands out lands first and is overwritten, and a load never reads
         a slot of the new index before the store that filled it. Worst case a stale payload sits in
         a slot whose header names another chunk: a counted miss, never wrong KV. Every chunk
-        announced in a KV event is announced removed (vLLM's own manager says nothing here)."""
+        announced in a KV event is announced removed (vLLM's own manager says nothing here).
+        Durable (rebuild.py): the connector marks the reset in the disk directory now, and it is
+        marked again once the jobs in flight at the reset are flushed (their disk writes carry
+        later times): at vLLM 0.33's `on_reset_flushed`, or (0.32, which reports no flush) at
+        the first completion of a store prepared after the reset, which the workers submit only
+        after the flush. Records written between the flush and that mark are not adopted at a
+        restart (misses, never a dropped chunk back); a crash before the flush is reported can
+        still adopt a pre-reset job's write."""
         self._new_index()
+        self._reset_unflushed = True
         self._pending.clear()
         self._placed.clear()  # what it learned of traffic stays (the placement's tree)
         self.loads.clear()
@@ -458,9 +473,17 @@ class KvtierManager(OffloadingManager):
 
     def on_reset_flushed(self) -> None:
         """vLLM 0.33: the workers reported every job in flight at the last reset; promotion at
-        lookup may write slots again."""
+        lookup may write slots again; the reset is marked again (reset_cache)."""
         self.promotions.reset_flushed()
         self.metrics.add("resets_flushed")
+        if self._reset_unflushed:
+            self._reset_flushed()
+
+    def _reset_flushed(self) -> None:
+        """The jobs in flight at the last reset wrote what they wrote: the reset is marked again,
+        so none of their disk records is adopted at a restart."""
+        self._reset_unflushed = False
+        mark_reset(self.ctx.disk_root)
 
     def config_info(self) -> list[dict[str, str | int]]:
         """vLLM 0.33's kv_offload config info series: the plan and each tier's slots per group."""

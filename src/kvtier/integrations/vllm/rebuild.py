@@ -70,12 +70,27 @@ RESET_FILE = "reset-ns"  # in the disk directory: the wall-clock time of the las
 
 def mark_reset(root: Path | None) -> None:
     """A reset dropped every chunk: records written until now are never adopted again. Written
-    atomically (a rename), so a crash leaves the old mark or the new one."""
+    atomically (a rename) and durably (the file and the directory fsynced), so a crash leaves
+    the old mark or the new one. An I/O error is logged, never raised into vLLM's reset (the
+    reset itself happened)."""
     if root is None or not root.is_dir():
         return
     tmp = root / f".{RESET_FILE}.{os.getpid()}"
-    tmp.write_text(f"{time.time_ns()}\n")
-    os.replace(tmp, root / RESET_FILE)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        try:
+            os.write(fd, f"{time.time_ns()}\n".encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, root / RESET_FILE)
+        dfd = os.open(root, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except OSError as e:
+        log.warning("kvtier: the reset could not be marked in %s (%s): a restart may adopt chunks it dropped", root, e)
 
 
 def reset_time(root: Path) -> int:
