@@ -248,9 +248,11 @@ def _token_bytes(index: PrefixIndex, engine: str = "e0") -> int:
 
 
 def test_one_hash_at_many_places_stays_bounded() -> None:
-    """One hash stored at 3,000 (parent, tokens) places: the chain keeps one place per hash (the
-    newest), never one per store, and the token ids held stay under `max_token_bytes`."""
+    """One hash stored at 3,000 (parent, tokens) places: the chain keeps at most PLACES_PER_HASH
+    places per hash (the newest), never one per store, and the token ids held stay under
+    `max_token_bytes`."""
     from kvtier.router import Limits
+    from kvtier.router.index import PLACES_PER_HASH
 
     index = PrefixIndex(Limits(max_entries=10, max_token_bytes=4096))
     t0 = time.monotonic()
@@ -259,12 +261,14 @@ def test_one_hash_at_many_places_stays_bounded() -> None:
     assert time.monotonic() - t0 < 30  # was O(n^2): a tuple of places rebuilt per store
     e = index._engines["e0"]
     assert len(e.held) == 1
-    assert len(e.links) <= len(e.held) and sum(map(len, e.children.values())) <= len(e.held)
+    assert len(e.links) <= len(e.held) and sum(map(len, e.children.values())) <= PLACES_PER_HASH * len(e.held)
+    assert len(e.links[77]) == PLACES_PER_HASH
     # distinct hashes up to the token cap: past it a store is dropped and counted
     long = prompt(2, 400)
     index.apply("e0", wire([stored(1000 + j, None if j == 0 else 999 + j, long[j * C:(j + 1) * C]) for j in range(400)]))
     e = index._engines["e0"]
-    assert len(e.links) <= len(e.held) <= 10 and sum(map(len, e.children.values())) <= len(e.held)
+    assert len(e.links) <= len(e.held) <= 10
+    assert sum(map(len, e.children.values())) <= PLACES_PER_HASH * len(e.held)
     assert _token_bytes(index) <= 4096
     # a valid chain still predicts exactly, and removing it frees its token bytes
     for j in range(10):

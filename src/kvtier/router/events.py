@@ -23,7 +23,7 @@ class Limits:
     """What one engine can make the router keep. Anything over a cap is dropped and counted
     (`PrefixIndex.stats`); a dropped store only shortens predictions."""
     max_entries: int = 1_000_000  # (group, chunk) pairs held, across tiers: about 0.5 KiB each
-    max_token_bytes: int = 256 << 20  # token ids held in the chain, 4 bytes each (one place per hash)
+    max_token_bytes: int = 256 << 20  # token ids held in the chain, 4 bytes each (index.PLACES_PER_HASH places a hash)
     max_groups: int = 256  # group ids 0 .. max_groups-1 (models have a handful)
     max_tiers: int = 16  # distinct tier names (kvtier has three)
     max_event_tokens: int = 65_536  # token ids in one event: one chunk's

@@ -13,6 +13,10 @@ from .events import (CHUNKED_KINDS, FULL_KINDS, SLIDING_KINDS, STATE_KINDS, TOKE
 from .lookup import GroupRule, hit_tokens, loaded_chunks, window_chunks
 
 _TIER_ORDER = {"cpu": 0, "disk": 1, "redis": 2}
+# a chunk hash ends one chunk of every group; groups of different chunk spans (DeepSeek V4: six)
+# reach it from different parents and tokens, so a hash keeps a few places, the oldest dropped
+# past this many: hostile stores of one hash at ever new places stay bounded
+PLACES_PER_HASH = 8
 _UNKNOWN = object()  # a chunk whose parent no event named
 
 
@@ -39,7 +43,7 @@ class _Engine:
     held: dict[tuple[int, int], tuple[str, ...]] = field(default_factory=dict)  # (group, hash) -> tiers
     parent: dict[tuple[int, int], int | None] = field(default_factory=dict)  # (group, hash) -> the chunk's parent
     children: dict[int | None, dict[bytes, int]] = field(default_factory=dict)  # chain: parent -> tokens -> hash
-    links: dict[int, tuple[int | None, bytes]] = field(default_factory=dict)  # hash -> its one place in children
+    links: dict[int, tuple[tuple[int | None, bytes], ...]] = field(default_factory=dict)  # hash -> its places (PLACES_PER_HASH)
     token_bytes: int = 0  # bytes of token ids the links hold (`Limits.max_token_bytes`)
     groups_of: dict[int, int] = field(default_factory=dict)  # hash -> how many groups hold it
     tiers: dict[str, str] = field(default_factory=dict)  # tier names seen, one string each
@@ -141,9 +145,11 @@ class PrefixIndex:
             self._count(name, "dropped_entries")
             return
         place = (ev.parent, ev.tokens) if n else None
-        old = e.links.get(key[1]) if n else None
-        if place is not None and old != place and (
-                e.token_bytes - (len(old[1]) if old else 0) + len(ev.tokens) > self.limits.max_token_bytes):
+        places = e.links.get(key[1], ()) if n else ()
+        new_place = place is not None and place not in places
+        full = new_place and len(places) >= PLACES_PER_HASH  # the oldest place makes room
+        if new_place and (e.token_bytes - (len(places[0][1]) if full else 0) + len(ev.tokens)
+                          > self.limits.max_token_bytes):
             self._count(name, "dropped_tokens")
             return
         if g is None:
@@ -163,10 +169,12 @@ class PrefixIndex:
             e.held[key] = (held or ()) + (tier,)
         if place is not None:  # a self-describing chunk: its parent, and its place in the chain of hashes
             e.parent[key] = ev.parent
-            if old != place:  # one place per hash (vLLM's hash names its parent and tokens): the newest
-                _unlink(e, h)
+            if new_place:  # a hash at a few places (groups of other chunk spans end at it), never one per store
+                if full:
+                    _unlink_place(e, h, places[0])
+                    places = places[1:]
                 e.children.setdefault(ev.parent, {})[ev.tokens] = h
-                e.links[h] = place
+                e.links[h] = places + (place,)
                 e.token_bytes += len(ev.tokens)
 
     @staticmethod
@@ -359,9 +367,11 @@ def rule(kind: str, window: int | None) -> str:
 
 
 def _unlink(e: _Engine, h: int) -> None:
-    place = e.links.pop(h, None)
-    if place is None:
-        return
+    for place in e.links.pop(h, ()):
+        _unlink_place(e, h, place)
+
+
+def _unlink_place(e: _Engine, h: int, place: tuple[int | None, bytes]) -> None:
     parent, tokens = place
     e.token_bytes -= len(tokens)
     kids = e.children.get(parent)
