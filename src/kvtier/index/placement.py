@@ -26,6 +26,26 @@ ChunkHash = bytes | int
 WARM, COLD, SKIP = "warm", "cold", "skip"
 
 
+def placement_share(plan: Plan, placed_kinds: Sequence[str]) -> str | dict[str, float]:
+    """share="auto" under placement "hits": half of each tier to the full/MLA groups and half to
+    the groups of `placed_kinds` (stored only where hits land), each half by chunk bytes; a group
+    of another kind keeps its proportional bytes (its chunk bytes over all groups'). Placed pools
+    under "proportional" stay mostly empty, so their bytes go to the groups every hit reads
+    (docs/admission.md). "proportional" where no full/MLA or no placed group is cacheable."""
+    cacheable = plan.cacheable_groups
+    anchors = [gp for gp in cacheable if gp.kind in ("full", "mla")]
+    placed = [gp for gp in cacheable if gp.kind in placed_kinds and gp not in anchors]
+    if not anchors or not placed or len({gp.name for gp in cacheable}) != len(cacheable):
+        return "proportional"
+    total = sum(gp.chunk_bytes for gp in cacheable)
+    out = {gp.name: gp.chunk_bytes / total for gp in cacheable if gp not in anchors and gp not in placed}
+    half = 0.5 * (1 - sum(out.values()))
+    for side in (anchors, placed):
+        side_bytes = sum(gp.chunk_bytes for gp in side)
+        out.update({gp.name: half * gp.chunk_bytes / side_bytes for gp in side})
+    return {name: f * (1 - 1e-9) for name, f in out.items()}  # fractions must sum to at most 1
+
+
 class HitsLand:
     """Per request, the endpoints where hits land; per group, warm/cold/skip per chunk."""
 

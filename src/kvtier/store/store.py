@@ -46,6 +46,7 @@ import torch
 from kvtier.errors import ConfigError
 from kvtier.index.index import Index, Load
 from kvtier.index.placement import COLD, SKIP, WARM, HitsLand
+from kvtier.index.placement import placement_share as _placement_share
 from kvtier.core.keys import Namespace, chunk_hashes as _chunk_hashes
 from kvtier.store.metrics import StoreMetrics, metrics_dict, register_prometheus
 from kvtier.store.integrity import Keyed, keyed_from_env
@@ -63,25 +64,13 @@ SHARED_SLOT = -1  # the slot of a Load from a key-addressed tier
 PLACEMENTS = ("hits", "every")
 
 
+# the Store places every kind but full/MLA (sliding windows, chunked-local spans, state checkpoints)
+PLACED_KINDS = ("sliding", "chunked", "state")
+
+
 def placement_share(plan: Plan) -> str | dict[str, float]:
-    """The byte share that goes with placement "hits" (share="auto"): half of each tier to the
-    full/MLA groups, half to the others, each half in proportion to chunk bytes; "proportional"
-    when one side is missing. Storing windows and checkpoints only where hits land leaves those
-    pools mostly empty under "proportional" (equal slots), so the bytes go to the groups every
-    hit reads: measured in replay (docs/admission.md, "share full=0.5,..."), not learned.
-    Rejected: keeping "proportional" with "hits" (the same hits as "every" in the same bytes:
-    the full group's pool is the bound in both)."""
-    cacheable = plan.cacheable_groups
-    anchors = [gp for gp in cacheable if gp.kind in ("full", "mla")]
-    rest = [gp for gp in cacheable if gp.kind not in ("full", "mla")]
-    if not anchors or not rest or len({gp.name for gp in cacheable}) != len(cacheable):
-        return "proportional"
-    half = 0.5 * (1 - 1e-9)  # fractions must sum to at most 1
-    out: dict[str, float] = {}
-    for side in (anchors, rest):
-        total = sum(gp.chunk_bytes for gp in side)
-        out.update({gp.name: half * gp.chunk_bytes / total for gp in side})
-    return out
+    """The share that goes with placement "hits" in the Store (`index.placement.placement_share`)."""
+    return _placement_share(plan, PLACED_KINDS)
 
 
 def make_placement(plan: Plan, placement: object) -> object | None:

@@ -18,6 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandsha
 from vllm.v1.kv_offload.base import LoadStoreSpec, OffloadKey
 
 from kvtier.index.index import Index
+from kvtier.index.placement import placement_share
 from kvtier.index.pool import slot_counts
 from kvtier.core.keys import Namespace, chunk_hashes_from_block_hashes
 from kvtier.core.plan import Plan
@@ -218,22 +219,7 @@ class SpecContext:
 
 
 def vllm_placement_share(plan) -> str | dict[str, float]:  # noqa: ANN001 - kvtier.core.plan.Plan
-    """share="auto" with placement "hits" in vLLM: the Store's rule (store.py `placement_share`:
-    half to the full/MLA groups, half to the groups stored only where hits land) over the groups
-    vLLM's manager places, which are the state groups only (manager.py `_request_places`):
-    sliding and chunked-local groups store every chunk vLLM offers, so each gets its share under
-    "proportional" (its chunk bytes over all groups'), and the half/half split is over the rest.
-    "proportional" where no state group or no full/MLA group is cacheable."""
-    cacheable = plan.cacheable_groups
-    anchors = [gp for gp in cacheable if gp.kind in ("full", "mla")]
-    state = [gp for gp in cacheable if gp.kind == "state"]
-    others = [gp for gp in cacheable if gp.kind not in ("full", "mla", "state")]
-    if not anchors or not state or len({gp.name for gp in cacheable}) != len(cacheable):
-        return "proportional"
-    total = sum(gp.chunk_bytes for gp in cacheable)
-    out = {gp.name: gp.chunk_bytes / total for gp in others}
-    half = 0.5 * (1 - sum(out.values()))
-    for side in (anchors, state):
-        side_bytes = sum(gp.chunk_bytes for gp in side)
-        out.update({gp.name: half * gp.chunk_bytes / side_bytes for gp in side})
-    return {name: f * (1 - 1e-9) for name, f in out.items()}  # fractions must sum to at most 1
+    """share="auto" with placement "hits" in vLLM: the half/half split over the groups vLLM's
+    manager places, the state groups only (manager.py `_request_places`): sliding and
+    chunked-local groups store every chunk vLLM offers, so they keep their proportional bytes."""
+    return placement_share(plan, ("state",))
