@@ -268,13 +268,16 @@ class DiskJournal:
 
     def _fail(self, what: str, err: BaseException, counter: str = "errors") -> None:
         """Journaling off for this process, logged once, counted."""
-        import os
-
         setattr(self, counter, getattr(self, counter) + 1)
         if self.enabled:
             log.warning("kvtier: the disk event journal %s %s (%s): journaling stops; a restart "
                         "announces only the chunks journaled until now", self.path, what, err)
         self.enabled = False
+        self._close()
+
+    def _close(self) -> None:
+        import os
+
         if self._fd is not None:
             try:
                 os.close(self._fd)
@@ -383,12 +386,7 @@ class DiskJournal:
 
         import msgspec
 
-        if self._fd is not None:
-            try:
-                os.close(self._fd)
-            except OSError:
-                pass
-            self._fd = None
+        self._close()
         if not self.enabled:
             return
         tmp = self.path.with_name(f".{self.NAME}.{os.getpid()}")
