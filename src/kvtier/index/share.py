@@ -15,11 +15,9 @@ hits land (`kvtier.index.placement`) a state group's share falls to what its end
 No group goes below `floor` x its proportional bytes (and one chunk): a hit needs every group, so
 none may be starved, even one that stored nothing warm lately. Starts proportional.
 
-Rejected (measured, docs/admission.md): hill-climbing on ghost lists (per group, the compute the
-keys it evicted lately would have saved: hits a little more capacity would have served, FLOPs
-per byte). Per-period ghost hits are few and the two groups' hits are joint (a longer hit needs
-the full chunks *and* the checkpoint), so the share swung between the floor and 56% and lost 1-7
-points of token hit rate to this rule; tilting this rule's target by the ghost value lost too.
+Not ghost lists (the compute a group's recent evictions would have saved): a group's ghost hits
+are few and joint with the other groups' (a hit needs every group), so that share swung and lost
+hits (docs/admission.md).
 
 Memory: 3 numbers per group.
 """

@@ -38,7 +38,7 @@ One core per MAC (`max_threads=1` for BLAKE3), never a thread pool: the hosts kv
 keep their cores busy (an engine's scheduler, its workers, the disk tier's helper), and on the
 2-core build machine two threads hashed no faster than one (docs/store.md, "Cost"). The disk
 tier overlaps a cold read's MAC with its I/O on its own helper thread; the redis tier seals an
-AES-GMAC value inline on its sender, which measured faster than a helper (redis_wire).
+AES-GMAC value inline on its sender (redis_wire says why).
 """
 
 from __future__ import annotations
@@ -271,8 +271,7 @@ def _gmac(key: bytes, head: bytes) -> _Gmac:
 
 class _Gmac:
     """A GCM encryptor fed only associated data: its tag is the GMAC, cut to MAC_BYTES (all 16).
-    `authenticate_additional_data` runs without the GIL (measured, cryptography 51), like the
-    hashes' `update`."""
+    `authenticate_additional_data` runs without the GIL, like the hashes' `update`."""
 
     __slots__ = ("_g",)
 

@@ -28,13 +28,9 @@ caller's buffers, checked as they land (`redis_reader`): no helper. Both streams
 tier's call deadline: each sendmsg and receive of theirs ends by it (`redis_conn.DeadlineSocket`).
 
 With a secret (AES-GMAC) every value is sealed inline on the sender, one `Keyed.seal` a value
-(xxh3 in C, then one streamed OpenSSL GMAC of header and payload), helper or not: measured on
-the 2-core build machine (issue 41, load average ~1, one process, 31 rounds of 64 x 256 KiB,
-3 alternated runs each, the helper forced on and off), inline 0.63 / 0.73 / 0.62 of raw
-redis-py (2.51 / 2.91 / 2.53 GB/s; raw 3.99-4.07) against the helper's 0.53 / 0.53 / 0.78
-(2.20 / 2.19 / 2.11; raw 4.12 / 4.16 / 2.70), likely because the helper takes the core the server
-needs. (The C batch seal this replaced, `_BatchSealer`, went with the hand-written GMAC.) Keyed
-BLAKE3 (written only where `cryptography` is missing) keeps the helper.
+(xxh3 in C, then one streamed OpenSSL GMAC of header and payload): a helper thread took the core
+the server needs and saved slower (docs/redis.md, "Benchmark"). Keyed BLAKE3 (written only where
+`cryptography` is missing) keeps the helper.
 
 Rejected: waves of smaller redis-py pipelines, sealed one wave ahead: every wave waits for its
 replies before the next is sent, and 4 waves of a 16 MiB batch cost 9% of the send (measured);
