@@ -43,7 +43,7 @@ test: $(VENV)/.stamp
 # script), tests/system and tests/e2e run in `make test` only.
 QUICK_TESTS := tests/core tests/index tests/property tests/store tests/contract/test_policy_contract.py \
 	tests/contract/test_tier_contract_cpu_disk.py tests/replay tests/loadgen tests/commands tests/test_layers.py \
-	tests/test_docs_layout.py tests/integrations
+	tests/integrations
 QUICK_SKIP := tests/integrations/test_router_engineless.py tests/integrations/test_vllm_plan_dsv4.py \
 	tests/integrations/test_gpu_check_script.py
 test-quick: $(VENV)/.stamp

@@ -6,6 +6,10 @@ every other line is either an entry or a continuation:
   `x/` for a package, which stands for its `__init__.py`), then the module's job;
 - a continuation of the job above: indented to the job's column (CONTINUATION_INDENT or more).
 A line that is neither fails the test, so a mistyped entry is never skipped in silence.
+
+Its tests run from tests/test_layers.py, in the same module (one pytest worker, one at a time) as
+the layering tests that place probe modules in src/kvtier for a moment: a check of the tree on
+another worker would see them.
 """
 
 from __future__ import annotations
@@ -66,7 +70,7 @@ def in_tree() -> set[str]:
             if "__pycache__" not in p.parts}
 
 
-def test_the_layout_lists_every_module_and_only_modules_that_exist() -> None:
+def check_the_layout_lists_every_module_and_only_modules_that_exist() -> None:
     doc, tree = listed(layout_block(DOC.read_text())), in_tree()
     missing, stale = sorted(tree - doc), sorted(doc - tree)
     assert not missing and not stale, (
@@ -74,18 +78,12 @@ def test_the_layout_lists_every_module_and_only_modules_that_exist() -> None:
         f"listed but absent {stale}. One line per module, its job in a line")
 
 
-def test_every_directory_under_src_is_a_package() -> None:
+def check_every_directory_under_src_is_a_package() -> None:
     """A directory without __init__.py would be listed as a package that is not one."""
     dirs = [d for d in SRC.rglob("*") if d.is_dir() and d.name != "__pycache__" and any(d.glob("*.py"))]
     assert [d for d in dirs if not (d / "__init__.py").is_file()] == []
 
 
-@pytest.mark.parametrize("line, problem", [
-    ("  core/\n      plan.py   two levels below core/", "nested under no package"),
-    ("  cor e.py   a space in the name", "neither an entry"),
-    ("   odd.py   an odd indent", "neither an entry"),
-    ("  errors.py   once\n  errors.py   twice", "twice"),
-])
-def test_a_malformed_block_fails_loudly(line: str, problem: str) -> None:
+def check_a_malformed_block_fails_loudly(line: str, problem: str) -> None:
     with pytest.raises(AssertionError, match=problem):
         listed(["src/kvtier/   the package", *line.splitlines()])

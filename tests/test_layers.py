@@ -258,3 +258,27 @@ def test_the_private_attribute_check_bites(source: str) -> None:
         assert any("_private_probe.py" in v for v in vllm_private_reads())
     finally:
         fake.unlink()
+
+
+# docs/interfaces.md's layout block against the tree (tests/docs_layout.py): here, because the
+# probe modules above sit in src/kvtier for a moment, and pytest-xdist keeps a module on one worker
+sys.path.insert(0, str(Path(__file__).parent))
+import docs_layout  # noqa: E402
+
+
+def test_the_layout_lists_every_module_and_only_modules_that_exist() -> None:
+    docs_layout.check_the_layout_lists_every_module_and_only_modules_that_exist()
+
+
+def test_every_directory_under_src_is_a_package() -> None:
+    docs_layout.check_every_directory_under_src_is_a_package()
+
+
+@pytest.mark.parametrize("line, problem", [
+    ("  core/\n      plan.py   two levels below core/", "nested under no package"),
+    ("  cor e.py   a space in the name", "neither an entry"),
+    ("   odd.py   an odd indent", "neither an entry"),
+    ("  errors.py   once\n  errors.py   twice", "twice"),
+])
+def test_a_malformed_block_fails_loudly(line: str, problem: str) -> None:
+    docs_layout.check_a_malformed_block_fails_loudly(line, problem)
