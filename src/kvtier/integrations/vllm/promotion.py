@@ -1,5 +1,5 @@
-"""Promotion into the cpu tier: at lookup and at load, the scheduler's side (the manager's), and
-the worker's one step of a promotion at load (`fill_at_load`).
+"""Promotion into the cpu tier, at lookup and at load: the scheduler's side (the manager's). The
+worker's one step of a promotion at load lives in the worker (`KvtierWorker._fill_at_load`).
 
 Promotion at lookup: the worker keeps the cpu tier in a host region file this process maps too
 (`kvtier.host_region`; promoter.py), whether vLLM runs the worker in this process (the "uni"
@@ -275,24 +275,3 @@ class Promotions:
     def close(self) -> None:
         self.promoter.close()
 
-
-def fill_at_load(ctx: SpecContext, cpu, metrics: Metrics, g: int, blocks: list[tuple[int, int]], buf,  # noqa: ANN001
-                 tier: str, item: ChunkItem) -> tuple[object | None, int | None]:
-    """The worker's step, on its engine thread: copy a verified chunk `buf` its load read from
-    disk or Redis (`tier`) into the cpu slot reserved for it (a second place ("cpu", slot) in its
-    item), if any, and commit the slot's header; (the slot's row, the slot), or (None, None). A
-    chunk the load needs only part of is not promoted (its header would claim blocks whose bytes
-    were not checked for this load): the slot is left empty, a later read of it a counted miss.
-    `cpu`: the worker's CpuTier, or None."""
-    slot = next((s for t, s in item.places[1:] if t == "cpu"), None)
-    if cpu is None or slot is None:
-        return None, None
-    if len(blocks) != ctx.blocks_per_chunk:
-        cpu.free(g, slot)
-        metrics.add("promote_skipped_partial", group=g)
-        return None, None
-    row = cpu.begin(g, slot)
-    row.copy_(buf)
-    cpu.commit(g, slot, ctx.blocks_header(item, blocks))
-    metrics.add(f"promoted_chunks_{tier}", group=g)
-    return row, slot

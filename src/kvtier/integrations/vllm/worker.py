@@ -11,7 +11,6 @@ group's own size (not a row sized for all groups). Around the job lifecycle kept
 - copies.py: the copies between blocks and host chunk rows: its own (a side stream on a GPU) and,
   for chunks in cpu slots on a GPU, vLLM's copy handlers (copier.py), and waiting for them;
 - slow_io.py: disk and Redis reads and write-behind on one background thread (store/lane.py);
-- promotion.py: a verified disk or Redis chunk copied into its reserved cpu slot (`fill_at_load`);
 - store/buffers.py: the pool of host staging buffers (`POOL_BUFFERS` per size);
 - tiers.py: the tiers, built by store/tiers/factory.py.
 
@@ -60,7 +59,7 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
 )
 
-from kvtier.store.buffers import BufferPool
+from kvtier.store.buffers import POOL_BUFFERS, BufferPool
 from kvtier.store.lane import Lane
 from kvtier.store.tiers.base import Tier
 
@@ -69,13 +68,10 @@ from .copier import EXPEDITED, LOAD, STORE
 from .copies import HostCopies, layer_refs
 from .counters import Metrics
 from .placement import Misplaced, place
-from .promotion import fill_at_load
 from .slow_io import SlowIO
 from .tiers import worker_tiers
 
 log = logging.getLogger("kvtier.vllm")
-
-POOL_BUFFERS = 8  # host staging buffers kept per size for reuse (pinned on a GPU)
 
 
 @dataclass(slots=True)
@@ -208,7 +204,7 @@ class KvtierWorker(OffloadingWorker):
             self._done(job_id, False, 0, t0, "load")
             return
         for g, i, blocks, buf, tier, item in staged:
-            row, slot = fill_at_load(self.ctx, cpu, self.metrics, g, blocks, buf, tier, item)
+            row, slot = self._fill_at_load(cpu, g, blocks, buf, tier, item)
             if row is None:
                 sources.append((g, i, blocks, buf, tier, None))
                 held.append(buf)
@@ -307,6 +303,27 @@ class KvtierWorker(OffloadingWorker):
                 self.metrics.add("jobs_noncontiguous")
             return None
         return placed
+
+    def _fill_at_load(self, cpu, g: int, blocks: list[tuple[int, int]], buf, tier: str,  # noqa: ANN001
+                      item: ChunkItem) -> tuple[object | None, int | None]:
+        """A promotion at load, this half's step on the engine thread: copy the verified chunk
+        `buf` the load read from disk or Redis (`tier`) into the cpu slot the manager reserved for
+        it (a second place ("cpu", slot) in its item), if any, and commit the slot's header; (the
+        slot's row, the slot), or (None, None). A chunk the load needs only part of is not
+        promoted (its header would claim blocks this load did not check): the slot is freed, a
+        later read of it a counted miss. `cpu`: the CpuTier, or None."""
+        slot = next((s for t, s in item.places[1:] if t == "cpu"), None)
+        if cpu is None or slot is None:
+            return None, None
+        if len(blocks) != self.ctx.blocks_per_chunk:
+            cpu.free(g, slot)
+            self.metrics.add("promote_skipped_partial", group=g)
+            return None, None
+        row = cpu.begin(g, slot)
+        row.copy_(buf)
+        cpu.commit(g, slot, self.ctx.blocks_header(item, blocks))
+        self.metrics.add(f"promoted_chunks_{tier}", group=g)
+        return row, slot
 
     @property
     def _cpu(self):  # noqa: ANN202 - the CpuTier, or None without a cpu tier
