@@ -1,7 +1,8 @@
 """Real redis-server processes for tests: a standalone server and a 3-master Redis Cluster.
 
-Every server runs on a free loopback port, in its own temp directory, with persistence off, and is
-stopped (SIGTERM, then SIGKILL) by `stop()`, by the context managers, and at interpreter exit as
+Every server is started by kvtier's one redis-server starter (`kvtier.loadgen.servers.redis_server`:
+its own process group, stopped if this process dies), runs on a free loopback port, in its own
+temp directory, with persistence off, and is stopped (SIGTERM, then SIGKILL) by `stop()`, by the context managers, and at interpreter exit as
 a last resort, so no test leaves a process behind. Faults are real: `kill()` is SIGKILL,
 `pause()`/`resume()` are SIGSTOP/SIGCONT (a server that accepts connections but never answers),
 and `restart()` starts a fresh process on the same port.
@@ -44,23 +45,24 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvtier.loadgen.servers import ephemeral_range
+from kvtier.loadgen.servers import Process, ephemeral_range
+from kvtier.loadgen.servers import redis_server as start_redis_server
 
 # The binaries: Redis by default; KVTIER_REDIS_SERVER / KVTIER_REDIS_CLI run the same tests
 # against another server speaking the protocol (valkey-server / valkey-cli).
 SERVER = os.environ.get("KVTIER_REDIS_SERVER", "redis-server")
 CLI = os.environ.get("KVTIER_REDIS_CLI", "redis-cli")
 
-_LIVE: set[subprocess.Popen[bytes]] = set()
+_LIVE: set[Process] = set()
 
 
 def _reap_all() -> None:  # last resort: a test that crashed before its teardown
-    for proc in list(_LIVE):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(proc.pid, signal.SIGCONT)
-            proc.kill()
+    for server in list(_LIVE):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(server.pgid, signal.SIGCONT)
+            os.killpg(server.pgid, signal.SIGKILL)
         with contextlib.suppress(Exception):
-            proc.wait(timeout=5)
+            server.stop(grace_s=5)
     _LIVE.clear()
 
 
@@ -173,7 +175,8 @@ class RedisServer:
         self.extra_args = extra_args
         self.tls = tls  # TLS only (no plain port) when set
         self.password = password  # `requirepass` of the default user when set
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.server: Process | None = None
+        self.proc: subprocess.Popen[bytes] | None = None  # the server's process (self.server.proc)
 
     @property
     def url(self) -> str:
@@ -184,32 +187,24 @@ class RedisServer:
         return self.proc is not None and self.proc.poll() is None
 
     def start(self, timeout_s: float = 10.0) -> RedisServer:
+        """The server started by kvtier's one starter (kvtier.loadgen.servers.redis_server: its
+        own process group, stopped if this process dies), answering PING within `timeout_s`."""
         if self.alive:
             raise RuntimeError(f"redis-server on port {self.port} is already running")
-        self.directory.mkdir(parents=True, exist_ok=True)
-        ports = ["--port", str(self.port)]
-        if self.tls is not None:
-            ports = ["--port", "0", "--tls-port", str(self.port),
-                     "--tls-cert-file", str(self.tls.cert), "--tls-key-file", str(self.tls.key),
-                     "--tls-ca-cert-file", str(self.tls.ca)]
-            if "--tls-auth-clients" not in self.extra_args:
-                ports += ["--tls-auth-clients", "optional"]
-        if self.password is not None:
-            ports += ["--requirepass", self.password]
-        args = [
-            SERVER, *ports, "--bind", "127.0.0.1",
-            "--dir", str(self.directory), "--save", "", "--appendonly", "no",
-            "--daemonize", "no", "--protected-mode", "yes",
-            "--logfile", str(self.directory / "redis.log"),
-            *self.extra_args,
-        ]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        _LIVE.add(self.proc)
+        extra = list(self.extra_args)
+        if self.tls is not None and "--tls-auth-clients" not in extra:
+            extra += ["--tls-auth-clients", "optional"]
+        tls = (self.tls.cert, self.tls.key, self.tls.ca) if self.tls is not None else None
+        self.server, _ = start_redis_server(
+            SERVER, self.port, self.directory, self.directory / "redis.log",
+            password=self.password if self.password is not None else False, tls=tls, extra_args=extra)
+        self.proc = self.server.proc
+        _LIVE.add(self.server)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                log = (self.directory / "redis.log")
-                tail = log.read_text()[-400:] if log.exists() else ""
+                tail = self.server.log_tail(400)
+                self.stop()
                 raise RuntimeError(f"redis-server on port {self.port} exited at start: {tail}")
             if _ping(self.port, tls=self.tls):
                 return self
@@ -219,29 +214,21 @@ class RedisServer:
 
     def stop(self) -> None:
         """SIGTERM (after SIGCONT, in case it is paused), SIGKILL if it lingers; waits for exit."""
-        proc, self.proc = self.proc, None
-        if proc is None:
+        server, self.server, self.proc = self.server, None, None
+        if server is None:
             return
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.pid, signal.SIGCONT)
-                proc.terminate()
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=5)
-        _LIVE.discard(proc)
+        server.stop(grace_s=5)
+        _LIVE.discard(server)
 
     def kill(self) -> None:
         """SIGKILL: the server vanishes mid-run, as in a crash."""
-        proc, self.proc = self.proc, None
-        if proc is None:
+        server = self.server
+        if server is None:
             return
         with contextlib.suppress(ProcessLookupError):
-            proc.kill()
-        proc.wait(timeout=5)
-        _LIVE.discard(proc)
+            server.proc.kill()
+        server.proc.wait(timeout=5)
+        self.stop()
 
     def pause(self) -> None:
         """SIGSTOP: the socket stays open but nothing answers (a slow or hung server)."""
@@ -323,7 +310,7 @@ class RedisSentinelServers:
                                    extra_args=("--replicaof", "127.0.0.1", str(self.master.port)))
         self.sentinel_dir = directory / "sentinel"
         self.sentinel_port = free_port()
-        self.sentinel: subprocess.Popen[bytes] | None = None
+        self.sentinel: Process | None = None
 
     @property
     def url(self) -> str:
@@ -352,8 +339,8 @@ class RedisSentinelServers:
                 f"sentinel down-after-milliseconds {self.SERVICE} 1000",
                 f"sentinel failover-timeout {self.SERVICE} 4000",
             ]) + "\n")
-            self.sentinel = subprocess.Popen([SERVER, str(conf), "--sentinel"],
-                                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            self.sentinel = Process("redis-sentinel", [SERVER, str(conf), "--sentinel"], dict(os.environ),
+                                    self.sentinel_dir / "stdout.log")
             _LIVE.add(self.sentinel)
             deadline = time.monotonic() + timeout_s
             while time.monotonic() < deadline:
@@ -378,12 +365,7 @@ class RedisSentinelServers:
     def stop(self) -> None:
         proc, self.sentinel = self.sentinel, None
         if proc is not None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=5)
+            proc.stop(grace_s=5)
             _LIVE.discard(proc)
         self.replica.stop()
         self.master.stop()

@@ -237,7 +237,9 @@ def test_the_bench_own_server_takes_no_command_without_its_random_password() -> 
         assert password.encode() not in Path(f"/proc/{pids[0]}/cmdline").read_bytes()
         d = Path(os.readlink(f"/proc/{pids[0]}/cwd"))
         assert stat.S_IMODE(d.stat().st_mode) == 0o700  # no other user reaches its files
-        held = [f for f in d.iterdir() if password.encode() in f.read_bytes()]
-        assert [f.name for f in held] == ["redis.conf"] and stat.S_IMODE(held[0].stat().st_mode) == 0o600
+        held = sorted(f for f in d.iterdir() if password.encode() in f.read_bytes())
+        # the config file and the password file (kvtier.loadgen.servers.redis_server), both 0600
+        assert [f.name for f in held] == ["password", "redis.conf"]
+        assert all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in held)
     assert not [p for p in _servers_in("kvtier-bench-redis-")
                 if f":{port}".encode() in Path(f"/proc/{p}/cmdline").read_bytes()]

@@ -20,17 +20,15 @@ import argparse
 import contextlib
 import json
 import os
-import secrets
 import shutil
-import socket
 import statistics
-import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 from kvtier.errors import ConfigError, KvtierError
-from kvtier.loadgen.servers import free_port
+from kvtier.loadgen.servers import free_port, redis_server, wait_redis_ready
 
 HELP = "redis tier save/load throughput against raw redis-py pipelined SET/GET, as ratios"
 
@@ -46,8 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="bytes per chunk payload (default 256 KiB)")
     p.add_argument("--chunks", type=int, default=64, metavar="N",
                    help="chunk payloads per round, in one batch (default 64)")
-    # 31: a round's save is ~7 ms of a 2-core machine; over 7 rounds one scheduling hiccup moved
-    # the median by up to 0.2 (keyed save 0.70-0.89 for the same code), over 31 by ~0.04
+    # 31 rounds: a round is milliseconds, so a median over few rounds moves with one scheduling hiccup
     p.add_argument("--rounds", type=int, default=31, metavar="N", help="rounds (default 31)")
     p.add_argument("--secret", action="store_true",
                    help="key the tier with a random tenant secret (a MAC on every value): the ratios "
@@ -57,54 +54,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 @contextlib.contextmanager
 def own_server() -> Iterator[str]:
-    """A redis-server on a free loopback port, persistence off, always stopped; yields its URL,
-    which carries the server's random password (`redis://:PASSWORD@127.0.0.1:PORT/0`; every
-    message shows it through `redact`).
-
-    Any local user can connect to a loopback port, so the server takes no command without that
-    password (`requirepass`). The password is written to a config file (0600) in the temporary
-    directory (0700) and never put on the command line, which /proc shows to every user.
-    Rejected: a Unix socket in the private directory (as private, but the bench would then
-    measure another transport than the TCP that `--url` and real deployments use)."""
+    """A redis-server on a free loopback port, persistence off, always stopped
+    (`kvtier.loadgen.servers.redis_server`, with a random password kept in 0600 files, never on
+    the command line); yields its URL, which carries that password
+    (`redis://:PASSWORD@127.0.0.1:PORT/0`; every message shows it through `redact`). TCP, not a
+    Unix socket in the private directory: the bench measures the transport `--url` and real
+    deployments use."""
     exe = shutil.which("redis-server")
     if exe is None:
         raise KvtierError("redis-server not found; install it (apt-get install redis-server) "
                           "or pass --url")
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-redis-") as d:  # mode 0700
-        password = secrets.token_hex(32)
-        conf = os.path.join(d, "redis.conf")
-        fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(f"requirepass {password}\n")
         port = free_port()
-        proc = subprocess.Popen(
-            [exe, conf, "--port", str(port), "--bind", "127.0.0.1", "--dir", d, "--save", "",
-             "--appendonly", "no", "--logfile", f"{d}/redis.log"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        auth = f"*2\r\n$4\r\nAUTH\r\n${len(password)}\r\n{password}\r\n*1\r\n$4\r\nPING\r\n".encode()
+        proc, password_file = redis_server(exe, port, Path(d), Path(d) / "redis.log")
+        assert password_file is not None
         try:
-            deadline = time.monotonic() + 10
-            while True:
-                if proc.poll() is not None:
-                    raise KvtierError(f"redis-server exited at start (port {port})")
-                try:
-                    with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
-                        s.sendall(auth)
-                        if s.recv(64).startswith(b"+OK\r\n+PONG"):
-                            break
-                except OSError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise KvtierError(f"redis-server on port {port} did not answer in 10 s")
-                time.sleep(0.02)
-            yield f"redis://:{password}@127.0.0.1:{port}/0"
+            wait_redis_ready(proc, "127.0.0.1", port, time.monotonic() + 10, password_file)  # ServerFailed
+            yield f"redis://:{password_file.read_text()}@127.0.0.1:{port}/0"
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=5)
+            proc.stop(grace_s=5)
 
 
 def _timed(fn: Callable[[], object]) -> float:

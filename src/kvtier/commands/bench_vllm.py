@@ -10,8 +10,7 @@ and whether in every round the second pass's greedy outputs equal what vLLM itse
 the same prompts: cold (the first pass) or from its own prefix cache (an untimed reference pass
 before the reset). Both references are needed: in bfloat16 on CPU, vLLM's logits depend on the
 attention path (cold prefill vs cached prefix) and on the batch's shape, and a near-tie can flip
-a greedy token between vLLM's own passes (measured: in 2 of 6 SmolLM2 rounds one prompt's cold
-and cached outputs differed from the 2nd or 5th token on); a wrong restore matches neither.
+a greedy token between vLLM's own passes; a wrong restore matches neither.
 """
 
 from __future__ import annotations

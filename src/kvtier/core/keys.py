@@ -17,10 +17,8 @@ per hash unit (a few milliseconds), not a Python loop over tokens.
 chunk sizes sharing a disk directory would read each other's payloads as their own.
 
 Extra keys (a LoRA adapter id, multimodal input hashes, a cache salt) are mixed into the root as
-well: a prompt with different extra keys shares no chunk with another. Rejected alternative:
-mixing a multimodal hash only into the blocks its placeholder tokens cover (vLLM's rule) would
-let prompts share the text before an image, but it needs per-block placement the caller rarely
-has; sharing less is never wrong, restoring KV computed for another image is.
+well: a prompt with different extra keys shares no chunk with another. Sharing less is never
+wrong; restoring KV computed for another image is.
 
 Engine hashes (vLLM's `request.block_hashes`, one bytes-like hash per engine block, already
 chained by the engine) map to chunk hashes by taking the engine hash at each chunk's last block

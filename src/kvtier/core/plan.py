@@ -13,8 +13,8 @@ Rules (DESIGN.md, "The rules of a hybrid prefix hit"), with C = `chunk_tokens`:
   Groups that are not cacheable need nothing and do not constrain the hit.
 - A chunk is worth storing only if some hit reads it (`store_chunks`).
 
-Rejected alternative: one blocks-per-chunk factor for all groups (vLLM's original rule). It
-assumes every group has the same tokens per block and mis-chunks hybrid models.
+Blocks per chunk are per group: one factor for all groups (vLLM's original rule) assumes every
+group has the same tokens per block and mis-chunks hybrid models.
 """
 
 from __future__ import annotations

@@ -19,9 +19,8 @@ capacity is shared out among the cacheable groups by `share`:
   bytes toward equal lifetimes of every group's warm entries (each group's bytes in proportion
   to the bytes it stored warm lately), through `resize`, called by `observe` once per request
   (the caller demotes or frees the entries it evicts and copies the ones it moves).
-Rejected alternative: one shared pool of variable-size entries. It wastes nothing on paper but
-needs a byte allocator (fragmentation) in every tier; fixed-size slots per group make a slot a
-file offset and a slab view.
+Fixed-size slots per group make a slot a file offset and a slab view; one shared pool of
+variable-size entries would need a byte allocator (fragmentation) in every tier.
 
 Lifecycle of an entry in one pool: reserve -> (RESERVED, pinned, invisible to lookup) ->
 commit (COMMITTED, visible, in the eviction policy) or abort (gone). A committed entry may be

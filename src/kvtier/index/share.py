@@ -10,7 +10,7 @@ fading by `fade` a period; cold entries ride on free room and do not count), and
 toward its target by at most `step` x the tier's bytes (`Index.resize`: shrinking evicts cold and
 dead entries first). With every chunk warm this is the proportional share; with warm only where
 hits land (`kvtier.index.placement`) a state group's share falls to what its endpoints need
-(Qwen3-Next, Mooncake traces: ~22-27% of the bytes against 86% proportional).
+(docs/admission.md).
 
 No group goes below `floor` x its proportional bytes (and one chunk): a hit needs every group, so
 none may be starved, even one that stored nothing warm lately. Starts proportional.

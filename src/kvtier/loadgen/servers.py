@@ -1,4 +1,4 @@
-"""Server processes a benchmark starts and always stops: `vllm serve` and `redis-server`.
+"""Server processes a benchmark (or a test) starts and always stops: `vllm serve` and `redis-server`.
 
 Each runs in its own session (process group), so stopping it reaches the processes it started
 (vLLM's engine core and workers): SIGTERM to the group, then SIGKILL to whatever is left, and
@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 
 from kvtier.errors import KvtierError
@@ -124,12 +125,16 @@ class Process:
                                f"its log ends:\n{self.log_tail()}")
 
     def stop(self, grace_s: float = 30.0) -> bool:
-        """SIGTERM to the group, SIGKILL after `grace_s`; True when no process of it is left."""
+        """SIGTERM to the group, SIGKILL after `grace_s`; True when no process of it is left. A
+        paused (SIGSTOP) group is continued first: it would act on SIGTERM only then."""
         if self.stopped is not None:
             return self.stopped
         with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pgid, signal.SIGCONT)
             os.killpg(self.pgid, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
+        with contextlib.suppress(subprocess.TimeoutExpired):  # the leader first: a lone server ends here
+            self.proc.wait(timeout=grace_s)
         while group_alive(self.pgid) and time.monotonic() < deadline:
             self.proc.poll()  # reap the leader so it does not linger as a zombie
             time.sleep(0.2)
@@ -172,24 +177,44 @@ def wait_http_ready(proc: Process, url: str, deadline: float) -> None:
             time.sleep(1.0)
 
 
-def redis_server(binary: str, port: int, directory: Path, log_path: Path) -> tuple[Process, Path]:
-    """A throwaway redis-server on 127.0.0.1:`port`, no persistence, its files in `directory`;
-    returns it and the file (0600) holding its password, for `kvtier.redis_password_file`.
+def redis_server(binary: str, port: int, directory: Path, log_path: Path, *, password: str | bool = True,
+                 tls: tuple[Path, Path, Path] | None = None,
+                 extra_args: Sequence[str] = ()) -> tuple[Process, Path | None]:
+    """A throwaway redis-server on 127.0.0.1:`port`, no persistence, protected mode on, its files
+    in `directory`, its log in `log_path`; returns it and the file (0600) holding its password,
+    for `kvtier.redis_password_file` (None with `password=False`). The one way kvtier starts a
+    redis-server: `kvtier bench redis`, `kvtier bench serve` and the test suite
+    (tests/redis_servers.py) call it.
 
-    Any local user can connect to a loopback port (and to the delaying proxy in front of it), so
-    the server takes no command without a random password (`requirepass`), as `kvtier bench
-    redis`'s own server. The password lives in files of mode 0600 (the config file and the
-    password file), never on the command line, which /proc shows to every user."""
-    password = secrets.token_hex(32)
-    conf = _private_file(directory / "redis.conf", f"requirepass {password}\n")
-    password_file = _private_file(directory / "password", password)
-    argv = [binary, str(conf), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-            "--appendonly", "no", "--dir", str(directory)]
+    `password`: True (the benchmarks') a random one; a string, that one; False none (the test
+    suite's servers, unless a test asks for one). Any local user can connect to a loopback port
+    (and to the delaying proxy in front of it), so a benchmark's server takes no command without
+    its password (`requirepass`). The password lives in files of mode 0600 (the config file and
+    the password file), never on the command line, which /proc shows to every user.
+    `tls`: (cert, key, CA) files: TLS only, on `port`. `extra_args` go last (they win)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    argv = [binary]
+    password_file = None
+    if password is not False:
+        secret = secrets.token_hex(32) if password is True else str(password)
+        argv.append(str(_private_file(directory / "redis.conf", f"requirepass {secret}\n")))
+        password_file = _private_file(directory / "password", secret)
+    if tls is None:
+        argv += ["--port", str(port)]
+    else:
+        cert, key, ca = tls
+        argv += ["--port", "0", "--tls-port", str(port), "--tls-cert-file", str(cert),
+                 "--tls-key-file", str(key), "--tls-ca-cert-file", str(ca)]
+    argv += ["--bind", "127.0.0.1", "--protected-mode", "yes", "--daemonize", "no", "--save", "",
+             "--appendonly", "no", "--dir", str(directory), *extra_args]
     return Process("redis-server", argv, dict(os.environ), log_path), password_file
 
 
 def _private_file(path: Path, text: str) -> Path:
-    """A new file of mode 0600 holding `text` (O_EXCL | O_NOFOLLOW: never one planted there)."""
+    """A new file of mode 0600 holding `text` (O_EXCL | O_NOFOLLOW: never one planted there; one
+    left by this server's previous start is removed first)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(text)
@@ -220,4 +245,4 @@ def wait_redis_ready(proc: Process, host: str, port: int, deadline: float,
         if time.monotonic() > deadline:
             raise ServerFailed(f"redis-server did not answer PING on port {port}; its log ends:\n"
                                f"{proc.log_tail()}")
-        time.sleep(0.2)
+        time.sleep(0.05)

@@ -5,8 +5,8 @@ GPU, so a copy to or from the device is asynchronous); the scheduler's lookup pr
 into them. `take` and `give` may run on two threads at once (the engine's and the I/O lane's):
 a deque's pop and append are atomic, so no lock is needed.
 
-Rejected alternative: one allocation per call. Pinned allocations are slow (they page-lock
-memory), and a chunk is megabytes: a step would pay for it.
+Reused, not allocated per call: pinned allocations are slow (they page-lock memory), and a chunk
+is megabytes: a step would pay for it.
 """
 
 from __future__ import annotations
@@ -17,9 +17,11 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+POOL_BUFFERS = 8  # buffers kept per size (the vLLM worker's staging pool, the promoter's read pool)
+
 
 class BufferPool:
-    def __init__(self, keep: int = 8, pin: bool = False) -> None:
+    def __init__(self, keep: int = POOL_BUFFERS, pin: bool = False) -> None:
         """`keep`: buffers kept per size; `pin`: new buffers are page-locked (CUDA present)."""
         self.keep = keep
         self.pin = pin

@@ -19,11 +19,12 @@ kind travels in the header, so every reader checks every kind it can compute:
   (through `cryptography`, which releases the GIL while it hashes) computes it with AES-NI and
   the CPU's carry-less multiply, several times keyed BLAKE3 (docs/store.md, "Cost"): one
   streamed GCM context a value, fed the header and then the payload (`_hasher`, `seal`), or
-  piece by piece (`copy_check`, `stream`). No AES or GHASH is written by hand here (issue 41:
-  the C kernel that did ran slower than OpenSSL's on the build machine).
-- MAC_BLAKE3 (keyed BLAKE3, 6-8 GB/s a core) where `cryptography` is not installed and `blake3`
-  is, and MAC_BLAKE2B (the standard library's, ~0.4 GB/s) where neither is: both still read. See docs/store.md, "Threat model". Split from `payload` (the format) because
-the secret and its checks are their own job.
+  piece by piece (`copy_check`, `stream`). No AES or GHASH is written by hand here (OpenSSL's
+  is faster and reviewed).
+- MAC_BLAKE3 (keyed BLAKE3) where `cryptography` is not installed and `blake3` is, and
+  MAC_BLAKE2B (the standard library's, the slowest) where neither is: both still read. See
+  docs/store.md, "Threat model". Split from `payload` (the format) because the secret and its
+  checks are their own job.
 
 A keyed read is one pass over the bytes: the MAC alone (`Keyed.copy_check`, `Keyed.stream`), not
 the payload checksum and then the MAC. Skipping the unkeyed checksum there is sound only because
@@ -237,13 +238,9 @@ def _copy(dst: memoryview, src: memoryview) -> None:
         _np.copyto(_np.frombuffer(dst, _np.uint8), _np.frombuffer(src, _np.uint8))
 
 
-# copy_check's piece: copied, then hashed while still in L2 (2 MiB per core on the build
-# machine; 256 KiB measured best, 128 KiB within 3%, 1 MiB 10% slower, 4 MiB 20%)
+# copy_check's piece: copied, then hashed while still in L2, on one thread (the MAC then reads
+# each piece from this core's cache, not another's)
 MAC_PIECE = 256 << 10
-# Rejected: the copy on a second thread, a piece ahead of the MAC (a hand-over per 256 KiB-1 MiB
-# piece): 6.1-8.0 GB/s against 9.5 for this one-thread pass on the idle build machine, and the
-# disk tier's warm keyed load fell from 0.76 to 0.60-0.66 of a plain read (the MAC then reads
-# each piece from the other core's cache)
 
 
 class _Digest:
@@ -357,9 +354,8 @@ def read_private_file(path: str, what: str, max_bytes: int = SECRET_FILE_MAX_BYT
 
     The file is opened once (O_NOFOLLOW: a symlink is refused, it could name another user's
     file; O_NONBLOCK: a FIFO cannot hang the open) and every check is made on that descriptor,
-    before a byte is read, so nothing can swap the file between the checks and the read.
-    Rejected: `stat(path)` then `open(path)` (the path can change in between, and a character
-    device such as /dev/zero was read until memory ran out)."""
+    before a byte is read, so nothing can swap the file between the checks and the read (nor
+    can a character device such as /dev/zero be read until memory runs out)."""
     import errno
     import os
     import stat
@@ -421,13 +417,38 @@ def keyed_from_file(path: str, what: str, *, accept_legacy_macs: bool = True) ->
     return Keyed(read_private_file(path, what), accept_legacy_macs=accept_legacy_macs)
 
 
+SECRET_FILE_ENV = "KVTIER_SECRET_FILE"
+SECRET_ENV = "KVTIER_SECRET"
+
+
+def load_secret(secret: bytes | None = None, secret_file: str | None = None, *, what: str = "kvtier.secret_file",
+                accept_legacy_macs: bool = True, missing: str | None = None) -> Keyed | None:
+    """The tenant secret, resolved in the documented order (docs/store.md, "Threat model"): the
+    caller's own `secret` bytes (`Store(secret=...)`), else the private file `secret_file` (vLLM's
+    `kvtier.secret_file`; `what` names it in errors), else the file named by `KVTIER_SECRET_FILE`,
+    else `KVTIER_SECRET`; None when none is set. The one loader the Store and the vLLM config call,
+    once, at start; what it returns is handed to the tiers (never kept in a config value an engine
+    logs: `Keyed` has no repr of its secret). `accept_legacy_macs=False` needs a secret: without
+    one, ConfigError(`missing`, or a generic line)."""
+    if secret is not None:
+        keyed: Keyed | None = Keyed(secret, accept_legacy_macs=accept_legacy_macs)
+    elif secret_file is not None:
+        keyed = keyed_from_file(secret_file, what, accept_legacy_macs=accept_legacy_macs)
+    else:
+        keyed = keyed_from_env(accept_legacy_macs=accept_legacy_macs)
+    if keyed is None and accept_legacy_macs is not True:
+        raise ConfigError(missing or f"accept_legacy_macs={accept_legacy_macs!r} needs a secret: give one, or set "
+                                     f"{SECRET_FILE_ENV} / {SECRET_ENV}")
+    return keyed
+
+
 def keyed_from_env(*, accept_legacy_macs: bool = True) -> Keyed | None:
     """The secret from `KVTIER_SECRET_FILE` (a file of this user, mode 0600) or `KVTIER_SECRET`;
     None when neither is set."""
     import os
 
-    path = os.environ.get("KVTIER_SECRET_FILE")
+    path = os.environ.get(SECRET_FILE_ENV)
     if path:
-        return keyed_from_file(path, "KVTIER_SECRET_FILE", accept_legacy_macs=accept_legacy_macs)
-    value = os.environ.get("KVTIER_SECRET")
+        return keyed_from_file(path, SECRET_FILE_ENV, accept_legacy_macs=accept_legacy_macs)
+    value = os.environ.get(SECRET_ENV)
     return Keyed(value.encode(), accept_legacy_macs=accept_legacy_macs) if value else None

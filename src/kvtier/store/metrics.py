@@ -7,8 +7,7 @@ so a scrape can compute rates; nothing here is on the hot path beyond an integer
 
 `prometheus_client` is optional: `register_prometheus(store)` imports it and registers one
 custom collector that reads `store.metrics()` at scrape time (no background thread, no
-duplicate bookkeeping). Rejected: one `prometheus_client.Counter` per field updated inline,
-which would make prometheus_client a hard dependency of the data plane.
+duplicate bookkeeping), so prometheus_client is no dependency of the data plane.
 """
 
 from __future__ import annotations

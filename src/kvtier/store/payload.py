@@ -37,16 +37,15 @@ values stay readable by a kvtier that reads format 1 alone; this kvtier reads al
 
 Never pickle: a payload is bytes described by this header and nothing else. Decoding never
 raises on bad input; a bad header is a `Rejected(reason)` value the caller counts as a corrupt
-miss. The payload checksum is xxh3_64 when `xxhash` is installed (~5 GB/s, faster than a
-memcpy on most hosts, so disk throughput stays close to plain file I/O) and zlib.crc32
-otherwise (~1.5-3 GB/s); the kind travels in the header so either reader verifies either
-writer's slots. Where kvtier's small C extension `kvtier.store._xxcopy` was built (`pip install`
+miss. The payload checksum is xxh3_64 when `xxhash` is installed (about as fast as a memcpy,
+so disk throughput stays close to plain file I/O) and zlib.crc32 otherwise; the kind travels in
+the header so either reader verifies either writer's slots. Where kvtier's small C extension `kvtier.store._xxcopy` was built (`pip install`
 compiles it; it is optional), payloads over 240 bytes are hashed by it: the same XXH3-64 value,
 with AVX2 where the CPU has it; `copy_checksum` copies a payload and computes its checksum in
 one pass (the disk tier's verified loads) and `pwrite_checksum` writes one, checksumming each
-piece right after the kernel copied it (its saves). Rejected: blake2b/sha (0.5-1.5 GB/s: a
-secure hash buys nothing against torn writes and bit rot) and sums of words (blind to swapped
-blocks).
+piece right after the kernel copied it (its saves). A fast non-cryptographic hash is enough
+against torn writes and bit rot (an attacker is the MAC's job, below); a sum of words is not (it
+is blind to swapped blocks).
 
 Keyed integrity (`kvtier.store.integrity.Keyed`): the checksums above catch torn writes and bit rot, not an attacker: a
 writer of a shared tier (Redis, a disk directory) can keep a tenant's header fields, put in its
@@ -72,10 +71,14 @@ import struct
 import time
 import zlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvtier.errors import ConfigError
 
-try:  # optional: ~3x faster than crc32; the header says which one a slot used
+if TYPE_CHECKING:
+    from kvtier.core.plan import Plan
+
+try:  # optional: faster than crc32; the header says which one a slot used
     import xxhash as _xxhash
 except ImportError:  # pragma: no cover - exercised where xxhash is absent
     _xxhash = None
@@ -179,6 +182,26 @@ def make_header(
         payload_bytes=payload_bytes,
         dtype=dtype,
     )
+
+
+def chunk_header(
+    plan: Plan,
+    namespace_id: str,
+    chunk_hash: bytes,
+    group: int,
+    token_start: int,
+    token_end: int,
+    dtype: str = "uint8",
+) -> ChunkHeader:
+    """The (unsealed) header of chunk `(chunk_hash, group)` of `plan` under `namespace_id` (a
+    `keys.Namespace.id`), claiming tokens [token_start, token_end): the payload is the plan's chunk
+    bytes of that group. The one maker the Store and both vLLM halves call (SpecContext.chunk_header,
+    redis_lookup); a 32-byte hash of a known dtype skips `make_header`'s checks (the hot path of a
+    lookup: kvtier.core.keys gives 32 bytes), anything else goes the checked way."""
+    payload_bytes = plan.groups[group].chunk_bytes
+    if len(chunk_hash) == HASH_BYTES and dtype in DTYPE_CODES and len(namespace_id) == 16:
+        return ChunkHeader(namespace_id, chunk_hash, group, token_start, token_end, payload_bytes, dtype)
+    return make_header(namespace_id, chunk_hash, group, token_start, token_end, payload_bytes, dtype)
 
 
 def as_bytes_view(data: object) -> memoryview:

@@ -28,9 +28,9 @@ local index lacks.
   exception: inference goes on.
 
 Restart: a disk tier's slots are listed and fed to `Index.rebuild`, so a restarted process
-keeps its cache. One lock serializes the calls, I/O included (the index is not thread-safe).
-Rejected: I/O outside the lock with pins held across it; the engines we serve call the store
-from one thread per process, and the single lock keeps demotion/promotion ordering simple.
+keeps its cache. One lock serializes the calls, I/O included (the index is not thread-safe):
+the engines we serve call the store from one thread per process, and the single lock keeps
+demotion/promotion ordering simple.
 """
 
 from __future__ import annotations
@@ -49,12 +49,12 @@ from kvtier.index.placement import COLD, SKIP, WARM, HitsLand
 from kvtier.index.placement import placement_share as _placement_share
 from kvtier.core.keys import Namespace, chunk_hashes as _chunk_hashes
 from kvtier.store.metrics import StoreMetrics, metrics_dict, register_prometheus
-from kvtier.store.integrity import Keyed, keyed_from_env
-from kvtier.store.payload import DTYPE_CODES, HASH_BYTES, ChunkHeader, as_bytes_view, make_header
+from kvtier.store.integrity import load_secret
+from kvtier.store.payload import DTYPE_CODES, ChunkHeader, as_bytes_view, chunk_header
 from kvtier.core.plan import Plan
 from kvtier.store.tiers.base import Tier, TierLayout
 from kvtier.store.tiers.cpu import as_u8
-from kvtier.store.tiers.factory import TierOptions, make_tier
+from kvtier.store.tiers.factory import TierOptions, make_tier, tier_layout
 from kvtier.store.io import TierIO
 
 log = logging.getLogger("kvtier.store.store")
@@ -186,11 +186,9 @@ class Store(TierIO):
                 options = TierOptions(pin_memory=pin_memory)
             else:
                 assert disk_dir is not None
-                keyed = (Keyed(secret, accept_legacy_macs=accept_legacy_macs) if secret is not None
-                         else keyed_from_env(accept_legacy_macs=accept_legacy_macs))
-                if keyed is None and accept_legacy_macs is not True:
-                    raise ConfigError(f"accept_legacy_macs={accept_legacy_macs!r} needs a secret: pass secret=..., "
-                                      "or set KVTIER_SECRET_FILE / KVTIER_SECRET")
+                keyed = load_secret(secret, accept_legacy_macs=accept_legacy_macs,  # integrity.py, once
+                                    missing=f"accept_legacy_macs={accept_legacy_macs!r} needs a secret: pass "
+                                            "secret=..., or set KVTIER_SECRET_FILE / KVTIER_SECRET")
                 options = TierOptions(namespace_id=self.ns_id, keyed=keyed, root=disk_dir, fsync=fsync)
             self.slot_tiers[name] = make_tier(name, layout, options)  # tiers/factory.py
         self.shared: tuple[Tier, ...] = tuple(shared)
@@ -200,25 +198,20 @@ class Store(TierIO):
         self._lock = threading.RLock()
         self._pending = {}  # writes queued by TierIO._store_many, per slot tier
         self._io_depth = 0
-        self._chunk_bytes = [gp.chunk_bytes for gp in plan.groups]
         self._dtypes = [gp.group.dtype if gp.group.dtype in DTYPE_CODES else "uint8" for gp in plan.groups]
         self.rebuilt = self._rebuild()
 
     # -- construction helpers -------------------------------------------------------------
     def _layout(self, tier: str) -> TierLayout:
-        assert self.index is not None
-        slots = tuple(self.index.slots(gp.index, tier) if gp.cacheable else 0 for gp in self.plan.groups)
-        sizes = tuple(gp.chunk_bytes if gp.cacheable else 0 for gp in self.plan.groups)
-        return TierLayout(slot_bytes=sizes, num_slots=slots)
+        index = self.index
+        assert index is not None
+        return tier_layout(self.plan, lambda g: index.slots(g, tier))  # tiers/factory.py
 
     def header(self, chunk_hash: bytes, group: int, chunk_index: int) -> ChunkHeader:
-        """The header a (chunk, group) payload of this store carries (unsealed)."""
+        """The header a (chunk, group) payload of this store carries (unsealed; payload.chunk_header)."""
         c = self.plan.chunk_tokens
-        if len(chunk_hash) != HASH_BYTES:  # kvtier.core.keys gives 32 bytes; others go the checked way
-            return make_header(self.ns_id, chunk_hash, group, chunk_index * c, (chunk_index + 1) * c,
-                               self.plan.groups[group].chunk_bytes, self._dtypes[group])
-        return ChunkHeader(self.ns_id, chunk_hash, group, chunk_index * c, (chunk_index + 1) * c,
-                           self._chunk_bytes[group], self._dtypes[group])
+        return chunk_header(self.plan, self.ns_id, chunk_hash, group, chunk_index * c, (chunk_index + 1) * c,
+                            self._dtypes[group])
 
     def _rebuild(self) -> int:
         """Feed what persistent slot tiers hold to the index; free what it refuses."""

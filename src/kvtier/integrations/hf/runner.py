@@ -30,9 +30,8 @@ class LoadedModel:
 
 
 def pick_threads(threads: str | int | None) -> int | None:
-    """`auto`: the cores the 1-minute load average leaves free (at least 1). On a 2-core box
-    shared with other work, two torch threads spin-wait on each other: measured 40x slower
-    than one thread for a small model, 2x for Gemma 3 270M. None: torch's default."""
+    """`auto`: the cores the 1-minute load average leaves free (at least 1): on a busy box, torch
+    threads spin-wait on each other and run slower than one. None: torch's default."""
     if threads is None:
         return None
     if threads == "auto":

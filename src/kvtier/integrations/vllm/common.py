@@ -92,6 +92,10 @@ class SpecContext:
     # tell that mode apart, and counts the other ranks' records, hashed otherwise, as missing:
     # misses at restart and in Redis, never wrong KV; that mode is not tested.)
     one_scheduler: bool = True
+    # what widens vLLM's hit search of a windowed group (manager placement, `lookup_window`), from
+    # its KV-cache specs: extra_retained_tokens of its sliding specs, its EAGLE/MTP drafter groups
+    retained_tokens: int = 0
+    draft_groups: frozenset[int] = frozenset()  # plan group indices
 
     def rank_namespace_ids(self) -> list[str]:
         """The namespaces whose shards one chunk of this scheduler stands for, its own first:
@@ -143,13 +147,12 @@ class SpecContext:
 
     def tier_layout(self, tier: str):  # noqa: ANN201 - a TierLayout
         """The slots of `tier` per group, as the worker lays the tier out (and the scheduler's
-        readers of it expect): each cacheable group's chunk bytes and slots (`slot_counts`)."""
-        from kvtier.store.tiers.base import TierLayout
+        readers of it expect): each cacheable group's chunk bytes and slots (`slot_counts`), laid
+        out by store/tiers/factory.tier_layout as the Store's are."""
+        from kvtier.store.tiers.factory import tier_layout
 
         slots = self.slot_counts()
-        groups = self.plan.groups
-        return TierLayout(slot_bytes=tuple(gp.chunk_bytes if gp.cacheable else 0 for gp in groups),
-                          num_slots=tuple(slots[(tier, gp.index)] if gp.cacheable else 0 for gp in groups))
+        return tier_layout(self.plan, lambda g: slots[(tier, g)])
 
     def new_region_name(self) -> str | None:
         """A fresh name for the cpu tier's host region (store/tiers/host_region.py) the worker
@@ -177,12 +180,11 @@ class SpecContext:
         return max(0, end - self.span(group)), end
 
     def chunk_header(self, chunk_hash: bytes, group: int, start: int, end: int):  # noqa: ANN201 - a ChunkHeader
-        """The header of chunk `(chunk_hash, group)` claiming tokens [start, end): the one place
-        either side makes one (the scheduler's whole chunks, the worker's job blocks)."""
-        from kvtier.store.payload import make_header
+        """The header of chunk `(chunk_hash, group)` claiming tokens [start, end), for either side
+        (the scheduler's whole chunks, the worker's job blocks): store/payload.chunk_header."""
+        from kvtier.store.payload import chunk_header
 
-        return make_header(self.namespace.id, chunk_hash, group, start, end, self.plan.groups[group].chunk_bytes,
-                           "uint8")
+        return chunk_header(self.plan, self.namespace.id, chunk_hash, group, start, end)
 
     def whole_chunk_header(self, chunk_hash: bytes, group: int, end: int | None):  # noqa: ANN201 - a ChunkHeader
         """The header of the whole chunk `(chunk_hash, group)` ending at token `end`, or None when
@@ -220,6 +222,5 @@ class SpecContext:
 
 def vllm_placement_share(plan) -> str | dict[str, float]:  # noqa: ANN001 - kvtier.core.plan.Plan
     """share="auto" with placement "hits" in vLLM: the half/half split over the groups vLLM's
-    manager places, the state groups only (manager.py `_request_places`): sliding and
-    chunked-local groups store every chunk vLLM offers, so they keep their proportional bytes."""
-    return placement_share(plan, ("state",))
+    manager places (manager.py `_request_places`): sliding, chunked-local and state groups."""
+    return placement_share(plan, ("sliding", "chunked", "state"))

@@ -6,9 +6,8 @@ The rule (tests/test_layers.py enforces it): no other module names a private att
 a try/except ImportError or a hasattr check at the caller. When vLLM changes one of these, this
 file is the one to read. Names here are kept stable: the worker side imports them too.
 
-Rejected alternative: reading vLLM's private state through getattr with a default at each
-caller. That hid which vLLM internals kvtier depends on, and a renamed attribute became a silent
-default (a copy never waited for, a failed load never reported) instead of one failing test.
+No getattr with a default at a caller: a renamed attribute must be one failing test here, not a
+silent default (a copy never waited for, a failed load never reported).
 """
 
 from __future__ import annotations
@@ -44,8 +43,7 @@ def at_least(major: int, minor: int) -> bool:
 # vLLM builds the spec inside OffloadingConnector.__init__ from an OffloadingConfig that names the
 # groups but not their kinds, windows or page sizes. KvtierConnector hands vLLM's KVCacheConfig
 # over for exactly that call, keyed by engine id (two engines in one process never see each
-# other's); the spec takes it back by its config's engine id. Rejected: a module global both
-# sides wrote and read by name (common.ENGINE_KV_CACHE_CONFIGS) - the hand-over had no owner.
+# other's); the spec takes it back by its config's engine id. This module owns the hand-over.
 
 _HANDED: dict[str, object] = {}
 

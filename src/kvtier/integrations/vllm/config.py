@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvtier.errors import ConfigError
 from kvtier.core.units import parse_bytes
@@ -60,7 +60,7 @@ class VllmTierConfig:
     redis_url: str | None = None
     tenant: str = ""
     redis_password_file: str | None = None  # the path only: the password is read when connecting
-    secret_file: str | None = None  # the path only: the tenant secret is read when tiers open
+    secret_file: str | None = None  # the path (the secret itself is `keyed`, never a logged value)
     accept_legacy_macs: bool = True  # integrity.Keyed: False restores current-format MACs only
     io_queue_bytes: int = IO_QUEUE_BYTES
     host_region: str = "auto"  # "auto", "off", or a directory (kvtier.host_region)
@@ -68,6 +68,9 @@ class VllmTierConfig:
     # (host_only.py), so no load, synchronous or not, reads disk or Redis
     host_only_loads: bool = False
     placement: str = "hits"  # kvtier.placement: "hits" or "every"
+    # the tenant secret (integrity.Keyed, or None), read once by parse_config (integrity.load_secret)
+    # and handed to every tier of this process; no repr, not compared
+    keyed: object = field(default=None, repr=False, compare=False)
 
     @property
     def host_region_dir(self) -> str | None:
@@ -128,15 +131,17 @@ def parse_config(extra_config: Mapping[str, object]) -> VllmTierConfig:
     if password_file is not None:
         _private_file(password_file, "kvtier.redis_password_file")  # refused at start, not at connect
     secret_file = ours.get("secret_file")
-    if secret_file is not None:
-        _private_file(secret_file, "kvtier.secret_file")
+    if secret_file is not None and (not isinstance(secret_file, str) or not secret_file):
+        raise ConfigError(f"kvtier.secret_file={secret_file!r} must be a path to a file")
     accept_legacy = ours.get("accept_legacy_macs", True)
     if not isinstance(accept_legacy, bool):
         raise ConfigError(f"kvtier.accept_legacy_macs={accept_legacy!r} must be true or false")
-    if not accept_legacy and secret_file is None and not (os.environ.get("KVTIER_SECRET_FILE")
-                                                          or os.environ.get("KVTIER_SECRET")):
-        raise ConfigError("kvtier.accept_legacy_macs=false needs a secret: set kvtier.secret_file (a file "
-                          "of this user, mode 0600), or KVTIER_SECRET_FILE / KVTIER_SECRET in the environment")
+    from kvtier.store.integrity import load_secret  # no torch
+
+    # read once, here, at start; handed to every tier this process opens (`tier_secret`)
+    keyed = load_secret(secret_file=secret_file, what="kvtier.secret_file", accept_legacy_macs=accept_legacy,
+                        missing="kvtier.accept_legacy_macs=false needs a secret: set kvtier.secret_file (a file "
+                                "of this user, mode 0600), or KVTIER_SECRET_FILE / KVTIER_SECRET in the environment")
     if redis_url is not None and "redis" not in tiers:
         raise ConfigError(f"kvtier.redis_url is set but tier 'redis' is not in kvtier.tiers {list(tiers)}; "
                           "add it to kvtier.tiers or drop the URL")
@@ -202,6 +207,7 @@ def parse_config(extra_config: Mapping[str, object]) -> VllmTierConfig:
         redis_password_file=password_file,
         io_queue_bytes=io_queue,
         secret_file=secret_file,
+        keyed=keyed,
         accept_legacy_macs=accept_legacy,
         host_region=host_region,
         host_only_loads=host_only,
@@ -277,10 +283,6 @@ def _tiers(value: object) -> tuple[str, ...]:
 
 
 def tier_secret(config: VllmTierConfig):  # -> Keyed | None (kvtier.store.integrity, no torch)
-    """The tenant secret for payload MACs: `kvtier.secret_file`, else the environment."""
-    from kvtier.store.integrity import keyed_from_env, keyed_from_file
-
-    if config.secret_file is not None:
-        return keyed_from_file(config.secret_file, "kvtier.secret_file",
-                               accept_legacy_macs=config.accept_legacy_macs)
-    return keyed_from_env(accept_legacy_macs=config.accept_legacy_macs)
+    """The tenant secret for payload MACs (`kvtier.secret_file`, else the environment), as
+    parse_config read it at start (integrity.load_secret): not read again per tier or rank."""
+    return config.keyed

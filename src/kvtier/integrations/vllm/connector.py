@@ -17,8 +17,8 @@ It also hands kvtier's counters to vLLM's stats path (stats.py): each side's
 `get_kv_connector_stats()` is what the stock connector reports plus kvtier's counts since the
 last step, and `build_prom_metrics()` registers kvtier's Prometheus counters beside vLLM's.
 Everything else (scheduling, chunking, hybrid groups) is the stock OffloadingConnector.
-Rejected alternative: reporting `invalid_block_ids`; vLLM refuses block-level failures for
-models with several KV-cache groups, which are the models kvtier is for.
+A failed load is reported as a failed receive, not as `invalid_block_ids`: vLLM refuses
+block-level failures for models with several KV-cache groups, which are the models kvtier is for.
 """
 
 from __future__ import annotations

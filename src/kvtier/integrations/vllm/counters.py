@@ -40,8 +40,8 @@ class Metrics:
     thread that counts: the first count after a write arms one timer, which writes everything
     counted until it fires (so the file is at most `interval_s` behind, and an idle engine's last
     counts still land). Forced writes (`flush(force=True)`) happen at start, when the workers'
-    layout arrives, at shutdown, and at process exit for anything unwritten. Rejected: rewriting
-    it on every scheduler and worker call (a JSON dump and a rename per engine step)."""
+    layout arrives, at shutdown, and at process exit for anything unwritten. Never per call: that
+    would be a JSON dump and a rename per engine step."""
 
     role: str
     directory: str | None

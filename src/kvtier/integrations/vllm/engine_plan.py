@@ -8,8 +8,8 @@ slots for that group's chunk. So inside vLLM, a group's chunk covers `span_token
 (`tokens_per_block[g] * blocks_per_chunk`) and holds `span * bytes_per_token` bytes; where every
 group has the same span this is exactly `make_plan(geometry, blocks_per_chunk=...)`.
 
-Rejected alternative: refusing mixed spans (kvtier did until 2026-12), although vLLM's native
-offloading accepts them; the hybrids kvtier exists for are exactly those models.
+Mixed spans are accepted, as vLLM's native offloading accepts them: the hybrids kvtier exists for
+are exactly those models.
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ request finished (an abort) also while its load is in flight, before that load c
 chunks are then kept until the load completes, so a failed load still forgets them; a load that
 worked drops them then.
 
-Pure: no torch, no vLLM. Rejected: a flag the connector sets on the manager around vLLM's own
-handling, read by complete_load (a fact planted across a call; `mark_failed` names it).
+Pure: no torch, no vLLM. A failure is named by `mark_failed`, never planted as a flag across a
+call.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ promotion that would pass it is not queued: `fetch` answers False, as for a tier
 and the manager serves the chunk as before (a hit its load reads from the slower tier, a miss with
 host-only loads), counted `promote_dropped`. As the worker's lane admits a write into an empty
 queue, nothing out admits one promotion of any size, so a budget below one chunk still promotes
-one at a time. Rejected: waiting for room (the scheduler's thread never waits on I/O).
+one at a time. It never waits for room: the scheduler's thread never waits on I/O.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-from kvtier.store.buffers import BufferPool
+from kvtier.store.buffers import POOL_BUFFERS, BufferPool
 from kvtier.store.lane import Lane
 from kvtier.store.payload import ChunkHeader
 
@@ -43,8 +43,6 @@ from .common import SpecContext
 from .counters import Metrics
 
 log = logging.getLogger("kvtier.vllm")
-
-POOL_BUFFERS = 8  # read buffers kept per size
 
 
 @dataclass

@@ -91,7 +91,7 @@ class RedisLookup:
         """On the lane: one pipelined EXISTS for every key queued since the last check. With
         tensor parallel a chunk is in Redis only when every rank's shard (its key under that
         rank's namespace) exists: Redis evicts keys one by one."""
-        from kvtier.store.payload import make_header
+        from kvtier.store.payload import chunk_header
 
         with self.lock:
             want, self._want = self._want, []
@@ -100,7 +100,8 @@ class RedisLookup:
         if not want or redis is None:
             return
         ids = ctx.rank_namespace_ids()
-        headers = [make_header(i, h, g, 0, 0, ctx.plan.groups[g].chunk_bytes) for h, g in want for i in ids]
+        # EXISTS asks by key (namespace, hash, group): the span is not part of it
+        headers = [chunk_header(ctx.plan, i, h, g, 0, 0) for h, g in want for i in ids]
         each = redis.exists_many(headers)
         found = [all(each[k * len(ids):(k + 1) * len(ids)]) for k in range(len(want))]
         with self.lock:

@@ -25,7 +25,7 @@ log = logging.getLogger("kvtier.vllm")
 
 def worker_tiers(ctx: SpecContext, pin: bool) -> dict[str, Tier]:
     """The worker's tiers, in `kvtier.tiers` order; `pin`: the KV cache is on a GPU."""
-    keyed = tier_secret(ctx.config)  # read once, for the disk and Redis tiers alike
+    keyed = tier_secret(ctx.config)  # read once by parse_config, handed to the disk and Redis tiers
     tiers: dict[str, Tier] = {}
     for name in ctx.config.tiers:
         if name == "redis":  # key-addressed: no slots to lay out

@@ -25,11 +25,10 @@ may truncate that file, and a page past its end is SIGBUS: every operation here 
 region whether its file still spans the mapping (`HostRegion.intact`, one fstat). Once it does
 not (for good): a header reads as empty (a counted miss), `begin` hands out a stand-in row and
 counts a failed write, `commit` and `free` touch nothing, `generation` is a new odd number every
-call (no copy taken before compares equal), and `view` raises. Rejected: a SIGBUS handler (a
-fault inside a copy cannot be resumed from Python) and mapping the file privately (a truncation
-drops private pages too).
-Rejected alternative: one slab with rows sized for all groups (vLLM's layout); with unequal
-groups it wastes every byte between a group's chunk size and the largest one.
+call (no copy taken before compares equal), and `view` raises: a fault inside a copy cannot
+be resumed from Python, and a truncation drops privately mapped pages too.
+One slab per group, not rows sized for all groups: with unequal groups those waste every byte
+between a group's chunk size and the largest one.
 """
 
 from __future__ import annotations

@@ -31,8 +31,8 @@ batch of payloads (`write_many`, which `Store.save` uses) is written on two lane
 and the helper, each payload written and checksummed by one of them, the lanes split by slab
 file (buffered writes to one file serialize on its inode lock); and a cold read of at least two
 `piece_bytes` lets the helper read the pieces while this thread checksums them.
-Rejected: O_DIRECT (needs aligned buffers the engine does not give us; the page cache is the
-point for a cache re-read soon after it is written).
+Buffered I/O through the page cache: a cache is re-read soon after it is written, and O_DIRECT
+would need aligned buffers the engine does not give us.
 Mapped pages count in the process's RSS as shared file pages (`RssFile`): they are the page
 cache, which the kernel reclaims under memory pressure like any other.
 
@@ -95,18 +95,15 @@ FSYNC_POLICIES = ("never", "always")
 PIECE_BYTES = 1 << 20
 # "always": `write_many` of >= 2 payloads of >= 1 piece runs on two lanes, and cold reads of
 # >= 2 pieces use the helper; "never": one thread does everything; "auto": the helper only while
-# the load average (which counts this process too) leaves half a core free. Measured on a 2-core
-# host (`kvtier bench store`, 16 payloads a save on 4 slab files): two lanes 0.98-1.17 of a plain
-# write, one lane 0.70-0.76 (docs/store.md). Writing one payload on the helper while the caller
-# checksummed it (the previous design) gave 0.43-0.53 with the helper always on.
+# the load average (which counts this process too) leaves half a core free (docs/store.md).
 # Both module values are read at construction (`kvtier bench store --disk-pipeline` sets one).
 PIPELINE_MODES = ("auto", "always", "never")
 PIPELINE = "auto"
 # resident reads copy and checksum this many bytes at a time: the piece is still in L2 when
-# the checksum reads it (measured on a 512 KiB-L2 host: 256 KiB-1 MiB all within 2%)
+# the checksum reads it
 MAP_PIECE = 512 << 10
 # saves write this many bytes at a time and checksum them right after (a multiple of the
-# checksum's 1 KiB block; 512 KiB-2 MiB measured alike, smaller pieces cost more syscalls)
+# checksum's 1 KiB block; smaller pieces cost more syscalls)
 WRITE_PIECE = 1 << 20
 # False: every read takes the preadv path (the default for `mapped_reads`, read at construction;
 # `kvtier bench store --disk-reads preadv` sets it)

@@ -1,14 +1,11 @@
-"""One place that builds a tier from (name, layout, options): the Store and the vLLM halves alike.
-
-Before, `Store`, the vLLM worker and the vLLM scheduler's promoter each assembled their cpu, disk
-and Redis tiers, and `RedisTier.from_url` was spelled out at every use. What differs between them
-is options (pinned or registered slabs, a host region, a disk reader beside its writer, the
-tenant secret), so they are fields here, and the rules that go with them live once:
+"""One place that builds a tier from (name, layout, options), and a slot tier's layout from the
+plan (`tier_layout`): the Store and the vLLM halves alike. What differs between them is options
+(pinned or registered slabs, a host region, a disk reader beside its writer, the tenant secret),
+so they are fields here, and the rules that go with them live once:
 - cpu: `CpuTier(layout, pin_memory, host_register, region)`; `fault_in` touches every page of
-  private slabs now, at start (a store into a slot never touched before paid its page faults
-  inside the engine step: 8 chunks of 2.9 MiB took 11.7 ms, against 2.9 ms once touched;
-  scripts/first-touch-timing.py). A region is faulted in when it is made, and a registered slab
-  by its registration, so `fault_in` skips them.
+  private slabs now, at start, so a store never pays first-touch page faults inside an engine
+  step (scripts/first-touch-timing.py). A region is faulted in when it is made, and a registered
+  slab by its registration, so `fault_in` skips them.
 - disk: `DiskTier(root, layout, namespace_id, fsync, keyed, reader)`.
 - redis: `RedisTier.from_url(redis_url, namespace_id, keyed, password)`; key-addressed, so it
   takes no layout.
@@ -24,6 +21,9 @@ from typing import TYPE_CHECKING
 from kvtier.errors import ConfigError
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from kvtier.core.plan import Plan
     from kvtier.store.integrity import Keyed
     from kvtier.store.tiers.base import Tier, TierLayout
     from kvtier.store.tiers.cpu import HostRegister
@@ -48,6 +48,17 @@ class TierOptions:
     # redis
     redis_url: str | None = None
     redis_password: str | None = None
+
+
+def tier_layout(plan: Plan, slots: Callable[[int], int]) -> TierLayout:
+    """A slot tier's layout: each cacheable group's chunk bytes and `slots(group)` slots, nothing
+    for the others. The Store asks its index's pools, the vLLM halves `index.pool.slot_counts`:
+    the same numbers."""
+    from kvtier.store.tiers.base import TierLayout
+
+    groups = plan.groups
+    return TierLayout(slot_bytes=tuple(gp.chunk_bytes if gp.cacheable else 0 for gp in groups),
+                      num_slots=tuple(slots(gp.index) if gp.cacheable else 0 for gp in groups))
 
 
 def make_tier(name: str, layout: TierLayout | None, options: TierOptions) -> Tier:

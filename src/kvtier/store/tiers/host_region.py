@@ -16,9 +16,8 @@ Where: every region has a directory of its own, `<dir>/kvtier-<uid>-<random>`, m
 the one file `<name>.host`, created 0600 with `O_EXCL | O_NOFOLLOW`. Its space is reserved at
 creation (`posix_fallocate`): a full tmpfs (Docker's 64 MiB /dev/shm) fails there, with one line
 naming the fix, instead of killing the engine with SIGBUS at the first store.
-Rejected (issue 28): one directory per user, `<dir>/kvtier-<uid>`: another user who created
-that name first (a directory of theirs, a file, a symlink) kept every region of this user from
-being made. Such an entry is not looked at now.
+Not one directory per user (`<dir>/kvtier-<uid>`): another user who created that name first
+would keep every region of this user from being made.
 
 Identity: the creator picks a random name per start (the vLLM worker) and tells the other process
 the region's `name`, `kvtier-<uid>-<random>/<name>` (its handshake); that process maps exactly
@@ -28,10 +27,8 @@ another's region.
 Liveness: the creator holds an exclusive `flock` on the region's directory for as long as the
 region lives; the kernel releases it when the process ends, however it ends. A creator sweeps
 (removes) every `kvtier-<uid>-*` directory of this user whose lock it can take: a creator killed
-before another process mapped its file. Rejected: the creator's pid (and its PID namespace) in
-the record: containers that share /dev/shm but not a PID namespace could not tell a crashed
-worker's region from a live one, and kept every crashed worker's cpu tier in tmpfs for good. A
-creator takes its lock right after `mkdtemp`; a sweep that removed the directory in between is
+before another process mapped its file (a lock, not a pid: containers that share /dev/shm but
+not a PID namespace could not tell a crashed worker's pid from a live one). A creator takes its lock right after `mkdtemp`; a sweep that removed the directory in between is
 seen (the name no longer is that directory) and the creator draws another.
 The sweep `lstat`s every entry first and opens only regular files and directories of this user,
 always `O_NONBLOCK`: a FIFO put there (opened to read, it would wait for a writer) never hangs it.
@@ -55,8 +52,8 @@ MAP_FIXED, same addresses: every tensor and view stays valid), so a caller that 
 disowns, instead of faulting. What is left: a truncation that races an operation already past
 its check, or a direct copy before any check saw the cut, can still fault.
 
-Rejected alternative: `multiprocessing.shared_memory` (a name anyone may guess, no O_NOFOLLOW,
-its resource tracker unlinks it when the first process exits).
+Not `multiprocessing.shared_memory`: a name anyone may guess, no O_NOFOLLOW, and its resource
+tracker unlinks it when the first process exits.
 """
 
 from __future__ import annotations
@@ -303,7 +300,7 @@ class HostRegion:
 
     def _unback(self) -> None:
         """Put private zero pages in place of the file's, at the same addresses (a fault past the
-        file's end becomes a read of zeros). Rejected: munmap (a stray access would segfault)."""
+        file's end becomes a read of zeros), not an munmap (a stray access would segfault)."""
         try:
             addr = ctypes.addressof(ctypes.c_char.from_buffer(self._mm))
             libc = ctypes.CDLL(None, use_errno=True)
@@ -362,7 +359,7 @@ class HostRegion:
         """Map the region another process created for `layout` (`name` its region's `name`, as
         the vLLM worker's handshake says it), then remove its file and directory (both processes
         hold it now). Page tables are filled at first touch, not now (the creator allocated every
-        page; filling 4 GiB of page tables here took 1.5 s). None when there is none, its
+        page; filling page tables here is slow: seconds for a few GiB). None when there is none, its
         creator is gone (its lock is free), or its layout is another. Raises RegionError for an
         unsafe directory or file."""
         dname, _, stem = name.partition("/")

@@ -8,7 +8,7 @@ the raw bytes, stored as one string value (SET is atomic: no reader sees half a 
 
 The `{...}` is a Redis Cluster hash tag on the chunk hash: every group of one chunk lives on one
 node (one chunk's groups come and go together), while the chunks of a prefix spread over all
-nodes. Rejected: a tag on the namespace (one node would hold a whole model's cache, no scale-out).
+nodes (a tag on the namespace would put a whole model's cache on one node).
 Batches are pipelines; a cluster pipeline splits a batch by node and sends each node its part, so
 a whole prefix costs one round trip per node.
 
@@ -19,8 +19,8 @@ per-namespace write budget: every write adds its bytes to a time-bucketed counte
 write is skipped (counted) when the bytes written in the last `ttl_s` would exceed the budget.
 Since every payload expires `ttl_s` after its write (hits do not extend the TTL when a budget is
 set), that bounds the namespace's live bytes; it is conservative (deletes and evictions give
-nothing back until their bucket ages out). Rejected: one INCR/DECR counter, which drifts for ever
-because Redis evictions and expiries never decrement it.
+nothing back until their bucket ages out): Redis evictions and expiries never decrement a
+counter, so a plain one would drift for ever.
 
 Failures are values: Redis down at start or mid-run, slow (a call past its deadline,
 `socket_timeout_s` after it began: `redis_conn.call_deadline`), out of memory, a payload evicted
@@ -33,10 +33,8 @@ Tenants. A reader deletes a value only when it is broken for everyone: a bad hea
 chunk's or namespace's header under the key, a checksum that fails. A value whose checksum
 verifies and only the MAC fails (written with another tenant's secret, or with none, by an
 engine sharing the namespace) is a miss counted in `foreign_skipped` and kept: deleting it made
-two tenants on one model (no `kvtier.tenant`) evict each other. Rejected: a digest of the secret
-in the namespace, which would hide the values from each other entirely but changes every key of a
-keyed deployment and what `kvtier inspect` and the ACL patterns of docs/redis.md name; tenants
-who want nothing shared set `kvtier.tenant` (a namespace salt) instead.
+two tenants on one model (no `kvtier.tenant`) evict each other. Tenants who want nothing shared
+set `kvtier.tenant` (a namespace salt).
 """
 
 from __future__ import annotations
@@ -246,10 +244,8 @@ class RedisTier(Tier):
 
     def _overlap(self) -> Callable[[], ThreadPoolExecutor] | None:
         """The helper that seals a save stream's values ahead of the sender, or None (the sender
-        seals them): only while a core looks free. Measured on the 2-core build machine, idle:
-        save ratio 0.73-0.77 inline against 0.90-1.01 with the helper without a secret (the xxh3
-        pass and the header's Python overlap the send); at load average 4-7 the helper was no
-        faster than inline (its CPU comes from the same busy cores)."""
+        seals them): only while a core looks free (the xxh3 pass and the header's Python then
+        overlap the send; on busy cores the helper's CPU comes from the same cores)."""
         return self._helper if self._spare_core() else None
 
     def close(self) -> None:

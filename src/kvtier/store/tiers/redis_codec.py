@@ -32,7 +32,7 @@ class Arena:
     servers get the zero-copy stream of `redis_wire`). One value per chunk because one SET is
     atomic, while a header key beside a payload key could be evicted apart. The buffer (as large
     as the largest batch, at most `pipeline_bytes`) is reused because fresh 100 KB+ buffers cost a
-    page fault per 4 KiB, which measured slower than the network on loopback; redis-py sends
+    page fault per 4 KiB; redis-py sends
     memoryview slices of it without copying them again. The copy and the checksum are one pass
     (`copy_checksum`), and the MAC reads the copy while it is still in cache. Not thread-safe:
     the caller holds a lock from `encode` until the batch is sent."""

@@ -242,8 +242,8 @@ class DeadlineSocket:
     after it was last set (a settimeout is a system call; a load makes hundreds of receives a
     call), and past the deadline it raises TimeoutError without touching the socket. Outside a
     call, and for redis-py's non-blocking polls (timeout 0), it is the socket with redis-py's own
-    timeout. Everything else passes through to `raw`. Rejected: a watchdog thread that shuts a
-    late socket down (a thread hand-off a call, and a shut socket reads as the server closing)."""
+    timeout. Everything else passes through to `raw`. No watchdog thread: that is a thread
+    hand-off a call, and a shut socket reads as the server closing."""
 
     __slots__ = ("raw", "_timeout", "_armed_for", "_rearm_at")
 

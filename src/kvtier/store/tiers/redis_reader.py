@@ -5,7 +5,7 @@ as it lands.
 Why. redis-py's reply parser (the pure-Python one; hiredis is an optional C build) reads a reply
 into its own buffer, then slices it out as a new `bytes`, and kvtier copied that into the
 caller's buffer: three copies of every byte, two of them in Python's allocator, and the parser
-was 80% of a load's time in a profile of `kvtier bench redis` (the MAC 6%). Here the RESP reply
+dominated a load's time. Here the RESP reply
 header (`$<length>\\r\\n`) and the chunk header are read into small buffers and the payload with
 `recv_into` on slices of the caller's buffer. The stream (`redis_wire.get_stream`) sends every
 command first and then reads every reply here, in order: values, nils, integers (PEXPIRE),

@@ -12,18 +12,15 @@ from the caller's tensor to the socket without a copy in this process.
 
 Overlap. A value's header (its checksum, and its MAC with a secret) must be on the wire before
 its payload, so it is computed before the value is sent; on the caller's thread that would keep
-the server waiting for it, value after value (measured on the 2-core build machine: the arena
-copy and the checksum were a third of a save's time, the MAC as much again; the server, not the
-client, bounds the send, so the client's core idles while a value is on the wire). A helper
+the server waiting for it, value after value (the server, not the client, bounds the send, so
+the client's core idles while a value is on the wire). A helper
 thread seals value k+1 while this thread sends value k (the C checksum and OpenSSL's MAC release
 the GIL). The sender never waits for the helper: a value the helper has not finished when the
 sender needs it is sealed by the sender (`_Sealer`), so a
 helper that a busy host does not schedule never stalls the stream. This thread never returns
 while the helper can still read the caller's buffers. The tier
 hands work to the helper only while a core looks free (`SpareCore`, the disk tier's `auto`
-rule): on the idle 2-core build machine it took a save without a secret from 0.73-0.77 of raw
-redis-py to 0.90-1.01; at load average 4-7 it was no faster than inline (its CPU comes from the
-same busy cores). Loads (`get_stream`) read the replies off the socket straight into the
+rule): on busy cores a helper is no faster than inline (its CPU comes from the same cores). Loads (`get_stream`) read the replies off the socket straight into the
 caller's buffers, checked as they land (`redis_reader`): no helper. Both streams run inside the
 tier's call deadline: each sendmsg and receive of theirs ends by it (`redis_conn.DeadlineSocket`).
 
@@ -31,13 +28,6 @@ With a secret (AES-GMAC) every value is sealed inline on the sender, one `Keyed.
 (xxh3 in C, then one streamed OpenSSL GMAC of header and payload): a helper thread took the core
 the server needs and saved slower (docs/redis.md, "Benchmark"). Keyed BLAKE3 (written only where
 `cryptography` is missing) keeps the helper.
-
-Rejected: waves of smaller redis-py pipelines, sealed one wave ahead: every wave waits for its
-replies before the next is sent, and 4 waves of a 16 MiB batch cost 9% of the send (measured);
-`MULTI; SET header; APPEND payload; EXEC` (atomic and copy-free here, but the server copies the
-payload again in APPEND, and the server's core is the one that bounds a save); the helper at
-SCHED_IDLE, so that it would only fill idle time (keyed save 0.66-0.70 against 0.80-0.89: it
-then seals too late and the sender seals inline).
 """
 
 from __future__ import annotations
@@ -106,11 +96,9 @@ class _Sealer:
     needs it (not claimed yet, or claimed by a helper the OS has not run since, or still being
     sealed) is sealed by the sender itself, and the helper's copy of it, if it ever finishes, is
     dropped. A seal is a pure function of the caller's header and bytes (a fresh salt and time
-    aside), so either copy is that value's header. Measured before this rule on the idle 2-core
-    build machine: some rounds had the sender wait up to 1.5 ms for a value the helper had
-    claimed (a helper descheduled while the redis server and the sender held both cores); now a
-    helper that is behind costs the sender at most one seal a value, never a sleep. The
-    benchmark's median did not move (5 paired runs): such stalls were rare."""
+    aside), so either copy is that value's header. A helper that is behind (descheduled while
+    the server and the sender hold the cores) costs the sender at most one seal a value, never a
+    sleep."""
 
     def __init__(self, headers: Sequence[ChunkHeader], views: Sequence[memoryview],
                  keyed: Keyed | None) -> None:
