@@ -7,7 +7,8 @@ import statistics
 
 import pytest
 
-from kvtier.loadgen.stats import Sample, figures, percentile, ratio, ratios
+from kvtier.loadgen.stats import (Sample, agree, figures, percentile, ratio, ratios, spread, sum_counts,
+                                  within_margin)
 
 
 def test_percentile_interpolates_between_ranks_like_numpy() -> None:
@@ -42,3 +43,29 @@ def test_figures_and_ratios() -> None:
     r = ratios(g, f)  # with / without
     assert r["ttft_p50_s"] == pytest.approx(0.5) and r["output_tokens_per_s"] == pytest.approx(2.0 / 1.25)
     assert figures([])["ttft_p50_s"] is None
+
+
+def test_spread_is_median_min_max_and_the_wider_side_over_the_median() -> None:
+    sp = spread([2.0, 1.6, 2.1, None])
+    assert (sp["median"], sp["min"], sp["max"], sp["repeats"]) == (2.0, 1.6, 2.1, 3)
+    assert sp["margin"] == pytest.approx(0.2)  # (2.0 - 1.6) / 2.0, the wider side
+    assert sp["coverage"] == pytest.approx(0.75)  # [min, max] of 3 holds the median repeat
+    assert spread([4.0, 2.0])["median"] == 3.0 and spread([4.0, 2.0])["margin"] == pytest.approx(1 / 3)
+    one = spread([1.5])
+    assert one["median"] == 1.5 and one["margin"] is None  # one repeat states no margin
+    assert spread([None, math.nan])["median"] is None and spread([])["repeats"] == 0
+
+
+def test_runs_agree_when_each_median_is_within_every_others_margin() -> None:
+    a, b = spread([1.9, 2.0, 2.1]), spread([1.95, 2.05, 2.1])  # +-5%, +-4.9%
+    assert within_margin(2.1, a) is True and within_margin(2.11, a) is False
+    assert agree([a, b]) is True
+    c = spread([2.0, 2.2, 2.25])  # 2.2 +-9.1%: holds a's 2.0, but a's +-5% does not hold 2.2
+    assert within_margin(2.0, c) is True and agree([a, c]) is False
+    assert agree([a, spread([2.0])]) is None and within_margin(None, a) is None
+
+
+def test_sum_counts_adds_dicts_key_by_key() -> None:
+    assert sum_counts([{"x": 1, "y": {"z": 2}}, {"x": 3, "y": {"z": 4, "w": 1}}]) == {"x": 4, "y": {"z": 6, "w": 1}}
+    assert sum_counts([{"cpu": 128}, {"cpu": None}]) == {"cpu": None}  # a count not taken stays unknown
+    assert sum_counts([1, 2, 3]) == 6 and sum_counts([]) == 0

