@@ -1,6 +1,7 @@
 """kvtier.placement in the vLLM manager: prepare_store stores a subset (vLLM's contract), what it
 leaves out is never reserved, committed or announced in a KV event, cold chunks go to the tiers
-after the first only, and the share goes with the placement."""
+after the first only, and the share goes with the placement (sliding groups:
+test_vllm_manager_placement_sliding.py)."""
 
 from __future__ import annotations
 
@@ -149,22 +150,18 @@ def _sliding(name: str, layer: int) -> Group:
                  dtype="float16", layers=(layer,), window=4 * TOKENS)
 
 
-def test_auto_share_gives_sliding_groups_vllm_never_places_their_proportional_share(tmp_path: Path) -> None:
-    """vLLM's manager places state groups only: a Gemma-3-like model (full + sliding, no state)
-    under placement "hits" keeps equal slots ("proportional"), not half the bytes per side."""
+def test_auto_share_splits_half_and_half_over_full_and_placed_groups(tmp_path: Path) -> None:
+    """vLLM's manager places sliding and state groups (their chunks only where hits land), so
+    share "auto" gives half of each tier to the full group and half to the placed ones, each half
+    by chunk bytes, as the Store does."""
     ctx = _ctx((_full("attn", 0), _sliding("swa0", 1), _sliding("swa1", 2)), tmp_path)
-    assert ctx.placement == "hits" and ctx.share() == "proportional"
-    index = ctx.new_index()
-    assert index.slots(0, "cpu") == index.slots(1, "cpu") == index.slots(2, "cpu") == 64
-
-
-def test_auto_share_splits_half_and_half_over_full_and_state_only(tmp_path: Path) -> None:
+    assert ctx.placement == "hits"
+    assert ctx.share() == pytest.approx({"attn": 0.5, "swa0": 0.25, "swa1": 0.25})
     gdn = Group(name="gdn", kind="state", num_layers=1, tokens_per_block=TOKENS, state_bytes_per_layer=1024,
                 dtype="float16", layers=(3,))
-    ctx = _ctx((_full("attn", 0), gdn), tmp_path)  # a state hybrid: the Store's half/half
-    assert ctx.share() == pytest.approx({"attn": 0.5, "gdn": 0.5})
+    assert _ctx((_full("attn", 0), gdn), tmp_path).share() == pytest.approx({"attn": 0.5, "gdn": 0.5})
     ctx = _ctx((_full("attn", 0), _sliding("swa", 1), gdn), tmp_path)
     b = {gp.name: gp.chunk_bytes for gp in ctx.plan.groups}
-    swa = b["swa"] / sum(b.values())  # what "proportional" gives it: equal slots
-    assert ctx.share() == pytest.approx({"swa": swa, "attn": (1 - swa) / 2, "gdn": (1 - swa) / 2})
+    placed = b["swa"] + b["gdn"]
+    assert ctx.share() == pytest.approx({"attn": 0.5, "swa": 0.5 * b["swa"] / placed, "gdn": 0.5 * b["gdn"] / placed})
     assert sum(ctx.share().values()) <= 1

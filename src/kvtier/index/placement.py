@@ -113,6 +113,19 @@ class HitsLand:
             return (WARM,) * n
         return tuple(WARM if i in warm else COLD if i in cold else SKIP for i in range(n))
 
+    def admit_run(self, chunks: Sequence[ChunkHash], before: int, after: int = 0, n: int | None = None, *,
+                  learn: bool = True) -> tuple[str, ...]:
+        """warm / cold for each of the first `n` chunks of a group that a reader (vLLM's hit search)
+        reads as a run around each hit's end: warm the chunks e - before + 1 .. e + after of every
+        endpoint e, cold the rest. For readers whose window differs from the plan's rule (vLLM reads
+        a sliding group's cdiv(W, C) chunks where the plan keeps those holding W - 1 tokens)."""
+        n = len(chunks) if n is None else n
+        warm: set[int] = set()
+        for e in self.endpoints(chunks, learn):
+            if e < n:
+                warm.update(range(max(0, e - before + 1), min(n, e + after + 1)))
+        return tuple(WARM if i in warm else COLD for i in range(n))
+
     def spots(self, ends: frozenset[int], group: int, n: int) -> tuple[set[int] | None, set[int]]:
         """(warm chunk indices, None = all; cold chunk indices) of `group` for the first n chunks."""
         if group in self.anchors:

@@ -16,17 +16,18 @@ in the shared Redis tier, asked off the engine thread: RETRY meanwhile); rebuild
 a previous engine left on disk); host_only.py (vLLM 0.33's `sync_load_budget_bytes`: HIT only for
 a whole cpu chunk); events.py (vLLM's key of every held chunk, for KV events and evicted keys).
 Placement (`kvtier.placement`, default "hits": kvtier.index.placement.HitsLand, the Store's rule):
-`prepare_store` may store a subset of the keys it is given. A state checkpoint is stored in every
-tier only where hits of the request can end (its
-last chunks, the branch points of the prefix tree) in every tier, elsewhere only in the tiers
-after the first (cold: disk, Redis) or, with one tier, not at all; every other group's chunks
-as vLLM offers them (its search for a sliding or chunked-local hit reads more than kvtier's rule,
-see `_request_places`). What is not stored is never
-reserved, committed or announced in a KV event; a lookup of it is a miss, and vLLM's own hit
-search (a state group: the last stored checkpoint at or before the full groups' prefix) makes
-the hit shorter, never partial. The request's chunks come from vLLM's positions of its keys
-(`ReqContext`), all of them known from its first store; the placement learns once per request
-and again when decoding adds chunks.
+`prepare_store` may store a subset of the keys it is given. Full/MLA chunks are stored as vLLM
+offers them (every longer hit reads them). A windowed group's chunk (sliding, chunked-local,
+state) is stored in every tier only if vLLM's own hit search reads it for a hit ending where hits
+of the request land (its last chunks, the branch points of the prefix tree): vLLM reads the run
+of its window in chunks ending at the hit's end (`placement.lookup_window`: a sliding group
+cdiv(W, C) chunks, one more than kvtier's W - 1 tokens where C divides W - 1, a state group the
+checkpoint at the end); elsewhere only in the tiers after the first (cold: disk, Redis) or, with
+one tier, not at all (`store_skipped_placement`). What is not stored is never reserved, committed
+or announced in a KV event; a lookup of it is a miss, and vLLM's search (the last run of its
+window at or before the full groups' prefix) makes the hit shorter, never partial. The request's
+chunks come from vLLM's positions of its keys (`ReqContext`), all of them known from its first
+store; the placement learns once per request and again when decoding adds chunks.
 Only chunks a load needs whole are promoted at load (bytes a load does not need are not restored,
 so a slot filled from a partial load would claim too few blocks): with more than one block per
 chunk, the first chunk of each group in a load may start mid-chunk and is not promoted.
@@ -57,6 +58,7 @@ from kvtier.index.index import Index
 from kvtier.index.placement import COLD, SKIP, HitsLand
 
 from .compat import offload_key_positions
+from .placement import lookup_window
 from .common import SPLIT_MEMO_KEYS, ChunkItem, KvtierLoadStoreSpec, SpecContext
 from .counters import Metrics
 from .events import HeldKeys, KvEvents
@@ -381,22 +383,31 @@ class KvtierManager(OffloadingManager):
         chunks: list[bytes] = []
         while len(chunks) in by_index:
             chunks.append(by_index[len(chunks)])
-        # state groups only. vLLM looks a state group up as a window of one chunk from the end:
-        # exactly the checkpoint kvtier's rule keeps. Chunked-local groups it looks up as a prefix
-        # from chunk 0, and a sliding group as a run of cdiv(W, C) chunks (one more than kvtier's
-        # W - 1 tokens where C divides W - 1; more with EAGLE): leaving out what kvtier's rule
-        # does not read would end hits vLLM's search still asks for
         # learned from once per request: its decode growth (a later call, more chunks) only
         # inserted, else every step would count the request's own prefix as reused
         learned = memo is not None and memo[2]
-        kw = {"learn": False} if learned and isinstance(self.placement, HitsLand) else {}
-        places = {gp.index: tuple(self.placement.admit(chunks, gp.index, **kw))  # type: ignore[union-attr]
-                  for gp in self.ctx.plan.cacheable_groups if gp.kind == "state"} if chunks else {}
+        places: dict[int, tuple[str, ...]] = {}
+        if chunks and isinstance(self.placement, HitsLand):
+            for g, (before, after) in self._windows().items():
+                places[g] = self.placement.admit_run(chunks, before, after, learn=not learned)
+                learned = True  # the endpoints of one request and chunk count: learned once
         if len(self._placed) >= PLACED_REQUESTS:  # requests vLLM never finished: the oldest go
             del self._placed[next(iter(self._placed))]
         self._placed.pop(req_id, None)
         self._placed[req_id] = (len(positions), places, learned or bool(places))
         return places
+
+    def _windows(self) -> dict[int, tuple[int, int]]:
+        """Per windowed cacheable group, the chunks before and after a hit's end that vLLM's
+        hit search reads (`lookup_window`); full/MLA groups are not placed."""
+        out: dict[int, tuple[int, int]] = {}
+        for gp in self.ctx.plan.cacheable_groups:
+            g = gp.group
+            run = lookup_window(gp.kind, self.ctx.span(gp.index), g.window, g.attention_chunk,
+                                self.ctx.retained_tokens, gp.index in self.ctx.draft_groups)
+            if run is not None:
+                out[gp.index] = run
+        return out
 
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True

@@ -8,7 +8,8 @@ vLLM's key order (group by group, prefix order within a group: the manager's
 `KvtierLoadStoreSpec`). `place` pairs them: per group, each item with its (block id, position in
 chunk) pairs. `header_span` is the token span a header of such an item claims: only the
 positions the job moves. `consecutive_runs` groups the chunks vLLM's copy handler moves into its
-transfers (one per run of consecutive chunks of a group).
+transfers (one per run of consecutive chunks of a group). `lookup_window` is the run of chunks
+vLLM's hit search reads of a windowed group for a hit ending at a chunk boundary.
 
 Rejected alternative: carrying positions in the items (the manager knows them too). vLLM's
 block spec is the one source the worker copies from; deriving positions from it once, here,
@@ -90,6 +91,26 @@ def header_span(token_start: int, tokens_per_block: int, blocks: Blocks) -> tupl
     lo = min(p for _, p in blocks)
     hi = max(p for _, p in blocks) + 1
     return token_start + lo * tokens_per_block, token_start + hi * tokens_per_block
+
+
+def lookup_window(kind: str, span: int, window: int | None = None, attention_chunk: int | None = None,
+                  retained_tokens: int = 0, draft: bool = False) -> tuple[int, int] | None:
+    """(chunks before, chunks after) a hit's end that vLLM's search reads of a group whose chunks
+    span `span` tokens: a hit ending after chunk e reads chunks e - before + 1 .. e + after; None
+    for a prefix from chunk 0 (full, MLA). vLLM 0.32/0.33 `get_sliding_window_size_in_chunks`:
+    sliding max(cdiv(W, S), cdiv(W - 1 + retained, S)), chunked-local cdiv(A, S), state 1; an
+    EAGLE/MTP drafter's group also reads the chunk after the hit (`_lookup_complete_chunks`).
+    A hit ending inside a chunk (a prompt of whole chunks restores all but its last token) reads
+    the same chunks as one ending after it, unless retained tokens widen the first window."""
+    if kind == "sliding" and window:
+        before = max(-(-window // span), -(-(window - 1 + retained_tokens) // span))
+    elif kind == "chunked" and attention_chunk:
+        before = -(-attention_chunk // span)
+    elif kind == "state":
+        before = 1
+    else:
+        return None
+    return before, int(draft)
 
 
 Chunk = TypeVar("Chunk", bound=tuple)  # (group, index in group, blocks, ...)

@@ -75,8 +75,12 @@ class KvtierOffloadingSpec(OffloadingSpec):
         kvc = handed_kv_cache_config(config)
         state_modes: set[str] | None = None
         page_bytes: tuple[int, ...] | None = None
+        retained, drafts = 0, frozenset[int]()
         if kvc is not None:  # KvtierConnector handed over vLLM's own KV-cache specs
             specs = [kvc.kv_cache_groups[g.group_id].kv_cache_spec for g in groups]
+            retained = max((int(getattr(s, "extra_retained_tokens", 0)) for s in specs), default=0)
+            drafts = frozenset(i for i, g in enumerate(groups)
+                               if getattr(kvc.kv_cache_groups[g.group_id], "is_eagle_group", False))
             state_modes = state_cache_modes(specs)
             order = {n: i for i, n in enumerate(dict.fromkeys(n for g in groups for n in g.layer_names))}
             geometry = geometry_from_engine_specs(config.model.name, groups, specs,
@@ -93,7 +97,7 @@ class KvtierOffloadingSpec(OffloadingSpec):
         if off_reason:
             log.warning("kvtier: offloading is off for this engine: %s", off_reason)
         self._parts = dict(geometry=geometry, kv_dtype=kv_dtype, config=tier_config, groups=groups,
-                           bpc=bpc, off_reason=off_reason)
+                           bpc=bpc, off_reason=off_reason, retained=retained, drafts=drafts)
         self.ctx = self._context(page_bytes)
         self._manager: OffloadingManager | None = None
         self._worker: OffloadingWorker | None = None
@@ -114,7 +118,8 @@ class KvtierOffloadingSpec(OffloadingSpec):
         return SpecContext(plan=plan, namespace=namespace, config=p["config"],
                            group_of={g.group_id: i for i, g in enumerate(p["groups"])},
                            blocks_per_chunk=p["bpc"], span_tokens=spans, off_reason=p["off_reason"],
-                           page_bytes=page_bytes, one_scheduler=rank == 0)
+                           page_bytes=page_bytes, one_scheduler=rank == 0,
+                           retained_tokens=p["retained"], draft_groups=p["drafts"])
 
     def workers_context(self, page_bytes: tuple[int, ...], fingerprint: str = "",
                         kv_dtype: str = "") -> SpecContext | None:

