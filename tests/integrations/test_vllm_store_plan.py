@@ -30,7 +30,10 @@ def _store(ix: Index, todo: list) -> tuple[object, dict, list]:
     evicted: list = []
     with protect(ix, [c for _, c in todo]):
         plan = plan_store(ix, TIERS, todo)
-        places = {} if plan.refused else reserve(ix, plan, lambda es, tier: evicted.extend(es))
+        places: dict = {}
+        for key, tier, slot, gone in ([] if plan.refused else reserve(ix, plan)):
+            evicted.extend(gone)
+            places.setdefault(key, []).append((tier, slot))
     return plan, places, evicted
 
 
@@ -74,7 +77,8 @@ def test_a_chunk_given_in_the_call_is_never_the_victim() -> None:
     ix2 = _index(cpu_slots=2, disk_slots=8)
     _hold(ix2, (b"A", 0), (b"B", 0), tiers=("cpu",))
     got: list = []
-    reserve(ix2, plan_store(ix2, TIERS, todo), lambda es, tier: got.extend(es))
+    for _, _, _, gone in reserve(ix2, plan_store(ix2, TIERS, todo)):
+        got.extend(gone)
     assert [e.chunk_hash for e in got if e.tier == "cpu"] == [b"A"]
 
 

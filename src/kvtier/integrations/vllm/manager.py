@@ -95,9 +95,8 @@ class KvtierManager(OffloadingManager):
         self.loads = LoadLedger()  # each request's loads: their chunks, jobs and pins
         # vLLM's key of every chunk the index holds; a chunk is not gone while a store or a
         # promotion into another tier is in flight
-        self.held = HeldKeys(self.index, metrics,
-                             lambda key, split: key in self._pending or self.promotions.in_flight(key, split))
-        self.events = KvEvents(self.held.key_of.get, lambda name, n: self.metrics.add(name, n), events)
+        self.held = HeldKeys(self.index, metrics, self._in_flight)
+        self.events = KvEvents(self.held.key_of.get, metrics.add, events)
         self.index.listener = self.events.on_index
         self.host_only = HostOnlyHits(metrics)  # host-only loads: the hits this step pinned
         self.promotions = Promotions(ctx, self.index, metrics, self.held.evicted_elsewhere, self.held.report_gone)
@@ -107,6 +106,10 @@ class KvtierManager(OffloadingManager):
         self._reset_unflushed = False  # a reset whose in-flight jobs may still write (reset_cache)
         rebuild_from_disk(ctx, self.index, metrics)
         metrics.flush(force=True)
+
+    def _in_flight(self, key: OffloadKey, split: tuple[bytes, int]) -> bool:
+        """A store or a promotion of this chunk is in flight: it is not gone yet (`HeldKeys`)."""
+        return key in self._pending or self.promotions.in_flight(key, split)
 
     def _new_placement(self) -> None:
         """The placement rule for `self.ctx` (None: every chunk), and per request its chunks'
@@ -317,7 +320,10 @@ class KvtierManager(OffloadingManager):
                 self.metrics.add("store_calls_refused")
                 return None  # vLLM offers these keys again later; held.later kept for then
             evicted = self.held.take_later()
-            places_of = reserve(self.index, plan, lambda entries, tier: self.held.evicted(entries, tier, evicted))
+            places_of: dict[OffloadKey, list[tuple[str, int]]] = {}
+            for key, tier, slot, gone in reserve(self.index, plan):
+                self.held.evicted(gone, tier, evicted)  # before the next reservation evicts more
+                places_of.setdefault(key, []).append((tier, slot))
             items: list[ChunkItem] = []
             to_store: list[OffloadKey] = []
             for key, (h, g) in todo:

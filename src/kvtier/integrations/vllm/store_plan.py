@@ -96,16 +96,12 @@ def plan_store(index: Index, tiers: Sequence[str], todo: Todo, cold: Container[H
     return StorePlan(new, tuple(taking), skipped)
 
 
-def reserve(index: Index, plan: StorePlan,
-            evicted: Callable[[Collection[Entry], str], None]) -> dict[Hashable, list[tuple[str, int]]]:
-    """Reserve every new chunk in every tier that takes the call: each key's places (tier, slot),
-    in tier order. `evicted(entries, tier)` hears what each reservation evicted, as it happens
-    (whether a chunk left its last tier depends on the reservations before it)."""
-    places: dict[Hashable, list[tuple[str, int]]] = {}
+def reserve(index: Index, plan: StorePlan) -> Iterator[tuple[Hashable, str, int, Collection[Entry]]]:
+    """Reserve every new chunk in every tier that takes the call, in tier order: yields (key, tier,
+    slot, what that reservation evicted) as each happens, since whether an evicted chunk left its
+    last tier depends on the reservations before it (the caller handles each before the next)."""
     for tier in plan.taking:
         for key, (h, g) in plan.new[tier]:
             r = index.reserve(h, g, tier)
-            evicted(r.evicted, tier)
             assert r.slot is not None, f"can_take promised {tier} room for every key ({r.status})"
-            places.setdefault(key, []).append((tier, r.slot))
-    return places
+            yield key, tier, r.slot, r.evicted
