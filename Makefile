@@ -40,12 +40,12 @@ test: $(VENV)/.stamp
 # model and no real engine, and the vLLM halves engineless on 0.32 and 0.33 (tests/integrations:
 # vLLM's real Scheduler on CPU tensors; every module of integrations/vllm runs), on two pytest
 # workers. QUICK_SKIP (a minute each: the router's and DeepSeek V4's engineless runs, the GPU check
-# script), tests/system and tests/e2e run in `make test` only.
+# script, the Ray Serve router's local Ray), tests/system and tests/e2e run in `make test` only.
 QUICK_TESTS := tests/core tests/index tests/property tests/store tests/contract/test_policy_contract.py \
 	tests/contract/test_tier_contract_cpu_disk.py tests/replay tests/loadgen tests/commands tests/test_layers.py \
 	tests/integrations
 QUICK_SKIP := tests/integrations/test_router_engineless.py tests/integrations/test_vllm_plan_dsv4.py \
-	tests/integrations/test_gpu_check_script.py
+	tests/integrations/test_gpu_check_script.py tests/integrations/test_ray_router.py
 test-quick: $(VENV)/.stamp
 	bash scripts/ensure-redis.sh
 	VENV=$(VENV) bash scripts/setup-vllm033.sh

@@ -1,10 +1,11 @@
 """The import order of kvtier's planes (docs/interfaces.md, "Layout"):
 
-    errors <- core <- index <- store <- local_models <- replay / integrations / loadgen / router
+    errors <- core <- index <- store <- local_models / router <- replay / integrations / loadgen
         <- commands <- cli
 
 A module may import kvtier modules of its own package or of a plane below it, never above it
-nor beside it (replay, integrations, loadgen and router do not import each other). local_models
+nor beside it (replay, integrations and loadgen do not import each other; router sits below them,
+so integrations/ray routes by it). local_models
 (local model directories for demos, benches and tests) imports only errors; the demo's runner
 and `kvtier bench vllm` use it. core and index import only the standard library (no torch, no
 numpy, no engine, no redis client); store never imports an engine,
@@ -25,8 +26,8 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "kvtier"
 
-PLANES = {"errors": 0, "core": 1, "index": 2, "store": 3, "local_models": 4,
-          "replay": 5, "integrations": 5, "loadgen": 5, "router": 5, "commands": 6, "cli": 7, "__main__": 8}
+PLANES = {"errors": 0, "core": 1, "index": 2, "store": 3, "local_models": 4, "router": 4,
+          "replay": 5, "integrations": 5, "loadgen": 5, "commands": 6, "cli": 7, "__main__": 8}
 STDLIB_ONLY = {"core", "index"}
 NO_ENGINE = {"store", "router"}
 ENGINES = {"torch", "transformers", "vllm", "accelerate", "gguf", "safetensors"}

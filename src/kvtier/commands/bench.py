@@ -11,9 +11,9 @@ import argparse
 
 from kvtier.commands import Parser, available
 
-BENCHES = ("store", "ttft", "vllm", "serve", "redis", "replay")
+BENCHES = ("store", "ttft", "vllm", "serve", "redis", "replay", "route")
 
-HELP = "benchmarks: kvtier against a plain baseline, as ratios (store, ttft, vllm, serve, redis)"
+HELP = "benchmarks: kvtier against a plain baseline, as ratios (store, ttft, vllm, serve, redis, route)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -26,6 +26,9 @@ class Restorable:
     engine: str
     tokens: int  # 0: nothing
     tiers: tuple[str, ...]  # the tiers the chunks of that prefix are read from (fastest per chunk)
+    # (group, tier, tokens): per group, the tokens of the chunks it loads from each tier (a windowed
+    # group loads only its window): what a router weighs by each tier's cost
+    loads: tuple[tuple[int, str, int], ...] = ()
 
 
 @dataclass
@@ -257,8 +260,8 @@ class PrefixIndex:
     def _longest(self, name: str, tokens: Sequence[int], blind: bool) -> Restorable:
         views = self._views(name)
         e = views[0][0]
-        # an engine that has stored nothing yet reads a shared tier by its peers' geometry
-        rules = self._rules(e) if e.groups else next((self._rules(v) for v, _ in views[1:] if v.groups), [])
+        # an engine that has not named every group yet reads a shared tier by its peers' geometry
+        rules = next((r for v, _ in views if v.groups and (r := self._rules(v))), [])
         buf = pack(tokens)
         if not rules or buf is None:
             return Restorable(name, 0, ())
@@ -278,12 +281,21 @@ class PrefixIndex:
         if blind:
             return self._blind(name, e, tokens, pos, views)
         t = hit_tokens(rules, len(tokens), lambda g, j: bool(where(g, j)))
-        used = {min(where(r.group, j), key=_tier_rank) for r in rules for j in loaded_chunks(r, t)} if t else set()
-        return Restorable(name, t, tuple(sorted(used, key=_tier_rank)))
+        loads: dict[tuple[int, str], int] = {}
+        for r in rules if t else ():
+            for j in loaded_chunks(r, t):
+                key = (r.group, min(where(r.group, j), key=_tier_rank))
+                loads[key] = loads.get(key, 0) + r.chunk_tokens
+        used = {tier for _, tier in loads}
+        return Restorable(name, t, tuple(sorted(used, key=_tier_rank)),
+                          tuple((g, tier, n) for (g, tier), n in sorted(loads.items())))
 
     def _rules(self, e: _Engine) -> list[GroupRule]:
         """vLLM's lookup rule of every group the engine named; [] while a group's span is unknown
-        (its chunks cannot be named, so nothing is predicted)."""
+        (its chunks cannot be named) or a group id below the highest one named never announced a
+        chunk: vLLM numbers its groups 0..n-1, and a group that announced nothing holds nothing."""
+        if len(e.groups) <= max(e.groups, default=-1):
+            return []
         rules = []
         for gi, g in sorted(e.groups.items()):
             span = e.span(g)

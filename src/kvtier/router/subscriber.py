@@ -30,6 +30,10 @@ class Subscriber:
 
         from kvtier.errors import ConfigError
 
+        for name, value in (("replay_interval_s", replay_interval_s), ("replay_timeout_s", replay_timeout_s)):
+            if not _seconds(value):
+                raise ConfigError(f"Subscriber {name}={value!r}: give seconds as a finite number >= 0 "
+                                  f"(the default is {10.0 if name == 'replay_interval_s' else 1.0})")
         if stray := sorted(set(replay or {}) - set(endpoints)):
             raise ConfigError(f"replay endpoints for {stray} name no engine of {sorted(endpoints)}; "
                               "name each replay endpoint by the engine whose publisher it belongs to")
@@ -180,3 +184,11 @@ class Subscriber:
             s.disable_monitor()
             monitor.close(0)
             s.close(0)
+
+
+def _seconds(value: object) -> bool:
+    """A duration: an int or float (not a bool), finite, >= 0 (a NaN or negative interval would
+    replay on every gap, a NaN timeout never wait)."""
+    import math
+
+    return type(value) in (int, float) and math.isfinite(value) and value >= 0  # type: ignore[arg-type]

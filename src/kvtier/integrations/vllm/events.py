@@ -249,15 +249,17 @@ class DiskJournal:
     journal off for this process (a restart then announces fewer chunks: router misses, never
     wrong KV). Bounded: once the file passes twice its live records' bytes (and `COMPACT_MIN`) it
     is rewritten to them; if the live records alone pass `MAX_BYTES`, journaling stops
-    (counted `full`). Opened with O_NOFOLLOW, mode 0600. (Counted on the journal and logged, not
-    in the counters file: a counter there needs its Prometheus family in stats.py.)"""
+    (counted `full`). Opened with O_NOFOLLOW, mode 0600. Its counts also go to the manager's
+    counters (`metrics`, bound by `announce_adopted`): `disk_journal_errors`, `_full`,
+    `_bad_records` in the counters file and on /metrics (stats.py), so a journal that stopped is seen."""
 
     NAME = "events.journal"
     MAX_BYTES = 64 << 20
     COMPACT_MIN = 1 << 20
 
-    def __init__(self, root) -> None:  # noqa: ANN001 - a Path
+    def __init__(self, root, metrics: Metrics | None = None) -> None:  # noqa: ANN001 - a Path
         self.path = root / self.NAME
+        self.metrics = metrics  # the manager's counters, where these counts are exported too
         self._fd: int | None = None
         self.enabled = True
         self.errors = 0  # writes / compactions that failed
@@ -269,6 +271,8 @@ class DiskJournal:
     def _fail(self, what: str, err: BaseException, counter: str = "errors") -> None:
         """Journaling off for this process, logged once, counted."""
         setattr(self, counter, getattr(self, counter) + 1)
+        if self.metrics is not None:  # literal names: stats.py's families
+            self.metrics.add("disk_journal_full" if counter == "full" else "disk_journal_errors")
         if self.enabled:
             log.warning("kvtier: the disk event journal %s %s (%s): journaling stops; a restart "
                         "announces only the chunks journaled until now", self.path, what, err)
@@ -448,12 +452,16 @@ def announce_adopted(manager, tracker, journal: DiskJournal) -> int:  # noqa: AN
 
     from .compat import tracker_records
 
+    if journal.metrics is None:
+        journal.metrics = manager.metrics
     kept = []
     for raw, rec in journal.load().items():
         if not valid_record(rec):
             if not journal.bad_records:
                 log.warning("kvtier: %s holds records of the wrong types: skipped", journal.path)
             journal.bad_records += 1
+            if journal.metrics is not None:
+                journal.metrics.add("disk_journal_bad_records")
             continue
         key = OffloadKey(raw)
         split = manager.ctx.split_key(key)
