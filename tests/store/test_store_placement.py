@@ -114,6 +114,20 @@ def test_the_default_share_goes_with_the_placement() -> None:
     assert placement_share(llama) == "proportional" and Store(llama, NS, cpu_bytes=10 * ROW).placement is None
 
 
+def test_placed_groups_never_get_more_than_their_proportional_bytes() -> None:
+    """A model whose state is tiny beside its attention (LFM2: 512-byte conv states, 32 KiB
+    attention chunks): "hits" stores fewer state chunks than every-chunk storing, so its state
+    pools keep their proportional bytes and the attention group keeps the rest (half/half would
+    halve the bytes every hit reads)."""
+    small = make_plan(Geometry((GEOM.groups[0], Group("conv", "state", num_layers=1, tokens_per_block=16,
+                                                       state_bytes_per_layer=64)), 16), chunk_tokens=C)
+    full, conv = (gp.chunk_bytes for gp in small.groups)
+    assert conv < full
+    share = placement_share(small)
+    assert share == pytest.approx({"full": full / (full + conv), "conv": conv / (full + conv)})
+    assert Store(small, NS, cpu_bytes=100 * (full + conv)).index.slots(0, "cpu") == 99  # every-chunk's 100, less rounding
+
+
 def test_cold_entries_go_to_a_later_tier_only(tmp_path) -> None:
     """cpu + disk: a checkpoint away from the request's ends is written to disk only, never to
     cpu; with cpu alone it is not stored. A hit at such a boundary still restores exactly."""

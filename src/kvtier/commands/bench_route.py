@@ -15,7 +15,8 @@ requests in order. Per router and workload: tokens reused per request (vLLM's nu
 its own small cache and kvtier's loads), TTFT p50 at the client (`--max-tokens 1`: the request's
 latency), and how many requests the router sent by prefix. Ray's prefix-aware router
 (`PrefixCacheAffinityRouter`) reads the prompt's text: it gets the token ids as text, a prefix of
-one being a prefix of the other; it needs ray[llm]'s packages and is left out, said so, without.
+one being a prefix of the other; it needs pyarrow (kvtier's `ray` extra) and is left out, said so,
+without.
 """
 
 from __future__ import annotations
@@ -163,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             import ray.serve.llm.request_router  # noqa: F401
         except ImportError as exc:
-            skipped["prefix"] = f"{exc} (it needs ray[llm]'s packages)"
+            skipped["prefix"] = f"{exc} (it needs pyarrow: pip install 'kvtier[ray]')"
     import ray
     from ray import serve
 

@@ -28,9 +28,11 @@ WARM, COLD, SKIP = "warm", "cold", "skip"
 
 def placement_share(plan: Plan, placed_kinds: Sequence[str]) -> str | dict[str, float]:
     """share="auto" under placement "hits": half of each tier to the full/MLA groups and half to
-    the groups of `placed_kinds` (stored only where hits land), each half by chunk bytes; a group
-    of another kind keeps its proportional bytes (its chunk bytes over all groups'). Placed pools
-    under "proportional" stay mostly empty, so their bytes go to the groups every hit reads
+    the groups of `placed_kinds` (stored only where hits land), each half by chunk bytes, but the
+    placed groups never more than their proportional bytes (they store fewer chunks than every-chunk
+    storing, so more would sit empty: LFM2's 512-byte conv states beside 32 KiB attention chunks);
+    a group of another kind keeps its proportional bytes (its chunk bytes over all groups'). Placed
+    pools under "proportional" stay mostly empty, so their bytes go to the groups every hit reads
     (docs/admission.md). "proportional" where no full/MLA or no placed group is cacheable."""
     cacheable = plan.cacheable_groups
     anchors = [gp for gp in cacheable if gp.kind in ("full", "mla")]
@@ -39,10 +41,11 @@ def placement_share(plan: Plan, placed_kinds: Sequence[str]) -> str | dict[str, 
         return "proportional"
     total = sum(gp.chunk_bytes for gp in cacheable)
     out = {gp.name: gp.chunk_bytes / total for gp in cacheable if gp not in anchors and gp not in placed}
-    half = 0.5 * (1 - sum(out.values()))
-    for side in (anchors, placed):
+    rest = 1 - sum(out.values())
+    placed_part = min(0.5 * rest, sum(gp.chunk_bytes for gp in placed) / total)
+    for side, part in ((anchors, rest - placed_part), (placed, placed_part)):
         side_bytes = sum(gp.chunk_bytes for gp in side)
-        out.update({gp.name: half * gp.chunk_bytes / side_bytes for gp in side})
+        out.update({gp.name: part * gp.chunk_bytes / side_bytes for gp in side})
     return {name: f * (1 - 1e-9) for name, f in out.items()}  # fractions must sum to at most 1
 
 
