@@ -150,18 +150,20 @@ def _sliding(name: str, layer: int) -> Group:
                  dtype="float16", layers=(layer,), window=4 * TOKENS)
 
 
-def test_auto_share_splits_half_and_half_over_full_and_placed_groups(tmp_path: Path) -> None:
-    """vLLM's manager places sliding and state groups (their chunks only where hits land), so
-    share "auto" gives half of each tier to the full group and half to the placed ones, each half
-    by chunk bytes, as the Store does."""
+def test_auto_share_splits_half_and_half_over_full_and_state_groups_only(tmp_path: Path) -> None:
+    """vLLM's manager places sliding and state groups (their chunks only where hits land), but
+    share "auto" moves bytes only to the full group from state groups (half/half by chunk bytes,
+    state never above its proportional bytes): vLLM offers a sliding group about as many chunks
+    per request as a full one, so sliding groups keep their proportional bytes."""
     ctx = _ctx((_full("attn", 0), _sliding("swa0", 1), _sliding("swa1", 2)), tmp_path)
     assert ctx.placement == "hits"
-    assert ctx.share() == pytest.approx({"attn": 0.5, "swa0": 0.25, "swa1": 0.25})
-    gdn = Group(name="gdn", kind="state", num_layers=1, tokens_per_block=TOKENS, state_bytes_per_layer=1024,
+    assert ctx.share() == "proportional"
+    big = Group(name="gdn", kind="state", num_layers=1, tokens_per_block=TOKENS, state_bytes_per_layer=1 << 20,
                 dtype="float16", layers=(3,))
-    assert _ctx((_full("attn", 0), gdn), tmp_path).share() == pytest.approx({"attn": 0.5, "gdn": 0.5})
-    ctx = _ctx((_full("attn", 0), _sliding("swa", 1), gdn), tmp_path)
+    assert _ctx((_full("attn", 0), big), tmp_path).share() == pytest.approx({"attn": 0.5, "gdn": 0.5})
+    ctx = _ctx((_full("attn", 0), _sliding("swa", 1), big), tmp_path)
     b = {gp.name: gp.chunk_bytes for gp in ctx.plan.groups}
-    placed = b["swa"] + b["gdn"]
-    assert ctx.share() == pytest.approx({"attn": 0.5, "swa": 0.5 * b["swa"] / placed, "gdn": 0.5 * b["gdn"] / placed})
+    total = sum(b.values())
+    rest = 1 - b["swa"] / total  # the sliding group's proportional share is kept
+    assert ctx.share() == pytest.approx({"attn": rest / 2, "swa": b["swa"] / total, "gdn": rest / 2})
     assert sum(ctx.share().values()) <= 1

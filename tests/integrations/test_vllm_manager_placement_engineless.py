@@ -1,8 +1,9 @@
 """kvtier.placement "hits" for sliding-window groups through vLLM's real scheduler and both
 connector halves (the engine-less harness, vllm_engineless/harness.py), on vLLM 0.32 and 0.33:
 a follow-up turn still restores its whole previous prompt, and over 12 sessions of Mooncake's
-conversation trace a Gemma-3-like engine restores more than with "every" in the same cpu bytes,
-every loaded position of every group checked against what its earlier forward wrote."""
+conversation trace a Gemma-3-like engine restores at least what "every" restores in the same cpu
+bytes (the same share: sliding groups keep their proportional bytes in vLLM), every loaded
+position of every group checked against what its earlier forward wrote."""
 
 from __future__ import annotations
 
@@ -41,14 +42,14 @@ def test_a_follow_up_turn_restores_its_whole_previous_prompt(results: dict) -> N
     assert r["external_tokens"] == 192 and r["checked"] > 0 and r["mismatches"] == 0, r
 
 
-def test_sliding_placement_restores_more_than_every_chunk_in_the_same_bytes(results: dict) -> None:
+def test_sliding_placement_restores_what_every_chunk_restores_in_the_same_bytes(results: dict) -> None:
     r = ok(results, "multi_turn_sliding")
     assert r["requests"] == 50, r
     every, hits = r["every"], r["hits"]
     for x in (every, hits):
         assert x["checked"] > 1000 and x["mismatches"] == 0 and x["failed"] == [], r
     assert every["slots"] == {"vllm0_sliding": 48, "vllm1_sliding": 48, "vllm2_sliding": 48, "vllm3_full": 48}, every
-    # share "auto": half of the tier to the full group, half to the three placed sliding groups
-    assert hits["slots"] == {"vllm0_sliding": 31, "vllm1_sliding": 31, "vllm2_sliding": 31, "vllm3_full": 95}, hits
+    # share "auto" keeps sliding groups' proportional bytes: the same slots as "every"
+    assert hits["slots"] == every["slots"], r
     assert hits["hit_requests"] >= every["hit_requests"], r
-    assert hits["restored_tokens"] >= 1.5 * every["restored_tokens"] > 0, r
+    assert hits["restored_tokens"] >= every["restored_tokens"] > 0, r

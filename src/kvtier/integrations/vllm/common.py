@@ -221,6 +221,9 @@ class SpecContext:
 
 
 def vllm_placement_share(plan) -> str | dict[str, float]:  # noqa: ANN001 - kvtier.core.plan.Plan
-    """share="auto" with placement "hits" in vLLM: the half/half split over the groups vLLM's
-    manager places (manager.py `_request_places`): sliding, chunked-local and state groups."""
-    return placement_share(plan, ("sliding", "chunked", "state"))
+    """share="auto" with placement "hits" in vLLM: the half/half split over state groups only.
+    Sliding and chunked-local groups are placed too (manager.py `_request_places`) but keep their
+    proportional bytes: vLLM offers them only their last window of a prompt prefilled in one step,
+    so a request needs about as many of their chunks as of a full group's and half/half would
+    starve them (docs/admission.md, "In vLLM")."""
+    return placement_share(plan, ("state",))
