@@ -323,3 +323,16 @@ def test_a_redis_url_that_is_no_url_is_not_echoed_with_its_credentials() -> None
         parse_config({"kvtier.tiers": "redis", "kvtier.redis_bytes": "1GiB",
                       "kvtier.redis_url": "app:s3cret@10.0.0.5:6379"})
     assert "s3cret" not in str(err.value)
+
+
+def test_the_environments_secret_is_read_only_for_tiers_that_seal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only disk and Redis payloads carry the MAC: a cpu-only engine starts whatever the
+    environment's KVTIER_SECRET_FILE holds; with a disk tier the bad file is refused at start."""
+    bad = tmp_path / "secret"
+    bad.write_bytes(b"short")
+    bad.chmod(0o600)
+    monkeypatch.setenv("KVTIER_SECRET_FILE", str(bad))
+    assert parse_config({"kvtier.cpu_bytes": 4096}).keyed is None
+    with pytest.raises(ConfigError):
+        parse_config({"kvtier.tiers": "cpu,disk", "kvtier.cpu_bytes": 4096, "kvtier.disk_bytes": 1 << 20,
+                      "kvtier.directory": str(tmp_path / "kv")})

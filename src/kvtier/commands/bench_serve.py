@@ -170,7 +170,7 @@ def compare(paths: list[str], as_json: bool) -> int:
                                  for m, g in zip(v["medians"], v["margins"]))
             verdict = {True: "agree", False: "DISAGREE", None: "no margin (one repeat)"}[v["agree"]]
             print(f"{k}: {runs_txt}: {verdict}")
-    return 0 if names and all(v["agree"] for v in result.values()) else 1
+    return 0 if names and all(v["agree"] for v in result.values()) else 1  # no margin (one repeat): not shown to agree
 
 
 def _interrupt(signum: int, frame: object) -> None:

@@ -192,7 +192,7 @@ def redis_server(binary: str, port: int, directory: Path, log_path: Path, *, pas
     its password (`requirepass`). The password lives in files of mode 0600 (the config file and
     the password file), never on the command line, which /proc shows to every user.
     `tls`: (cert, key, CA) files: TLS only, on `port`. `extra_args` go last (they win)."""
-    directory.mkdir(parents=True, exist_ok=True)
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     argv = [binary]
     password_file = None
     if password is not False:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
@@ -108,10 +109,12 @@ class KvtierRequestRouter(RequestRouter):
             self._subscribers[engine] = ((endpoint, replay), sub)
 
     def _drop(self, engine: str) -> None:
+        """Stop following a replica: its view is dropped at once; its subscriber's thread is
+        joined on another thread (a join may take seconds, and this runs on Ray's event loop)."""
         entry = self._subscribers.pop(engine, None)
         if entry is not None:
-            entry[1].close()
             self.index.reset(engine, "replica_gone")  # what its tiers held is no longer ours to route to
+            threading.Thread(target=entry[1].close, name="kvtier-router-close", daemon=True).start()
 
     # -- one request ---------------------------------------------------------------------------------
 
@@ -161,9 +164,10 @@ class KvtierRequestRouter(RequestRouter):
             return None
         try:
             if self._tokenizer is None and self._tokenizer_name is not None:
+                name, self._tokenizer_name = self._tokenizer_name, None  # tried once: a failure is not retried per request
                 from transformers import AutoTokenizer
 
-                self._tokenizer = AutoTokenizer.from_pretrained(self._tokenizer_name)
+                self._tokenizer = AutoTokenizer.from_pretrained(name)
             return prompt_tokens(pending_request.args or (), pending_request.kwargs or {}, self._tokenizer)
         except Exception:  # noqa: BLE001 - a prompt (or tokenizer) that fails is routed by load
             log.exception("kvtier router: the prompt of request %s was not read",

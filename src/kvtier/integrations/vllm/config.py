@@ -138,10 +138,14 @@ def parse_config(extra_config: Mapping[str, object]) -> VllmTierConfig:
         raise ConfigError(f"kvtier.accept_legacy_macs={accept_legacy!r} must be true or false")
     from kvtier.store.integrity import load_secret  # no torch
 
-    # read once, here, at start; handed to every tier this process opens (`tier_secret`)
-    keyed = load_secret(secret_file=secret_file, what="kvtier.secret_file", accept_legacy_macs=accept_legacy,
-                        missing="kvtier.accept_legacy_macs=false needs a secret: set kvtier.secret_file (a file "
-                                "of this user, mode 0600), or KVTIER_SECRET_FILE / KVTIER_SECRET in the environment")
+    # read once, here, at start; handed to every tier this process opens (`tier_secret`). Only the
+    # disk and Redis tiers seal payloads: a cpu-only engine ignores the environment's secret
+    keyed = None
+    if secret_file is not None or {"disk", "redis"} & set(tiers):
+        keyed = load_secret(secret_file=secret_file, what="kvtier.secret_file", accept_legacy_macs=accept_legacy,
+                            missing="kvtier.accept_legacy_macs=false needs a secret: set kvtier.secret_file (a "
+                                    "file of this user, mode 0600), or KVTIER_SECRET_FILE / KVTIER_SECRET in the "
+                                    "environment")
     if redis_url is not None and "redis" not in tiers:
         raise ConfigError(f"kvtier.redis_url is set but tier 'redis' is not in kvtier.tiers {list(tiers)}; "
                           "add it to kvtier.tiers or drop the URL")

@@ -135,7 +135,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("rebuilt_chunks", (), "Chunks adopted from the disk tier at start."),
     Family("disk_journal_errors", (), "Disk event journal writes or compactions that failed: journaling "
            "stopped for this process (a restart announces fewer disk chunks to a router: misses only)."),
-    Family("disk_journal_full", (), "Times the disk event journal stopped at its size cap (64 MiB of live records)."),
+    Family("disk_journal_full", (), "Times the disk event journal stopped at its size cap (DiskJournal.MAX_BYTES of live records)."),
     Family("disk_journal_bad_records", (), "Disk event journal records of the wrong field types, skipped at start."),
     Family("layout_from_workers", (), "Index rebuilds from the workers' exact layout at start."),
     # workers (KvtierWorker)
