@@ -220,7 +220,7 @@ def _side(a: argparse.Namespace, router: str, model: str, max_model_len: int,
     t0 = time.monotonic()
     handle = serve.run(deployment.bind(model, kv, a.engine_blocks, max_model_len), name=f"route-{router}")
     print(f"[bench route] {ROUTERS[router]}: two engines up in {time.monotonic() - t0:.0f} s", file=sys.stderr)
-    handle.remote(RouteRequest([7] * 16, 1)).result(timeout_s=600)  # one-time costs, not measured
+    handle.remote(RouteRequest([7] * 16, 1, "7 " * 16)).result(timeout_s=600)  # one-time costs, not measured (text: Ray's prefix router divides by its length)
     mine = [r for r in routers() if r.app_name == f"route-{router}"]
     out = {}
     for name, chains in streams.items():
