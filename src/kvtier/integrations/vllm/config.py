@@ -139,9 +139,10 @@ def parse_config(extra_config: Mapping[str, object]) -> VllmTierConfig:
     from kvtier.store.integrity import load_secret  # no torch
 
     # read once, here, at start; handed to every tier this process opens (`tier_secret`). Only the
-    # disk and Redis tiers seal payloads: a cpu-only engine ignores the environment's secret
+    # disk and Redis tiers seal payloads: a cpu-only engine ignores the environment's secret unless
+    # told to refuse unkeyed payloads (accept_legacy_macs false needs a secret wherever it runs)
     keyed = None
-    if secret_file is not None or {"disk", "redis"} & set(tiers):
+    if secret_file is not None or not accept_legacy or {"disk", "redis"} & set(tiers):
         keyed = load_secret(secret_file=secret_file, what="kvtier.secret_file", accept_legacy_macs=accept_legacy,
                             missing="kvtier.accept_legacy_macs=false needs a secret: set kvtier.secret_file (a "
                                     "file of this user, mode 0600), or KVTIER_SECRET_FILE / KVTIER_SECRET in the "
