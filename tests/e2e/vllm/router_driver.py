@@ -25,19 +25,9 @@ import sys
 import time
 from pathlib import Path
 
+from events_driver import _settle  # this script's directory is on sys.path
+
 RESET_WAIT_S = 3.0
-
-
-def _settle(sub, quiet_s: float = 0.6, limit_s: float = 20.0) -> None:  # noqa: ANN001
-    """Wait until no event batch arrived for `quiet_s` (vLLM publishes per engine step)."""
-    deadline = time.monotonic() + limit_s
-    last, since = sub.batches, time.monotonic()
-    while time.monotonic() < deadline:
-        time.sleep(0.05)
-        if sub.batches != last:
-            last, since = sub.batches, time.monotonic()
-        elif time.monotonic() - since >= quiet_s:
-            return
 
 
 def _held(index, engine: str) -> dict[str, int]:  # noqa: ANN001
