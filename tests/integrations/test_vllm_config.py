@@ -255,11 +255,11 @@ def test_metrics_files_of_exited_processes_are_removed(tmp_path: Path) -> None:
     (tmp_path / "metrics" / f"worker0-{dead}.json").write_text('{"counts": {"x": 1}}')
     (tmp_path / "metrics" / f"scheduler-{os.getppid()}.json").write_text('{"counts": {"y": 2}}')
     m = Metrics("scheduler", str(tmp_path))
-    m.add("z")
+    m.add("resets")
     m.flush(force=True)
     names = sorted(p.name for p in (tmp_path / "metrics").iterdir())
     assert names == sorted([f"scheduler-{os.getppid()}.json", f"scheduler-{os.getpid()}.json"])
-    assert read_metrics(tmp_path) == {"y": 2, "z": 1}
+    assert read_metrics(tmp_path) == {"y": 2, "resets": 1}
 
 
 def test_every_group_vllm_offloads_is_cacheable_in_its_plan() -> None:

@@ -169,7 +169,7 @@ def test_prune_removes_only_kvtiers_own_regular_files_of_dead_processes(tmp_path
     (metrics_dir / f"worker5-{dead}.json").mkdir()  # a directory
     kept = sorted(p.name for p in metrics_dir.iterdir() if p.name not in ours)
     m = Metrics("scheduler", str(tmp_path))
-    m.add("z")
+    m.add("resets")
     m.flush(force=True)
     assert sorted(p.name for p in metrics_dir.iterdir()) == sorted(kept + [f"scheduler-{os.getpid()}.json"])
     assert target.read_text() == '{"counts": {"linked": 1}}'

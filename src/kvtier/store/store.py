@@ -48,7 +48,7 @@ from kvtier.index.index import Index, Load
 from kvtier.index.placement import COLD, SKIP, WARM, HitsLand
 from kvtier.index.placement import placement_share as _placement_share
 from kvtier.core.keys import Namespace, chunk_hashes as _chunk_hashes
-from kvtier.store.metrics import StoreMetrics, metrics_dict, register_prometheus
+from kvtier.store.metrics import StoreMetrics, metrics_dict, register_prometheus, tier_counters
 from kvtier.store.integrity import load_secret
 from kvtier.store.payload import DTYPE_CODES, ChunkHeader, as_bytes_view, chunk_header
 from kvtier.core.plan import Plan
@@ -177,8 +177,6 @@ class Store(TierIO):
         share = resolve_share(plan, share, self.placement)
         self.index: Index | None = Index(plan, capacities, policy=policy, share=share) if capacities else None
         self.m = StoreMetrics()
-        for name in ("placement_cold", "placement_skipped"):  # entries the placement kept out of the first tier
-            self.m.totals.setdefault(name, 0)
         self.slot_tiers: dict[str, Tier] = {}
         for name in capacities:
             layout = self._layout(name)
@@ -535,7 +533,8 @@ class Store(TierIO):
                     for gp in self.plan.cacheable_groups:
                         c = self.index.counters(gp.index, name)
                         ev[(name, gp.index)] = c["evictions"] + c["dead_evictions"]
-            return metrics_dict(self.m, [gp.name for gp in self.plan.groups], ev)
+            own = {t.name: tier_counters(t) for t in (*self.slot_tiers.values(), *self.shared)}
+            return metrics_dict(self.m, [gp.name for gp in self.plan.groups], ev, own)
 
     def register_prometheus(self, registry: object | None = None, prefix: str = "kvtier") -> object:
         """One collector reading `metrics()` at scrape time; give each store in a process its

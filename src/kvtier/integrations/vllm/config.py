@@ -34,6 +34,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from kvtier.errors import ConfigError
+from kvtier.core.counters import TIERS  # the tier names, declared once
 from kvtier.core.units import parse_bytes
 
 PREFIX = "kvtier."
@@ -42,7 +43,6 @@ KEYS = ("tiers", "cpu_bytes", "disk_bytes", "redis_bytes", "directory", "policy"
         "accept_legacy_macs")
 IO_QUEUE_BYTES = 256 << 20  # disk/Redis writes waiting for the background lane, per worker
 PASSWORD_ENV = "KVTIER_REDIS_PASSWORD"
-TIERS = ("cpu", "disk", "redis")
 PLACEMENTS = ("hits", "every")  # kvtier.store.store.PLACEMENTS (not imported: no torch here)
 SHARES = ("auto", "proportional", "equal")
 

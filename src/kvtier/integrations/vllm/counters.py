@@ -2,7 +2,14 @@
 `<kvtier.directory>/metrics` so a test or an operator can read what happened inside an engine
 whose workers live in other processes, and handed to vLLM's stats path (stats.py).
 
-`Metrics` counts; `read_metrics` / `read_info` sum what every process wrote.
+`Metrics` counts; `read_metrics` / `read_info` sum what every process wrote. Every name counted
+is declared once in kvtier.core.counters (VLLM), which stats.py exports on vLLM's stats path.
+
+The files stay because commands a user runs read them: `kvtier bench serve` (the per-tier
+restored tokens of the `vllm serve` processes it starts, from `read_metrics`, and their plans'
+groups from `read_info`) and `kvtier bench vllm` (`loaded_blocks`); the e2e drivers under
+tests/e2e/vllm read them the same way. They also carry what /metrics cannot: `info` (sizes,
+not counters) and `loaded_chunks_group<g>` flat by name.
 """
 
 from __future__ import annotations
@@ -19,6 +26,8 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
+
+from kvtier.core.counters import VLLM
 
 log = logging.getLogger("kvtier.vllm")
 
@@ -61,8 +70,10 @@ class Metrics:
             _LIVE.add(self)
 
     def add(self, name: str, n: int = 1, group: int | None = None) -> None:
-        """Count `n` under `name` (the file's key); `group` (kvtier's plan group index) labels it
-        on vLLM's stats path where the caller knows it."""
+        """Count `n` under `name` (the file's key), a counter declared in kvtier.core.counters
+        (VLLM; an undeclared name raises UndeclaredCounter); `group` (kvtier's plan group index)
+        labels it on vLLM's stats path where the caller knows it."""
+        VLLM.check(name)
         with _COUNT_LOCK:  # the worker's background I/O thread counts too
             self.counts[name] = self.counts.get(name, 0) + n
             if n:

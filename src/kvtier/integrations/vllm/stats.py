@@ -40,13 +40,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadPromMetrics,
 )
 
+from kvtier.core.counters import VLLM
 from kvtier.index.index import Index
 
 from .common import SpecContext
-from .config import TIERS
 
 PREFIX = "vllm:kvtier_"
-TIER_AND_GROUP = ("tier", "group")
 CONFIG_INFO_KEYS = ("kvtier_namespace", "kvtier_chunk_tokens", "kvtier_tiers", "kvtier_group_slots",
                     "kvtier_chunk_bytes")
 
@@ -79,109 +78,16 @@ class Family:
         return PREFIX + self.counter.replace("_{tier}", "")
 
 
-FAMILIES: tuple[Family, ...] = (
-    # scheduler (KvtierManager)
-    Family("lookup_keys", ("group",), "Offload keys vLLM looked up in kvtier's index (scheduler)."),
-    Family("lookup_hit_keys", ("group",), "Lookups kvtier answered as a hit."),
-    Family("lookup_keys_offload_off", (), "Lookups answered as a miss because offloading is off "
-           "for this engine (a state model outside mamba_cache_mode=align)."),
-    Family("redis_lookups_queued", (), "Keys the scheduler asked Redis about off the engine thread."),
-    Family("redis_lookup_timeouts", (), "Redis existence checks without an answer in time (a miss)."),
-    Family("adopted_from_redis", ("group",), "Chunks another engine stored in Redis that this "
-           "index adopted."),
-    Family("load_jobs_scheduled", (), "Load jobs the scheduler planned."),
-    Family("load_chunks_{tier}", TIER_AND_GROUP, "Chunks the scheduler planned to load, by the "
-           "tier they are read from."),
-    Family("load_keys_vanished", ("group",), "Chunks evicted between lookup and load (that load "
-           "fails and vLLM recomputes)."),
-    Family("store_chunks", ("group",), "Chunks the scheduler reserved slots for."),
-    Family("promote_chunks", ("group",), "Chunks loaded from disk or Redis that the scheduler "
-           "gave a cpu slot to be promoted into."),
-    Family("promote_aborted", ("group",), "Promotion slots released because their load failed."),
-    Family("promote_at_lookup", ("group",), "Promotions started by a lookup (through the worker's "
-           "host region): the lookup answered pending until the chunk was in host memory."),
-    Family("promote_read_failed", ("group",), "Promotions started by a lookup whose read failed (a "
-           "miss, a corrupt payload, a chunk stored in part): the chunk is served as before."),
-    Family("lookup_pending_keys", ("group",), "Lookups answered pending while their chunk was "
-           "promoted into host memory (vLLM asks again next step)."),
-    Family("lookup_not_in_host", ("group",), "Lookups answered as a miss because the chunk was "
-           "only on disk or in Redis and could not be promoted (host-only loads: "
-           "sync_load_budget_bytes)."),
-    Family("promote_skipped_full", ("group",), "Promotions skipped because every cpu slot of the "
-           "group was pinned or reserved (the load still reads the slower tier)."),
-    Family("promote_dropped", ("group",), "Promotions at lookup not started because the reads "
-           "out would pass kvtier.io_queue_bytes: the chunk is served as before (its load reads the "
-           "slower tier; a miss with host-only loads)."),
-    Family("store_skipped_full_{tier}", TIER_AND_GROUP, "Stores skipped because every slot of the "
-           "tier was pinned by transfers in flight."),
-    Family("store_skipped_placement", ("group",), "Chunks not stored because no hit is likely to end "
-           "where they serve (kvtier.placement hits, one tier: a state checkpoint or sliding window away "
-           "from the request's ends and branch points)."),
-    Family("store_cold", ("group",), "Chunks stored only in the tiers after the first (kvtier.placement "
-           "hits: unlikely to be read)."),
-    Family("store_calls_refused", (), "prepare_store calls answered None because no tier could "
-           "take every new key (vLLM offers the keys again later)."),
-    Family("store_keys_offload_off", (), "Stores skipped because offloading is off for this engine."),
-    Family("kv_events_stored", (), "KV events announcing a chunk restorable from a tier (with vLLM's KV events on)."),
-    Family("kv_events_removed", (), "KV events announcing a chunk no longer restorable from a tier."),
-    Family("kv_events_dropped", (), "KV events dropped because nothing drained them (memory bound)."),
-    Family("evicted_{tier}", TIER_AND_GROUP, "Chunks evicted from a tier to make room."),
-    Family("evicted_{tier}_dead", TIER_AND_GROUP, "Chunks evicted first because no hit could read "
-           "them any more."),
-    Family("load_failures", (), "Loads the workers could not restore (vLLM recomputed them)."),
-    Family("removed_after_failure", (), "Chunks forgotten after a failed load."),
-    Family("resets", (), "Cache resets (vLLM's reset_prefix_cache)."),
-    Family("resets_flushed", (), "Resets whose in-flight jobs the workers reported (vLLM 0.33)."),
-    Family("rebuilt_chunks", (), "Chunks adopted from the disk tier at start."),
-    Family("disk_journal_errors", (), "Disk event journal writes or compactions that failed: journaling "
-           "stopped for this process (a restart announces fewer disk chunks to a router: misses only)."),
-    Family("disk_journal_full", (), "Times the disk event journal stopped at its size cap (DiskJournal.MAX_BYTES of live records)."),
-    Family("disk_journal_bad_records", (), "Disk event journal records of the wrong field types, skipped at start."),
-    Family("layout_from_workers", (), "Index rebuilds from the workers' exact layout at start."),
-    # workers (KvtierWorker)
-    Family("load_jobs", (), "Load jobs the workers finished."),
-    Family("load_jobs_failed", (), "Load jobs the workers failed (vLLM recomputes the request)."),
-    Family("sync_load_jobs", (), "Synchronous loads (vLLM 0.33's sync_load_budget_bytes) the "
-           "workers restored from host memory."),
-    Family("sync_load_jobs_failed", (), "Synchronous loads that failed: the engine stopped rather "
-           "than run a request on KV never restored (none expected; report it)."),
-    Family("store_jobs", (), "Store jobs the workers finished."),
-    Family("store_jobs_failed", (), "Store jobs the workers failed."),
-    Family("jobs_noncontiguous", (), "Jobs refused because a group's blocks were not contiguous."),
-    Family("loaded_chunks_{tier}", TIER_AND_GROUP, "Chunks read from a tier and restored."),
-    Family("loaded_bytes_{tier}", TIER_AND_GROUP, "Bytes read from a tier and restored."),
-    Family("loaded_blocks", ("group",), "vLLM KV blocks written by loads."),
-    Family("promoted_chunks_{tier}", TIER_AND_GROUP, "Chunks read and verified from a slower tier "
-           "(the label) and copied into the cpu tier by their load."),
-    Family("promote_skipped_partial", ("group",), "Promotions skipped because the load needed "
-           "only part of the chunk."),
-    Family("load_miss_{tier}", TIER_AND_GROUP, "Chunk reads a tier could not serve (missing, "
-           "overwritten or corrupt: the load fails and vLLM recomputes)."),
-    Family("load_miss_vanished", ("group",), "Chunk reads with no place (evicted before the load)."),
-    Family("stored_chunks_{tier}", TIER_AND_GROUP, "Chunks written into a tier."),
-    Family("stored_bytes_{tier}", TIER_AND_GROUP, "Bytes written into a tier."),
-    Family("store_failed_{tier}", TIER_AND_GROUP, "Chunk writes a tier refused or failed."),
-    Family("store_dropped_{tier}", TIER_AND_GROUP, "Chunk writes dropped because the background "
-           "I/O queue was full (kvtier.io_queue_bytes)."),
-    Family("store_failed_unreported", ("group",), "Chunks of store jobs a worker failed, which "
-           "vLLM reported as stored: their cpu slot did not hold them, so no tier commits them."),
-    Family("store_overwritten_{tier}", TIER_AND_GROUP, "Disk/Redis writes skipped because the cpu "
-           "slot they were copied from was taken by another chunk first."),
-)
-# counters kept in the metrics file only: `loaded_chunks_group<g>` is `loaded_chunks` by group
-FILE_ONLY_PREFIXES = ("loaded_chunks_group",)
+# kvtier's vLLM counters, declared once in kvtier.core.counters (VLLM): one family each, but the
+# file-only ones (`loaded_chunks_group<g>` is `loaded_chunks` by its group label)
+FAMILIES: tuple[Family, ...] = tuple(Family(c.name, c.labels, c.help) for c in VLLM if not c.file_only)
+FILE_ONLY_PREFIXES = tuple(c.name.partition("{")[0] for c in VLLM if c.file_only)
 
 
 def _series_of() -> dict[str, tuple[str, str, tuple[str, ...]]]:
     """counter name in the file -> (metric, tier label value, label names)."""
-    out: dict[str, tuple[str, str, tuple[str, ...]]] = {}
-    for f in FAMILIES:
-        if "{tier}" in f.counter:
-            for tier in TIERS:
-                out[f.counter.format(tier=tier)] = (f.metric, tier, f.labels)
-        else:
-            out[f.counter] = (f.metric, "", f.labels)
-    return out
+    return {name: (f.metric, VLLM.tier_of(name), f.labels)
+            for f in FAMILIES for name in VLLM.counter(f.counter.replace("{tier}", "cpu")).names()}
 
 
 SERIES = _series_of()

@@ -6,4 +6,4 @@ where the data plane runs.
 
 from __future__ import annotations
 
-TIER_NAMES = ("cpu", "disk", "redis")
+from kvtier.core.counters import TIERS as TIER_NAMES  # noqa: F401  (declared once, in core)

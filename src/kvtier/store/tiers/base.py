@@ -24,6 +24,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
+from kvtier.core.counters import TIER_BASE
 from kvtier.errors import ConfigError
 from kvtier.store.payload import ChunkHeader
 
@@ -95,6 +96,9 @@ class TierLayout:
 
 @dataclass(frozen=True, slots=True)
 class TierStats:
+    """A tier's base counters, one field per name of kvtier.core.counters.TIER_BASE (declared
+    there with their help; tests/test_counters.py checks the fields match)."""
+
     writes: int
     failed_writes: int
     reads: int
@@ -157,15 +161,7 @@ class Tier(ABC):
 
     # -- helpers for implementations -----------------------------------------------------
     def stats(self) -> TierStats:
-        return TierStats(
-            writes=self.writes,
-            failed_writes=self.failed_writes,
-            reads=self.reads,
-            misses=self.misses,
-            corrupt_dropped=self.corrupt_dropped,
-            bytes_written=self.bytes_written,
-            bytes_read=self.bytes_read,
-        )
+        return TierStats(**{name: getattr(self, name) for name in TIER_BASE})
 
     def _drop_corrupt(self, group: int, slot: int, reason: str) -> bool:
         """Count, log (at most once a minute, `LogOnce`) and free a bad payload; returns False so
