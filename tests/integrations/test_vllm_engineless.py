@@ -258,6 +258,24 @@ def ok(results: dict, name: str) -> dict:
     return r
 
 
+def restored(req: dict, tokens: int, shown: object = None) -> None:
+    """A request restored `tokens` prompt tokens from kvtier, some loaded positions checked
+    against what its earlier forward wrote, none wrong (`shown`: what a failure prints)."""
+    assert req["external_tokens"] == tokens and req["checked"] > 0 and req["mismatches"] == 0, \
+        req if shown is None else shown
+
+
+def every_and_hits(results: dict, name: str) -> tuple[dict, dict]:
+    """A multi-turn scenario run under kvtier.placement "every" and "hits", the same 50 requests:
+    each checked over 1,000 loaded positions, none wrong, no failed load; (every, hits)."""
+    r = ok(results, name)
+    assert r["requests"] == 50, r
+    every, hits = r["every"], r["hits"]
+    for x in (every, hits):
+        assert x["checked"] > 1000 and x["mismatches"] == 0 and x["failed"] == [], r
+    return every, hits
+
+
 @pytest.mark.parametrize("name", GPU_COPIES)
 def test_gpu_copies_go_through_vllms_handlers(results: dict, name: str) -> None:
     """Each _gpu scenario moved its chunks with vLLM's batched copies, and those without a cpu
@@ -271,7 +289,7 @@ def test_gpu_copies_go_through_vllms_handlers(results: dict, name: str) -> None:
         assert (r["side_copies"] > 0) == (name == "disk_unpromoted"), r
     if name == "disk_unpromoted":  # loaded from both: promoted slots and staging buffers, every byte right
         for sc in (r, ok(results, name)):
-            assert sc["external_tokens"] == 192 and sc["checked"] > 0 and sc["mismatches"] == 0, sc
+            restored(sc, 192)
             assert sc["counters"].get("promoted_chunks_disk", 0) > 0, sc["counters"]
             assert sc["counters"].get("store_skipped_full_cpu", 0) > 0, sc["counters"]  # A: disk only
     assert "handler_transfers" not in ok(results, name)  # the CPU run copied with index_copy
@@ -524,7 +542,7 @@ def test_a_slow_disk_never_blocks_a_step(results: dict, name: str) -> None:
     assert released["stored_chunks_disk"] > 0
     assert released["stored_chunks_disk"] + released["store_dropped_disk"] == 21, released
     c = r["c"]
-    assert c["external_tokens"] == 192 and c["checked"] > 0 and c["mismatches"] == 0, c
+    restored(c, 192)
 
 
 def test_a_slow_redis_never_blocks_a_lookup(results: dict) -> None:
@@ -534,7 +552,7 @@ def test_a_slow_redis_never_blocks_a_lookup(results: dict) -> None:
     r = ok(results, "slow_redis")
     assert r["asked"] and r["b_waiting"] and r["steps_while_held"] == 20, r
     b = r["b"]
-    assert b["external_tokens"] == 192 and b["checked"] > 0 and b["mismatches"] == 0, b
+    restored(b, 192)
     c = r["counters"]
     assert c["adopted_from_redis"] > 0 and c["loaded_chunks_redis"] > 0, c
 
@@ -550,7 +568,7 @@ def test_kvtier_counters_reach_vllms_prometheus_metrics(results: dict, name: str
     (and 0.33's config info) are still reported beside them."""
     r = ok(results, name)
     c = r["c"]
-    assert c["external_tokens"] == 192 and c["checked"] > 0 and c["mismatches"] == 0, c
+    restored(c, 192)
     assert r["payload_types"] == ["KvtierConnectorStats"], r["payload_types"]
     counters = r["counters"]
     # the Prometheus view and the file agree on every counter kvtier maps, at all of its labels
@@ -595,7 +613,7 @@ def test_a_chunk_loaded_from_disk_is_promoted_to_host_memory(results: dict, name
     r = ok(results, name)
     b, b2 = r["b"], r["b2"]
     for req in (b, b2):
-        assert req["external_tokens"] == 192 and req["checked"] > 0 and req["mismatches"] == 0, r
+        restored(req, 192, r)
     assert r["failed"] == [] and r["pins"] == 0 and r["promoting"] == 0, r
     from_disk = _delta(r, "after_c", "after_b", "loaded_chunks_disk")
     from_cpu = _delta(r, "after_c", "after_b", "loaded_chunks_cpu")
@@ -642,7 +660,7 @@ def test_a_lookup_promotes_a_disk_hit_before_the_load(results: dict, name: str) 
     # the worker's handshake named its region; the scheduler mapped it then, before any request
     assert r["mapped_at_start"] and not r["region_file_left"], r
     for req in (r["b"], r["b2"]):
-        assert req["external_tokens"] == 192 and req["checked"] > 0 and req["mismatches"] == 0, r
+        restored(req, 192, r)
     assert r["failed"] == [] and r["pins"] == 0 and r["promoting"] == 0, r
     at_lookup = _delta(r, "after_c", "after_b", "promote_at_lookup")
     assert at_lookup > 0 and _delta(r, "after_c", "after_b", "lookup_pending_keys") >= at_lookup, r
@@ -697,7 +715,7 @@ def test_a_lookup_promotion_held_across_a_reset_writes_nothing(results: dict) ->
     assert _delta(r, "after_b", "after_d2", "promoted_chunks_disk") == 0, r
     assert r["after_b"].get("promoted_chunks_disk", 0) == 0, r
     d2 = r["d2"]
-    assert d2["external_tokens"] == 192 and d2["checked"] > 0 and d2["mismatches"] == 0, r
+    restored(d2, 192, r)
     assert r["failed"] == [] and r["pins"] == 0 and r["promoting"] == 0, r
 
 
@@ -708,7 +726,7 @@ def test_a_hit_larger_than_the_cpu_tier_is_promoted_once_and_served(results: dic
     (Promoting again and again, each promotion evicting the last, left B waiting for ever.)"""
     r = ok(results, "promote_lookup_small")
     for req in (r["b"], r["b2"]):
-        assert req["external_tokens"] == 192 and req["checked"] > 0 and req["mismatches"] == 0, r
+        restored(req, 192, r)
     assert r["failed"] == [] and r["pins"] == 0 and r["promoting"] == 0, r
     at_lookup = _delta(r, "after_c", "after_b", "promote_at_lookup")
     assert 0 < at_lookup <= 12, r  # at most the cpu tier's slots (3 in each of 4 groups)
@@ -721,7 +739,7 @@ def test_a_lookup_promotes_a_redis_hit_before_the_load(results: dict) -> None:
     only, byte-exact."""
     r = ok(results, "promote_lookup_redis")
     for req in (r["b"], r["b2"]):
-        assert req["external_tokens"] == 192 and req["checked"] > 0 and req["mismatches"] == 0, r
+        restored(req, 192, r)
     assert r["failed"] == [] and r["pins"] == 0 and r["promoting"] == 0, r
     at_lookup = _delta(r, "after_c", "after_b", "promote_at_lookup")
     assert at_lookup > 0 and _delta(r, "after_c", "after_b", "promoted_chunks_redis") == at_lookup, r
@@ -734,11 +752,8 @@ def test_the_default_placement_restores_more_than_every_chunk_in_the_same_bytes(
     same 50 requests: more restored tokens, every loaded position of every group checked. In
     align mode vLLM offers a state group only the checkpoints it keeps (a prompt's end), so the
     placement skips none of them here: the bytes it leaves to the full group are the gain."""
-    r = ok(results, "multi_turn_state")
-    assert r["requests"] == 50, r
-    every, hits = r["every"], r["hits"]
-    for x in (every, hits):
-        assert x["checked"] > 1000 and x["mismatches"] == 0 and x["failed"] == [], r
+    every, hits = every_and_hits(results, "multi_turn_state")
+    r = results["multi_turn_state"]
     assert every["slots"] == {"vllm0_full": 48, "vllm1_state": 48, "vllm2_state": 48, "vllm3_state": 48}, every
     assert hits["slots"] == {"vllm0_full": 95, "vllm1_state": 31, "vllm2_state": 31, "vllm3_state": 31}, hits
     assert hits["restored_tokens"] >= 1.5 * every["restored_tokens"] > 0, r

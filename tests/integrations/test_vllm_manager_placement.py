@@ -14,12 +14,11 @@ pytest.importorskip("vllm")
 from vllm.v1.kv_offload.base import ReqContext, make_offload_key  # noqa: E402
 
 from kvtier.core.geometry import Geometry, Group  # noqa: E402
-from kvtier.core.keys import Namespace  # noqa: E402
 from kvtier.core.plan import make_plan  # noqa: E402
 from kvtier.integrations.vllm.common import SpecContext  # noqa: E402
-from kvtier.integrations.vllm.config import parse_config  # noqa: E402
-from kvtier.integrations.vllm.counters import Metrics  # noqa: E402
 from kvtier.integrations.vllm.manager import KvtierManager  # noqa: E402
+from vllm_manager_setup import context, manager, request_keys, row_bytes  # noqa: E402
+from vllm_manager_setup import store as _store  # noqa: E402
 
 TOKENS = 16
 GEOM = Geometry(groups=(
@@ -29,34 +28,16 @@ GEOM = Geometry(groups=(
           dtype="float16", layers=(1,)),
 ), tokens_per_hash=TOKENS, name="placement")
 PLAN = make_plan(GEOM, blocks_per_chunk=1)
-ROW = sum(gp.chunk_bytes for gp in PLAN.groups)
+ROW = row_bytes(GEOM)
 
 
 def _manager(tmp_path: Path, placement: str | None = None, **tier_bytes: int) -> KvtierManager:
-    extra = {"kvtier.tiers": ",".join(tier_bytes), "kvtier.host_region": "off", "kvtier.directory": str(tmp_path)}
-    extra.update({f"kvtier.{t}_bytes": n for t, n in tier_bytes.items()})
-    if placement is not None:
-        extra["kvtier.placement"] = placement
-    ctx = SpecContext(plan=PLAN, namespace=Namespace("m", GEOM.fingerprint(), "float16"),
-                      config=parse_config(extra), group_of={0: 0, 1: 1}, blocks_per_chunk=1)
-    return KvtierManager(ctx, Metrics("scheduler", None), events=True)
+    return manager(tmp_path, GEOM, tier_bytes, placement)
 
 
 def _request(req: str, n: int, seed: int) -> tuple[ReqContext, list[list]]:
-    """A request of n chunks: its keys per vLLM group, every position known (as vLLM's
-    update_offload_keys records them when the request is hashed)."""
-    rc = ReqContext(req_id=req)
-    keys = [[make_offload_key(bytes([seed, i]) * 16, g) for i in range(n)] for g in (0, 1)]
-    for g in (0, 1):
-        for i, k in enumerate(keys[g]):
-            rc.set_offload_key_position(k, (i + 1) * TOKENS)
-    return rc, keys
-
-
-def _store(m: KvtierManager, rc: ReqContext, keys: list) -> list:
-    out = m.prepare_store(keys, rc)
-    m.complete_store(out.keys_to_store, rc)
-    return list(out.keys_to_store)
+    """A request of n chunks, each its own hash under `seed`."""
+    return request_keys(req, [seed] * n, TOKENS)
 
 
 def test_state_checkpoints_only_where_hits_land_and_never_announced_otherwise(tmp_path: Path) -> None:
@@ -133,11 +114,7 @@ def test_a_growing_request_teaches_the_placement_once(tmp_path: Path) -> None:
 
 def _ctx(groups: tuple, tmp_path: Path) -> SpecContext:
     geom = Geometry(groups=groups, tokens_per_hash=TOKENS, name="share")
-    plan = make_plan(geom, blocks_per_chunk=1)
-    extra = {"kvtier.tiers": "cpu", "kvtier.host_region": "off", "kvtier.directory": str(tmp_path),
-             "kvtier.cpu_bytes": 64 * sum(gp.chunk_bytes for gp in plan.groups)}
-    return SpecContext(plan=plan, namespace=Namespace("m", geom.fingerprint(), "float16"), config=parse_config(extra),
-                       group_of={i: i for i in range(len(groups))}, blocks_per_chunk=1)
+    return context(tmp_path, geom, {"cpu": 64 * row_bytes(geom)})
 
 
 def _full(name: str, layer: int) -> Group:

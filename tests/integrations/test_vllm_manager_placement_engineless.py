@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from test_vllm_engineless import TRACE, VERSIONS, _finish, _start, ok
+from test_vllm_engineless import TRACE, VERSIONS, _finish, _start, every_and_hits, ok, restored
 
 import test_vllm_engineless as engineless
 
@@ -38,16 +38,12 @@ def results(request: pytest.FixtureRequest) -> dict:
 def test_a_follow_up_turn_restores_its_whole_previous_prompt(results: dict) -> None:
     """A: 200 tokens stored; B: A + 8 tokens restores 12 whole chunks (192 tokens), every
     sliding group's window of 3 chunks among them."""
-    r = ok(results, "follow_up")
-    assert r["external_tokens"] == 192 and r["checked"] > 0 and r["mismatches"] == 0, r
+    restored(ok(results, "follow_up"), 192)
 
 
 def test_sliding_placement_restores_what_every_chunk_restores_in_the_same_bytes(results: dict) -> None:
-    r = ok(results, "multi_turn_sliding")
-    assert r["requests"] == 50, r
-    every, hits = r["every"], r["hits"]
-    for x in (every, hits):
-        assert x["checked"] > 1000 and x["mismatches"] == 0 and x["failed"] == [], r
+    every, hits = every_and_hits(results, "multi_turn_sliding")
+    r = results["multi_turn_sliding"]
     assert every["slots"] == {"vllm0_sliding": 48, "vllm1_sliding": 48, "vllm2_sliding": 48, "vllm3_full": 48}, every
     # share "auto" keeps sliding groups' proportional bytes: the same slots as "every"
     assert hits["slots"] == every["slots"], r

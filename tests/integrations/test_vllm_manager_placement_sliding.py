@@ -14,7 +14,7 @@ pytest.importorskip("vllm")
 
 import torch  # noqa: E402
 from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, SlidingWindowSpec  # noqa: E402
-from vllm.v1.kv_offload.base import ReqContext, make_offload_key  # noqa: E402
+from vllm.v1.kv_offload.base import ReqContext  # noqa: E402
 
 try:  # vLLM 0.33 moved it to the offloading config
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import get_sliding_window_size_in_chunks
@@ -25,13 +25,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import ( 
 )
 
 from kvtier.core.geometry import Geometry, Group  # noqa: E402
-from kvtier.core.keys import Namespace  # noqa: E402
-from kvtier.core.plan import make_plan  # noqa: E402
-from kvtier.integrations.vllm.common import SpecContext  # noqa: E402
-from kvtier.integrations.vllm.config import parse_config  # noqa: E402
-from kvtier.integrations.vllm.counters import Metrics  # noqa: E402
 from kvtier.integrations.vllm.manager import KvtierManager  # noqa: E402
 from kvtier.integrations.vllm.placement import lookup_window  # noqa: E402
+from vllm_manager_setup import manager, request_keys, row_bytes  # noqa: E402
+from vllm_manager_setup import store as _store  # noqa: E402
 
 TOKENS = 16
 WINDOW = 3 * TOKENS + 1  # C divides W - 1: vLLM reads cdiv(W, C) = 4 chunks, kvtier's W - 1 rule 3
@@ -48,30 +45,12 @@ def _geometry(window: int) -> Geometry:
 
 def _manager(tmp_path: Path, window: int = WINDOW, placement: str = "hits", **ctx_extra: object) -> KvtierManager:
     geom = _geometry(window)
-    plan = make_plan(geom, blocks_per_chunk=1)
-    row = sum(gp.chunk_bytes for gp in plan.groups)
-    extra = {"kvtier.tiers": "cpu", "kvtier.host_region": "off", "kvtier.directory": str(tmp_path),
-             "kvtier.cpu_bytes": 256 * row, "kvtier.placement": placement}
-    ctx = SpecContext(plan=plan, namespace=Namespace("m", geom.fingerprint(), "float16"),
-                      config=parse_config(extra), group_of={0: 0, 1: 1}, blocks_per_chunk=1, **ctx_extra)
-    return KvtierManager(ctx, Metrics("scheduler", None), events=True)
+    return manager(tmp_path, geom, {"cpu": 256 * row_bytes(geom)}, placement, **ctx_extra)
 
 
 def _keys(seeds: list[int], req: str) -> tuple[ReqContext, list[list]]:
-    """A request whose chunk i has hash seed seeds[i] (shared seeds: a shared prefix), every
-    key's position known, as vLLM records them when it hashes the request."""
-    rc = ReqContext(req_id=req)
-    keys = [[make_offload_key(bytes([s % 256, i]) * 16, g) for i, s in enumerate(seeds)] for g in (0, 1)]
-    for g in (0, 1):
-        for i, k in enumerate(keys[g]):
-            rc.set_offload_key_position(k, (i + 1) * TOKENS)
-    return rc, keys
-
-
-def _store(m: KvtierManager, rc: ReqContext, keys: list) -> list:
-    out = m.prepare_store(keys, rc)
-    m.complete_store(out.keys_to_store, rc)
-    return list(out.keys_to_store)
+    """A request whose chunk i has hash seed seeds[i] (shared seeds: a shared prefix)."""
+    return request_keys(req, seeds, TOKENS)
 
 
 def _vllm_hit_chunks(m: KvtierManager, rc: ReqContext, swa_keys: list, end: int) -> int:

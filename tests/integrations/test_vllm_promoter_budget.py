@@ -127,27 +127,29 @@ def test_reads_past_the_budget_are_dropped_counted_and_never_outstanding(tmp_pat
     landed: list = []
     lock = threading.Lock()
 
-    def done(bufs) -> None:  # noqa: ANN001 - on the promoter's thread
-        with lock:
-            landed.append(bufs)
+    def land() -> None:  # the reads the promoter's thread finished, as the scheduler's thread takes them
+        while promoter.finished:
+            landed.append(promoter.finished.popleft()[1])
 
-    queued = [promoter.fetch(g, "disk", slot, header, done) for g, slot, header in asks]
+    queued = [promoter.fetch(g, "disk", slot, header, i) for i, (g, slot, header) in enumerate(asks)]
     assert queued == [True, True, False, False, False, False]
     assert metrics.counts.get("promote_dropped") == 4
     assert promoter.drain(30)
+    land()
     assert len(landed) == 2 and all(b is not None for b in landed)
     for bufs, (g, slot, header) in zip(landed, asks):
         assert worker.tiers["disk"].read(g, slot, header, want := torch.empty(chunk, dtype=torch.uint8))
         assert torch.equal(bufs[0], want)
     def ask(i: int) -> bool:
         g, slot, header = asks[i]
-        return promoter.fetch(g, "disk", slot, header, done)
+        return promoter.fetch(g, "disk", slot, header, i)
 
     assert not ask(2)  # both still out: no room
     promoter.give(landed.pop())  # one back (as the manager drops a stale read's)
     assert ask(2)  # room for one
     assert not ask(3)
     assert promoter.drain(30)
+    land()
     for bufs in landed:
         promoter.give(bufs)
     landed.clear()
@@ -164,7 +166,7 @@ def test_reads_past_the_budget_are_dropped_counted_and_never_outstanding(tmp_pat
         while not stop.is_set():
             g, slot, header = asks[i % len(asks)]
             with lock:
-                ok = promoter.fetch(g, "disk", slot, header, done)
+                ok = promoter.fetch(g, "disk", slot, header, i)
                 if ok:
                     out_bytes[0] += chunk
                     peak[0] = max(peak[0], out_bytes[0])
@@ -179,6 +181,7 @@ def test_reads_past_the_budget_are_dropped_counted_and_never_outstanding(tmp_pat
     deadline = time.monotonic() + 3.0
     while time.monotonic() < deadline or given < 20:
         with lock:
+            land()
             batch, landed[:] = list(landed), []
             for bufs in batch:
                 assert bufs is not None

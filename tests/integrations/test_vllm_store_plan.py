@@ -39,7 +39,7 @@ def _store(ix: Index, todo: list) -> tuple[object, dict, list]:
 
 def test_chunks_to_store_skips_unknown_pending_and_repeated_chunks() -> None:
     split = {"a": (b"A", 0), "a2": (b"A", 0), "b": (b"B", 0), "x": None, "p": (b"P", 0)}
-    todo = chunks_to_store(["a", "x", "p", "a2", "b"], split.get, {"p"})
+    todo = chunks_to_store([(k, split.get(k)) for k in ("a", "x", "p", "a2", "b")], {"p"})
     assert todo == [("a", (b"A", 0)), ("b", (b"B", 0))]
 
 

@@ -10,14 +10,14 @@ gather + device<->host copy on a side stream (copier.SideStream), into or out of
 memory; the worker records the stream's event and a job ends when it has. Chunks in cpu slots
 on a GPU go through vLLM's own handlers instead (copier.SlabCopier, `copier` here), which write
 exactly this layout: one transfer per run of consecutive chunks of a group (`submit_runs`). A
-job's copies are an (event, transfer ids) pair: `ended` polls it, `wait` blocks on it, `waiter`
-is what a store's disk and Redis writes wait on, on the I/O thread.
+job's copies are an (event, transfer ids) pair: `ended` polls it, `wait` blocks on it on the
+engine thread, `wait_on_lane` on the I/O thread (a store's disk and Redis writes).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -177,19 +177,16 @@ class HostCopies:
         if tids:
             self.copier.wait(tids)  # type: ignore[union-attr]
 
-    def waiter(self, event, tids: list[int]) -> Callable[[], None] | None:  # noqa: ANN001
+    def wait_on_lane(self, event, tids: list[int]) -> None:  # noqa: ANN001
         """What a store's disk and Redis writes run first on the I/O thread: block until the
-        store's device->host copies ended, without spinning a core; None when none run."""
+        store's device->host copies ended, without spinning a core."""
         if event is None and not tids:
-            return None
-
-        def wait() -> None:
-            with torch.cuda.device(self.device) if self.pin else contextlib.nullcontext():  # never a context on another GPU
-                if event is not None:
-                    event.synchronize()
-                if tids:
-                    self.copier.wait_polling(tids)  # type: ignore[union-attr]
-        return wait
+            return
+        with torch.cuda.device(self.device) if self.pin else contextlib.nullcontext():  # never a context on another GPU
+            if event is not None:
+                event.synchronize()
+            if tids:
+                self.copier.wait_polling(tids)  # type: ignore[union-attr]
 
     def shutdown(self) -> None:
         """End every copy, before vLLM frees its KV tensors."""

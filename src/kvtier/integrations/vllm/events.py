@@ -37,7 +37,8 @@ ever looked up grew without bound).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Container, Iterable
+from typing import TYPE_CHECKING
 
 from vllm.v1.kv_offload.base import Locality, Medium, OffloadingEvent, OffloadKey
 
@@ -46,6 +47,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import Offlo
 from kvtier.index.index import Entry, Index
 
 from .counters import Metrics
+
+if TYPE_CHECKING:
+    from .promotion import Promotions
 
 log = logging.getLogger("kvtier.vllm")
 
@@ -62,11 +66,10 @@ class KvEvents:
     """The manager's event log: fed by the index's listener (`Index.listener`), drained by
     vLLM through the manager's `take_events`."""
 
-    def __init__(self, key_of: Callable[[tuple[bytes, int]], OffloadKey | None],
-                 count: Callable[[str, int], None], enabled: bool) -> None:
+    def __init__(self, held: HeldKeys, metrics: Metrics, enabled: bool) -> None:
         self.enabled = enabled
-        self._key_of = key_of  # (chunk hash, plan group) -> vLLM's key, or None when unknown
-        self._count = count
+        self._held = held  # its key_of: (chunk hash, plan group) -> vLLM's key, when known
+        self._metrics = metrics
         self._announced: dict[tuple[bytes, int], set[str]] = {}  # chunk -> tiers announced in
         self._pending: list[tuple[str, bool, OffloadKey]] = []  # (tier, removed, key)
 
@@ -76,14 +79,14 @@ class KvEvents:
             return
         split = (chunk_hash, group)
         if stored:
-            key = self._key_of(split)
+            key = self._held.key_of.get(split)
             if key is not None:
                 self._add(split, tier, key)
             return
         tiers = self._announced.get(split)
         if not tiers or tier not in tiers:
             return
-        key = self._key_of(split)
+        key = self._held.key_of.get(split)
         tiers.discard(tier)
         if not tiers:
             del self._announced[split]
@@ -130,22 +133,24 @@ class KvEvents:
     def _push(self, tier: str, removed: bool, key: OffloadKey) -> None:
         if len(self._pending) >= MAX_PENDING:  # nobody drains: keep memory bounded, say so
             del self._pending[: MAX_PENDING // 2]
-            self._count("kv_events_dropped", MAX_PENDING // 2)
+            self._metrics.add("kv_events_dropped", MAX_PENDING // 2)
         self._pending.append((tier, removed, key))
-        self._count("kv_events_removed" if removed else "kv_events_stored", 1)
+        self._metrics.add("kv_events_removed" if removed else "kv_events_stored", 1)
 
 
 class HeldKeys:
     """vLLM's key of every chunk the index holds (`key_of`), and the keys of chunks that left their
     last tier outside prepare_store (`later`: a promotion's eviction, a failed load, a Redis
-    adoption), which vLLM hears of as evicted with the next prepare_store. `busy(key, chunk)`: a
-    store or a promotion of the chunk into another tier is in flight (it has not left yet)."""
+    adoption), which vLLM hears of as evicted with the next prepare_store. A chunk has not left
+    while a store of it (its key in `stores`, the manager's stores in flight) or a promotion of it
+    into another tier (`promotions.in_flight`) is in flight."""
 
-    def __init__(self, index: Index, metrics: Metrics,
-                 busy: Callable[[OffloadKey, tuple[bytes, int]], bool]) -> None:
+    def __init__(self, index: Index, metrics: Metrics, stores: Container[OffloadKey],
+                 promotions: Promotions) -> None:
         self.index = index  # the manager's, replaced with it (`clear`)
         self.metrics = metrics
-        self._busy = busy
+        self.stores = stores  # the manager's, never replaced
+        self.promotions = promotions
         self.key_of: dict[tuple[bytes, int], OffloadKey] = {}
         self.later: list[OffloadKey] = []
 
@@ -154,7 +159,7 @@ class HeldKeys:
         if self.index.where(chunk_hash, group):
             return None
         key = self.key_of.get((chunk_hash, group))
-        if key is not None and self._busy(key, (chunk_hash, group)):
+        if key is not None and (key in self.stores or self.promotions.in_flight(key, (chunk_hash, group))):
             return None
         return self.key_of.pop((chunk_hash, group), None)
 
@@ -184,8 +189,7 @@ class HeldKeys:
         return later
 
     def clear(self, index: Index) -> None:
-        """The manager's index was replaced: no chunk is held, nothing is left to report. The
-        dict is cleared in place (KvEvents reads it)."""
+        """The manager's index was replaced: no chunk is held, nothing is left to report."""
         self.index = index
         self.key_of.clear()
         self.later.clear()

@@ -32,15 +32,15 @@ Only chunks a load needs whole are promoted at load (bytes a load does not need 
 so a slot filled from a partial load would claim too few blocks): with more than one block per
 chunk, the first chunk of each group in a load may start mid-chunk and is not promoted.
 
-Rejected alternative: demoting host evictions to disk. The worker owns the bytes, so a demotion
-would be a copy job vLLM does not know how to schedule; write-through costs disk bandwidth on
-store but never blocks the engine and keeps the two processes' views trivially consistent.
+Rule: write-through, never a demotion of host evictions (a copy job vLLM cannot schedule; the
+alternative weighed: docs/changelog.md, 2026-12-06).
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Collection
+from collections.abc import Collection
+from typing import Protocol
 
 from vllm.v1.kv_offload.base import (
     LoadStoreSpec,
@@ -74,42 +74,42 @@ _HIT_SOURCE = {"cpu": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
 PLACED_REQUESTS = 4096  # requests whose placement is kept (finished ones are dropped at once)
 
 
-# the spec's context for the workers' layout (page bytes, fingerprint, kv dtype), None when unchanged
-Relayout = Callable[[tuple[int, ...], str, str], "SpecContext | None"]
+class WorkersContext(Protocol):
+    """The spec (spec.py's KvtierOffloadingSpec), as the manager asks it."""
+
+    def workers_context(self, page_bytes: tuple[int, ...], fingerprint: str = "",
+                        kv_dtype: str = "") -> SpecContext | None:
+        """The context for the workers' layout, None when unchanged."""
 
 
 class KvtierManager(OffloadingManager):
-    def __init__(self, ctx: SpecContext, metrics: Metrics, relayout: Relayout | None = None,
+    def __init__(self, ctx: SpecContext, metrics: Metrics, spec: WorkersContext | None = None,
                  events: bool = False) -> None:
-        """`relayout`: the spec's `workers_context` (the context for the workers' layout, None
-        when unchanged), asked by `adopt_worker_layout`. `events`: vLLM's KV events are on
+        """`spec`: the spec that built this manager, asked for the context of the workers'
+        layout by `adopt_worker_layout` (`workers_context`). `events`: vLLM's KV events are on
         (`enable_kv_cache_events`): what each tier holds is announced through `take_events`
         (events.py)."""
         self.ctx = ctx
-        self.relayout = relayout
+        self.spec = spec
         self.metrics = metrics
         self.index: Index = ctx.new_index()
         # memo of key -> (chunk hash, group); bounded (recomputing is one blake2b call)
         self._split: dict[OffloadKey, tuple[bytes, int] | None] = {}
         self._pending: dict[OffloadKey, list[tuple[str, int]]] = {}  # places reserved by a store in flight
         self.loads = LoadLedger()  # each request's loads: their chunks, jobs and pins
-        # vLLM's key of every chunk the index holds; a chunk is not gone while a store or a
-        # promotion into another tier is in flight
-        self.held = HeldKeys(self.index, metrics, self._in_flight)
-        self.events = KvEvents(self.held.key_of.get, metrics.add, events)
+        self.promotions = Promotions(ctx, self.index, metrics)
+        # vLLM's key of every chunk the index holds; a chunk is not gone while a store (_pending)
+        # or a promotion into another tier is in flight
+        self.held = HeldKeys(self.index, metrics, self._pending, self.promotions)
+        self.events = KvEvents(self.held, metrics, events)
         self.index.listener = self.events.on_index
         self.host_only = HostOnlyHits(metrics)  # host-only loads: the hits this step pinned
-        self.promotions = Promotions(ctx, self.index, metrics, self.held.evicted_elsewhere, self.held.report_gone)
         # shared with other engines: a key this index lacks may still be in Redis
         self.redis_lookup = RedisLookup(ctx, metrics) if "redis" in ctx.config.tiers else None
         self._new_placement()
         self._reset_unflushed = False  # a reset whose in-flight jobs may still write (reset_cache)
         rebuild_from_disk(ctx, self.index, metrics)
         metrics.flush(force=True)
-
-    def _in_flight(self, key: OffloadKey, split: tuple[bytes, int]) -> bool:
-        """A store or a promotion of this chunk is in flight: it is not gone yet (`HeldKeys`)."""
-        return key in self._pending or self.promotions.in_flight(key, split)
 
     def _new_placement(self) -> None:
         """The placement rule for `self.ctx` (None: every chunk), and per request its chunks'
@@ -121,10 +121,10 @@ class KvtierManager(OffloadingManager):
 
     def adopt_worker_layout(self, page_bytes: tuple[int, ...], fingerprint: str = "", kv_dtype: str = "") -> bool:
         """The workers' exact bytes per block and namespace (KvtierConnector's handshake, before
-        any request): the spec's context for them (`relayout`) is adopted when it differs (slots,
-        chunk sizes and namespace are rebuilt from it); True then. The layout travels one way:
-        the spec never calls the manager back."""
-        ctx = self.relayout(page_bytes, fingerprint, kv_dtype) if self.relayout is not None else None
+        any request): the spec's context for them (`spec.workers_context`) is adopted when it
+        differs (slots, chunk sizes and namespace are rebuilt from it); True then. The layout
+        travels one way: the spec never calls the manager back."""
+        ctx = self.spec.workers_context(page_bytes, fingerprint, kv_dtype) if self.spec is not None else None
         if ctx is None:
             return False
         if self._pending or self.loads.busy() or self.promotions.busy():
@@ -194,7 +194,8 @@ class KvtierManager(OffloadingManager):
             return LookupResult.MISS
         if split is None:
             return LookupResult.MISS
-        self.promotions.lookup_pass(getattr(req_context, "req_id", None))  # reads land at a pass's start
+        for h, g in self.promotions.lookup_pass(getattr(req_context, "req_id", None)):  # reads land at a pass's start
+            self.held.report_gone(h, g)  # a failed read's cpu reservation released
         if split in self.promotions.fetches:
             self.metrics.add("lookup_pending_keys", group=group)
             return LookupResult.HIT_PENDING  # being promoted: vLLM asks again next step
@@ -202,7 +203,9 @@ class KvtierManager(OffloadingManager):
             if key in self._pending:  # its store is in flight: vLLM waits for it, never recomputes
                 self.metrics.add("lookup_pending_keys", group=group)
                 return LookupResult.HIT_PENDING
-            held = self.redis_lookup.adopt(self.index, split, self.held.report_gone) if self.redis_lookup else False
+            held, evicted = self.redis_lookup.adopt(self.index, split) if self.redis_lookup else (False, ())
+            for e in evicted:
+                self.held.report_gone(e.chunk_hash, e.group)
             if held is None:
                 return LookupResult.RETRY  # vLLM asks again next step; the step never waits
             if not held:
@@ -210,7 +213,9 @@ class KvtierManager(OffloadingManager):
         self.held.key_of[split] = key  # held: its eviction is reported under this key
         if self.events.enabled:  # a chunk adopted at start is announced once a lookup names it
             self.events.named(split, key, [t for t, _ in self.index.where(*split)])
-        if self.promotions.start_at_lookup(key, split, req_context):
+        started, evicted = self.promotions.start_at_lookup(key, split, req_context)
+        self.held.evicted_elsewhere(evicted, "cpu")
+        if started:
             self.metrics.add("lookup_pending_keys", group=group)
             return LookupResult.HIT_PENDING
         if self.ctx.config.host_only_loads and not self.host_only.hit(
@@ -227,7 +232,8 @@ class KvtierManager(OffloadingManager):
     def on_schedule_end(self, context) -> None:  # noqa: ANN001 - vLLM's ScheduleEndContext
         """Once a step (both versions, from build_connector_meta): land promotions whose reads
         finished, also those no request asks for again (an abort)."""
-        self.promotions.end_step()
+        for h, g in self.promotions.end_step():
+            self.held.report_gone(h, g)  # a failed read's cpu reservation released
         self.host_only.end_step(self.index)
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
@@ -261,7 +267,8 @@ class KvtierManager(OffloadingManager):
             items.append(ChunkItem(g, h, *self._span(key, g, req_context), places))
             chunks.append(split)
         if not vanished:  # after every source is pinned; none for a job that fails anyway
-            self.promotions.reserve_for_load(items, promote, req_context)
+            for evicted in self.promotions.reserve_for_load(items, promote, req_context):
+                self.held.evicted_elsewhere(evicted, "cpu")
         self.loads.started(req_context.req_id, chunks)
         self.metrics.add("load_jobs_scheduled")
         return KvtierLoadStoreSpec(items)
@@ -291,7 +298,8 @@ class KvtierManager(OffloadingManager):
         for key in keys:
             split = self._key(key)
             # a cpu slot it promoted into: filled by the worker unless its job failed
-            self.promotions.complete_at_load(key, split, req_id, failed=failed)
+            if self.promotions.complete_at_load(key, split, req_id, failed=failed):
+                self.held.report_gone(*split)
             tier = self.loads.unpin(key) if split is not None else None
             if tier is not None:
                 self.index.unpin(split[0], split[1], tier)
@@ -308,7 +316,7 @@ class KvtierManager(OffloadingManager):
             self.metrics.add("store_keys_offload_off", len(keys))
             return PrepareStoreOutput(keys_to_store=[], store_spec=KvtierLoadStoreSpec([]),
                                       evicted_keys=self.held.take_later())
-        todo = chunks_to_store(keys, self._key, self._pending)
+        todo = chunks_to_store(((key, self._key(key)) for key in keys), self._pending)
         with protect(self.index, [split for _, split in todo]):  # skipped keys too: never a victim
             cold, skipped = self._place(todo, req_context)
             if skipped:

@@ -11,9 +11,8 @@ positions the job moves. `consecutive_runs` groups the chunks vLLM's copy handle
 transfers (one per run of consecutive chunks of a group). `lookup_window` is the run of chunks
 vLLM's hit search reads of a windowed group for a hit ending at a chunk boundary.
 
-Rejected alternative: carrying positions in the items (the manager knows them too). vLLM's
-block spec is the one source the worker copies from; deriving positions from it once, here,
-means the two sides cannot disagree silently (a mismatch fails the job, below).
+Rule: positions come from vLLM's block spec only, never carried in the items (one source: a
+mismatch fails the job instead of a silent disagreement; docs/changelog.md, 2026-12-06).
 """
 
 from __future__ import annotations

@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from kvtier.store.buffers import POOL_BUFFERS, BufferPool
@@ -67,6 +68,9 @@ class LookupPromoter:
         self._out: dict[int, tuple[list, int]] = {}
         self._out_bytes = 0
         self._out_lock = threading.Lock()
+        # reads done, (the fetch's tag, its buffers or None), appended on this object's thread in
+        # the order they finished; the scheduler's thread takes them (promotion.py's `land`)
+        self.finished: deque[tuple[object, list | None]] = deque()
 
     def ready(self) -> bool:
         """Whether promotion at lookup is possible: every worker's region is mapped."""
@@ -133,12 +137,11 @@ class LookupPromoter:
                 return False
         return True
 
-    def fetch(self, g: int, tier: str, slot: int, header: ChunkHeader,
-              done: Callable[[object], None]) -> bool:
+    def fetch(self, g: int, tier: str, slot: int, header: ChunkHeader, tag: object) -> bool:
         """Queue a read of a whole chunk from `tier`, every rank's shard into a pooled buffer,
-        each verified by its tier under its rank's namespace; `done(buffers)` (or `done(None)`:
-        a miss, a corrupt payload, a chunk held only in part, on any rank) runs on this object's
-        thread. False: nothing queued (no reader of that tier, closed, or past `max_bytes`: counted
+        each verified by its tier under its rank's namespace; once it ran, `(tag, buffers)` (or
+        `(tag, None)`: a miss, a corrupt payload, a chunk held only in part, on any rank) is
+        appended to `finished`. False: nothing queued (no reader of that tier, closed, or past `max_bytes`: counted
         `promote_dropped`). The buffers count against `max_bytes` until given back (`fill`,
         `give`)."""
         readers = [r.tiers.get(tier) for r in self.ranks]
@@ -158,7 +161,7 @@ class LookupPromoter:
 
         def read() -> None:
             ok = False
-            try:  # done() is always called: a fetch never answered would stay pending for ever
+            try:  # always answered in `finished`: a fetch never answered would stay pending for ever
                 for rank, reader in zip(self.ranks, readers):
                     bufs.append(self._pool.take(header.payload_bytes))
                     ok = reader.read(g, slot, replace(header, namespace_id=rank.namespace_id), bufs[-1])
@@ -170,7 +173,7 @@ class LookupPromoter:
             finally:
                 if not ok:
                     self.give(bufs)
-                done(bufs if ok else None)
+                self.finished.append((tag, bufs if ok else None))
 
         if not self._lane.submit(read):
             self._release(bufs)

@@ -41,13 +41,12 @@ which may start mid-chunk); the worker checks it again before it writes a header
 from __future__ import annotations
 
 import time
-from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext
 
-from kvtier.index.index import Index
+from kvtier.index.index import Entry, Index
 
 from .common import SPLIT_MEMO_KEYS, ChunkItem, SpecContext
 from .counters import Metrics
@@ -68,25 +67,21 @@ class _Fetch:
 
 
 class Promotions:
-    """The promotions in flight and the rules above, on the manager's index. `evicted(entries,
-    tier)` and `gone(h, g)` are the manager's: a reservation here evicted these entries; a
-    chunk's cpu reservation went away (vLLM hears of a chunk that left its last tier)."""
+    """The promotions in flight and the rules above, on the manager's index. What a reservation
+    here evicted, and the chunks whose cpu reservation went away, are returned to the manager,
+    which tells vLLM of those that left their last tier (events.py's HeldKeys)."""
 
-    def __init__(self, ctx: SpecContext, index: Index, metrics: Metrics,
-                 evicted: Callable[[Iterable, str], None], gone: Callable[[bytes, int], None]) -> None:
+    def __init__(self, ctx: SpecContext, index: Index, metrics: Metrics) -> None:
         self.ctx = ctx
         self.index = index
         self.metrics = metrics
-        self._evicted = evicted
-        self._gone = gone
         self.promoter = LookupPromoter(ctx, index, metrics)
         # key -> req_id of the load promoting it into a cpu slot reserved in prepare_load (at
         # most one at a time: a second reservation of the same chunk answers "present")
         self.promoting: dict[OffloadKey, str] = {}
         # promotions started at lookup: chunk -> its fetch; the promoter's I/O thread appends
-        # (fetch, buffer or None) to _fetched, the scheduler's thread lands them
+        # (fetch, buffer or None) to promoter.finished, the scheduler's thread lands them
         self.fetches: dict[tuple[bytes, int], _Fetch] = {}
-        self._fetched: deque[tuple[_Fetch, object]] = deque()
         # chunks whose promotion read failed, until when they are not tried again (a read may fail
         # only because the worker's disk write of the chunk has not landed yet: tried once more)
         self.no_fetch: dict[tuple[bytes, int], float] = {}
@@ -104,46 +99,50 @@ class Promotions:
 
     # -- promotion at lookup ------------------------------------------------------------------
 
-    def start_at_lookup(self, key: OffloadKey, split: tuple[bytes, int], rc: ReqContext) -> bool:
-        """Reserve a cpu slot for a chunk only disk or Redis holds and queue its read; False when
-        the chunk is served as before (in host memory already, no cpu tier, the worker's region
-        not mapped, a reset not flushed yet, no free slot, a read of it failed before)."""
+    def start_at_lookup(self, key: OffloadKey, split: tuple[bytes, int],
+                        rc: ReqContext) -> tuple[bool, tuple[Entry, ...]]:
+        """Reserve a cpu slot for a chunk only disk or Redis holds and queue its read: (started,
+        what the reservation evicted). Not started when the chunk is served as before (in host
+        memory already, no cpu tier, the worker's region not mapped, a reset not flushed yet, no
+        free slot, a read of it failed before)."""
         if (rc.req_id in self.fetched_for or self.reset_unflushed or not self.promoter.ready()
                 or self.no_fetch.get(split, 0.0) > time.monotonic()):
-            return False
+            return False, ()
         places = self.index.where(*split)
         if not places or places[0][0] == "cpu":
-            return False
+            return False, ()
         h, g = split
         header = self.ctx.whole_chunk_header(h, g, rc.get_offload_key_position(key))
         if header is None:
-            return False
+            return False, ()
         tier, tslot = places[0]
         if not self.index.pin(h, g, tier):  # its source slot is not handed out while the read runs
-            return False
+            return False, ()
         r = self.index.reserve(h, g, "cpu")
-        self._evicted(r.evicted, "cpu")
         if r.slot is None:
             self.index.unpin(h, g, tier)
             if r.status in ("full", "busy"):
                 self.metrics.add("promote_skipped_full", group=g)
-            return False
+            return False, r.evicted
         f = _Fetch(rc.req_id, h, g, tier, r.slot, header)
-        if not self.promoter.fetch(g, tier, tslot, header, lambda buf, f=f: self._fetched.append((f, buf))):
+        if not self.promoter.fetch(g, tier, tslot, header, f):
             self.index.abort(h, g, "cpu")
             self.index.unpin(h, g, tier)
-            return False
+            return False, r.evicted
         self.fetches[split] = f
         self.metrics.add("promote_chunks", group=g)
         self.metrics.add("promote_at_lookup", group=g)
-        return True
+        return True, r.evicted
 
-    def land(self) -> None:
+    def land(self) -> list[tuple[bytes, int]]:
         """On the scheduler's thread: copy each finished read into its slot and commit it, or
-        release the slot of a failed one. A read whose promotion the index no longer holds (a
-        reset since) is dropped: its buffer goes back, nothing is written."""
-        while self._fetched:
-            f, buf = self._fetched.popleft()
+        release the slot of a failed one; the chunks whose cpu reservation was released (their
+        source may have been evicted while the read ran). A read whose promotion the index no
+        longer holds (a reset since) is dropped: its buffer goes back, nothing is written."""
+        gone: list[tuple[bytes, int]] = []
+        finished = self.promoter.finished
+        while finished:
+            f, buf = finished.popleft()
             split = (f.h, f.g)
             if self.fetches.get(split) is not f:
                 if buf is not None:
@@ -157,7 +156,7 @@ class Promotions:
                 self.fetched_for.add(f.req_id)
             if buf is None:
                 self.index.abort(f.h, f.g, "cpu")
-                self._gone(f.h, f.g)  # its source may have been evicted while the read ran
+                gone.append(split)  # its source may have been evicted while the read ran
                 if len(self.no_fetch) >= SPLIT_MEMO_KEYS:
                     self.no_fetch.clear()
                 # once more after NO_FETCH_S (the worker's disk write may not have landed), then
@@ -170,25 +169,27 @@ class Promotions:
             self.index.commit(f.h, f.g, "cpu")
             tier = f.tier
             self.metrics.add(f"promoted_chunks_{tier}", group=f.g)
+        return gone
 
     def landing(self) -> bool:
         """Whether reads finished that `land` has not landed yet."""
-        return bool(self._fetched)
+        return bool(self.promoter.finished)
 
-    def lookup_pass(self, req_id: str | None) -> None:
+    def lookup_pass(self, req_id: str | None) -> list[tuple[bytes, int]]:
         """The manager's lookup of `req_id`: a new pass (another request than the last lookup's,
-        or one without an id) lands the reads finished since."""
+        or one without an id) lands the reads finished since; `land`'s answer."""
         if self._pass_req != req_id or req_id is None:
             self._pass_req = req_id
             if self.landing():
-                self.land()
+                return self.land()
+        return []
 
-    def end_step(self) -> None:
+    def end_step(self) -> list[tuple[bytes, int]]:
         """Once a step (the manager's on_schedule_end): land the reads finished, also those no
-        request asks for again (an abort); the next lookup starts a pass."""
-        if self.landing():
-            self.land()
+        request asks for again (an abort); the next lookup starts a pass. `land`'s answer."""
+        gone = self.land() if self.landing() else []
         self._pass_req = None
+        return gone
 
     def request_finished(self, req_id: str) -> None:
         self.fetched_for.discard(req_id)
@@ -198,49 +199,53 @@ class Promotions:
 
     # -- promotion at load --------------------------------------------------------------------
 
-    def reserve_at_load(self, key: OffloadKey, h: bytes, g: int, rc: ReqContext) -> tuple[tuple[str, int], ...]:
+    def reserve_at_load(self, key: OffloadKey, h: bytes, g: int,
+                        rc: ReqContext) -> tuple[tuple[tuple[str, int], ...], tuple[Entry, ...]]:
         """A cpu slot for a chunk this load reads from disk or Redis, reserved until vLLM reports
-        the load (`complete_at_load` commits it); () when there is no cpu tier or no free slot
-        (every entry pinned or reserved: the load still reads the slow tier, nothing waits)."""
+        the load (`complete_at_load` commits it), and what the reservation evicted; no slot when
+        there is no cpu tier or no free slot (every entry pinned or reserved: the load still reads
+        the slow tier, nothing waits)."""
         if "cpu" not in self.ctx.config.tiers or key in self.promoting:
-            return ()
+            return (), ()
         r = self.index.reserve(h, g, "cpu")
-        self._evicted(r.evicted, "cpu")
         if r.slot is None:
             if r.status in ("full", "busy"):
                 self.metrics.add("promote_skipped_full", group=g)
-            return ()
+            return (), r.evicted
         self.promoting[key] = rc.req_id
         self.metrics.add("promote_chunks", group=g)
-        return (("cpu", r.slot),)
+        return (("cpu", r.slot),), r.evicted
 
     def reserve_for_load(self, items: list[ChunkItem], promote: list[tuple[int, OffloadKey]],
-                         rc: ReqContext) -> None:
+                         rc: ReqContext) -> Iterator[tuple[Entry, ...]]:
         """`reserve_at_load` for each (item index, key) of a load's items read from disk or Redis,
-        the reserved cpu slot added to the item's places (the worker fills it too). Call after
-        every source of the load is pinned, so a promotion's eviction never takes a chunk this
-        very load reads."""
+        the reserved cpu slot added to the item's places (the worker fills it too); yields what
+        each reservation evicted, before the next one (the caller reports those entries).
+        Call after every source of the load is pinned, so a promotion's eviction never takes a
+        chunk this very load reads."""
         for i, key in promote:
             it = items[i]
-            slot = self.reserve_at_load(key, it.chunk_hash, it.group, rc)
+            slot, evicted = self.reserve_at_load(key, it.chunk_hash, it.group, rc)
             if slot:
                 items[i] = ChunkItem(it.group, it.chunk_hash, it.token_start, it.token_end, it.places + slot)
+            yield evicted
 
     def complete_at_load(self, key: OffloadKey, split: tuple[bytes, int] | None, req_id: str,
-                         failed: bool) -> None:
+                         failed: bool) -> bool:
         """vLLM reports `req_id`'s load of `key` done: a slot it promoted into is committed
-        (filled by the worker), or aborted when the load `failed`."""
+        (filled by the worker), or aborted when the load `failed`; True when aborted (the
+        caller reports the chunk, which may have left its last tier)."""
         if self.promoting.get(key) != req_id:
-            return
+            return False
         del self.promoting[key]
         if split is None:
-            return
+            return False
         if failed:
             self.index.abort(split[0], split[1], "cpu")
             self.metrics.add("promote_aborted", group=split[1])
-            self._gone(*split)
-        else:
-            self.index.commit(split[0], split[1], "cpu")
+            return True
+        self.index.commit(split[0], split[1], "cpu")
+        return False
 
     # -- the manager's life -------------------------------------------------------------------
 

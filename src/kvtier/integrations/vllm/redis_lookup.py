@@ -18,9 +18,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 
-from kvtier.index.index import Index
+from kvtier.index.index import Entry, Index
 from kvtier.store.lane import Lane
 
 from .common import SPLIT_MEMO_KEYS, SpecContext
@@ -72,20 +71,19 @@ class RedisLookup:
             self.metrics.add("redis_lookups_queued")
             return None
 
-    def adopt(self, index: Index, split: tuple[bytes, int], gone: Callable[[bytes, int], None]) -> bool | None:
-        """Whether chunk `split` is in Redis and now tracked by `index` like its own entries, or
-        None while Redis is being asked (`answer`). `gone(h, g)`: an entry the adoption evicted.
-        False also while every tracked Redis entry of its group is pinned (tried next time)."""
+    def adopt(self, index: Index, split: tuple[bytes, int]) -> tuple[bool | None, tuple[Entry, ...]]:
+        """(Whether chunk `split` is in Redis and now tracked by `index` like its own entries, or
+        None while Redis is being asked (`answer`); the entries the adoption evicted, which the
+        caller reports). False also while every tracked Redis entry of its group is pinned
+        (tried next time)."""
         answer = self.answer(split)
         if not answer:
-            return answer
+            return answer, ()
         r = index.put(*split, "redis")
-        for e in r.evicted:
-            gone(e.chunk_hash, e.group)
         if r.slot is None and r.status != "present":
-            return False
+            return False, r.evicted
         self.metrics.add("adopted_from_redis", group=split[1])
-        return True
+        return True, r.evicted
 
     def _check(self) -> None:
         """On the lane: one pipelined EXISTS for every key queued since the last check. With

@@ -13,15 +13,15 @@ copies them into blocks on the engine thread.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections import deque
+from collections.abc import Mapping
 
 from kvtier.store.buffers import BufferPool
 from kvtier.store.lane import Lane
-from kvtier.store.payload import ChunkHeader
 from kvtier.store.tiers.base import Tier
 from kvtier.store.tiers.cpu import fence
 
-from .common import ChunkItem
+from .common import SpecContext
 from .copies import HostCopies
 from .counters import Metrics
 
@@ -32,27 +32,29 @@ ReadResult = tuple[bool, list, int]  # (all found, [(group, index in group, bloc
 
 
 class SlowIO:
-    def __init__(self, tiers: Mapping[str, Tier], metrics: Metrics, pool: BufferPool, copies: HostCopies,
-                 chunk_bytes: Sequence[int], header: Callable[[ChunkItem, list[tuple[int, int]]], ChunkHeader],
-                 lane: Lane | None) -> None:
-        """`header(item, blocks)`: the header of `item` over those blocks (SpecContext.blocks_header);
+    def __init__(self, ctx: SpecContext, tiers: Mapping[str, Tier], metrics: Metrics, pool: BufferPool,
+                 copies: HostCopies, lane: Lane | None) -> None:
+        """`ctx`: the worker's (chunk bytes, `blocks_header`: a chunk's header over its blocks);
         `lane`: None when there is no disk or Redis tier."""
+        self.ctx = ctx
         self.tiers = tiers
         self.metrics = metrics
         self.pool = pool
         self.copies = copies
-        self.chunk_bytes = chunk_bytes
-        self.header = header
+        self.chunk_bytes = [gp.chunk_bytes for gp in ctx.plan.groups]
         self.lane = lane
+        # loads read on the lane: (the caller's tag, the read's result), in the order they ran
+        self.read_done: deque[tuple[object, ReadResult]] = deque()
 
-    def queue(self, later: list[tuple], wait: Callable[[], None] | None) -> None:
+    def queue(self, later: list[tuple], copies: tuple) -> None:
         """Queue a store's disk and Redis writes (g, [(tier, slot)], bytes, source) on the lane;
-        each first runs `wait` there (the store's device->host copies ending; None on CPU)."""
+        each first waits there for `copies`, the store's device->host copies (event, transfer
+        ids: `HostCopies.wait_on_lane`)."""
         for g, slow, nbytes, src in later:
             if self.lane is None:  # no lane (only when driven by hand): the writes run inline
-                self.write_slow(wait, g, slow, nbytes, src)
+                self.write_slow(copies, g, slow, nbytes, src)
             elif not self.lane.submit(
-                    lambda g=g, slow=slow, n=nbytes, src=src: self.write_slow(wait, g, slow, n, src),
+                    lambda g=g, slow=slow, n=nbytes, src=src: self.write_slow(copies, g, slow, n, src),
                     write_bytes=nbytes * len(slow)):
                 # the queue is full: these tiers skip the chunk (a later load there is a counted
                 # miss); the engine never waits for a disk or a network
@@ -61,16 +63,15 @@ class SlowIO:
                 if src[0] == "buf" and self.copies.stream is None:  # on a GPU its copy may still run:
                     self.pool.give(src[1])  # left to PyTorch's pinned allocator, which waits for it
 
-    def write_slow(self, wait: Callable[[], None] | None, g: int, slow: list, nbytes: int, src: tuple) -> None:
-        """On the lane: write one chunk into its disk/Redis places, once its device->host copy
-        ended (`wait`). From a cpu slot: the slot is copied first and the write goes ahead only if the
-        slot still holds this chunk afterwards (its sequence number unchanged since the store
-        committed it: every `begin`, in this process or the scheduler's, changes it before any
-        new bytes arrive); otherwise the slot was taken for another chunk meanwhile and
+    def write_slow(self, copies: tuple, g: int, slow: list, nbytes: int, src: tuple) -> None:
+        """On the lane: write one chunk into its disk/Redis places, once its device->host copies
+        (event, transfer ids) ended. From a cpu slot: the slot is copied first and the write goes
+        ahead only if the slot still holds this chunk afterwards (its sequence number unchanged
+        since the store committed it: every `begin`, in this process or the scheduler's, changes
+        it before any new bytes arrive); otherwise the slot was taken for another chunk meanwhile and
         the write is skipped, counted `store_overwritten_<tier>`. Positions the chunk does not
         hold are zeros in what is written."""
-        if wait is not None:
-            wait()
+        self.copies.wait_on_lane(*copies)
         if src[0] == "buf":
             data, header = src[1], src[2]
         else:
@@ -107,9 +108,10 @@ class SlowIO:
                 self.metrics.add(f"store_failed_{tier}", group=g)
         return good
 
-    def read_later(self, placement: Placement, done: Callable[[ReadResult], None]) -> bool:
-        """Queue `read(placement)` on the lane; `done(result)` runs there after it, a failed read
-        as a miss (a job must always finish). False: the lane is closed (shutdown), nothing queued."""
+    def read_later(self, placement: Placement, tag: object) -> bool:
+        """Queue `read(placement)` on the lane; `(tag, result)` is appended to `read_done` there
+        after it, a failed read as a miss (a job must always finish). False: the lane is closed
+        (shutdown), nothing queued."""
         assert self.lane is not None
 
         def read() -> None:
@@ -118,7 +120,7 @@ class SlowIO:
             except Exception:  # noqa: BLE001 - a job must always finish, as a miss here
                 log.exception("kvtier: a tier read failed; the load fails and vLLM recomputes")
                 result = (False, [], 0)
-            done(result)
+            self.read_done.append((tag, result))
 
         return self.lane.submit(read)
 
@@ -139,7 +141,7 @@ class SlowIO:
                 if tier == "cpu":
                     continue
                 buf = self.pool.take(nbytes, zero=False)
-                if not self.tiers[tier].read(g, slot, self.header(item, blocks), buf):
+                if not self.tiers[tier].read(g, slot, self.ctx.blocks_header(item, blocks), buf):
                     # a miss or a corrupt payload (the tier counted and dropped it): nothing of
                     # this job is reported as loaded; vLLM recomputes the request
                     self.metrics.add(f"load_miss_{tier}", group=g)

@@ -124,7 +124,7 @@ class KvtierOffloadingSpec(OffloadingSpec):
     def workers_context(self, page_bytes: tuple[int, ...], fingerprint: str = "",
                         kv_dtype: str = "") -> SpecContext | None:
         """The context for the workers' exact bytes per block and namespace parts (KvtierConnector's
-        handshake, which the manager asks this through `relayout`). vLLM hands the scheduler one
+        handshake, which the manager asks this: it holds the spec). vLLM hands the scheduler one
         representative spec per group, so a group whose layers have different pages (DeepSeek V4),
         or a packed layout vLLM moves as one region, is sized and named wrong there until the
         workers say; None when the context stays as it is, else the new one (also the spec's from
@@ -160,7 +160,7 @@ class KvtierOffloadingSpec(OffloadingSpec):
             for gp in self.ctx.plan.groups:
                 metrics.info[f"chunk_bytes_group{gp.index}"] = gp.chunk_bytes
             metrics.info["offload_off"] = int(bool(self.ctx.off_reason))
-            self._manager = KvtierManager(self.ctx, metrics, relayout=self.workers_context,
+            self._manager = KvtierManager(self.ctx, metrics, spec=self,
                                           events=self.kv_events_config.enable_kv_cache_events)
             log.info("kvtier: manager on %s, plan chunk_tokens=%d, namespace %s",
                      dict(self.ctx.config.capacities_bytes), self.ctx.plan.chunk_tokens,

@@ -19,7 +19,7 @@ manager turns the answer into vLLM's PrepareStoreOutput.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Container, Hashable, Iterable, Iterator, Sequence
+from collections.abc import Collection, Container, Hashable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -44,15 +44,13 @@ class StorePlan:
         return any(self.new.values()) and not self.taking
 
 
-def chunks_to_store(keys: Iterable[Hashable], split: Callable[[Hashable], Chunk | None],
-                    pending: Container[Hashable]) -> Todo:
-    """The call's keys worth planning, in call order: a chunk known to the plan (`split(key)`
-    not None), not being stored already (in `pending`: reserved until its store completes), each
-    chunk once (two keys of one chunk: the first)."""
+def chunks_to_store(splits: Iterable[tuple[Hashable, Chunk | None]], pending: Container[Hashable]) -> Todo:
+    """The call's keys worth planning, in call order, from (key, its chunk or None): a chunk
+    known to the plan (not None), not being stored already (in `pending`: reserved until its
+    store completes), each chunk once (two keys of one chunk: the first)."""
     todo: Todo = []
     seen: set[Chunk] = set()
-    for key in keys:
-        chunk = split(key)
+    for key, chunk in splits:
         if chunk is None or key in pending or chunk in seen:
             continue
         seen.add(chunk)

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -106,11 +105,10 @@ class KvtierWorker(OffloadingWorker):
         self._finished: list[TransferResult] = []
         self._pool = BufferPool(POOL_BUFFERS, pin=self.copies.pin)  # staging buffers, reused by size
         slow = [t for t in self.tiers if t != "cpu"]
-        self.slow = SlowIO(self.tiers, metrics, self._pool, self.copies,
-                           [gp.chunk_bytes for gp in plan.groups], ctx.blocks_header,
+        # loads whose disk/Redis reads finished on the lane: slow.read_done, ((job id, start,
+        # placement), read result)
+        self.slow = SlowIO(ctx, self.tiers, metrics, self._pool, self.copies,
                            Lane("tier-io", ctx.config.io_queue_bytes) if slow else None)
-        # loads whose disk/Redis reads finished on the lane: (job id, start, placement, read result)
-        self._read_done: deque[tuple[int, float, list, tuple[bool, list, int]]] = deque()
         self._reading: set[int] = set()
         self.metrics.flush(force=True)
 
@@ -121,7 +119,7 @@ class KvtierWorker(OffloadingWorker):
         assert isinstance(dst_spec, KvtierLoadStoreSpec)
         ok, nbytes, event, tids, later = self._store(src_spec, dst_spec.items)
         if later:  # each write first waits there for the copies (slow_io.py)
-            self.slow.queue(later, self.copies.waiter(event, tids))
+            self.slow.queue(later, (event, tids))
         if event is not None or tids:  # device->host copies in flight
             self._in_flight.append(_Job(job_id, event, tids, [], nbytes, t0, "store"))
         else:
@@ -148,11 +146,8 @@ class KvtierWorker(OffloadingWorker):
         slow = any(it.places and it.places[0][0] != "cpu" for _, placed in placement for it, _ in placed)
         if slow and self.slow.lane is not None:
             self._reading.add(job_id)  # disk/Redis reads on the lane; scattered in get_finished
-
-            def done(result, job_id=job_id, placement=placement) -> None:  # noqa: ANN001
-                self._read_done.append((job_id, t0, placement, result))
-
-            if not self.slow.read_later(placement, done):  # the lane is closed (shutdown): a failed load
+            # read_later False: the lane is closed (shutdown), a failed load
+            if not self.slow.read_later(placement, (job_id, t0, placement)):
                 self._reading.discard(job_id)
                 self._done(job_id, False, 0, t0, "load")
             # an expedited load (0.33's sync loads) is waited for by vLLM's wait(), not here
@@ -237,8 +232,9 @@ class KvtierWorker(OffloadingWorker):
         self._in_flight.append(_Job(job_id, event, tids, held, nbytes, t0, "load"))
 
     def _finish_reads(self) -> None:
-        while self._read_done:  # loads whose tier reads finished on the lane
-            job_id, t0, placement, read = self._read_done.popleft()
+        read_done = self.slow.read_done
+        while read_done:  # loads whose tier reads finished on the lane
+            (job_id, t0, placement), read = read_done.popleft()
             self._reading.discard(job_id)
             self._finish_load(job_id, t0, placement, read)
 
