@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 from array import array
+from pathlib import Path
 
 import pytest
 
@@ -178,6 +179,8 @@ class EventsOnlyEngine:
     async def __call__(self, request: dict) -> str:
         from ray import serve
 
+        if "started" in request:  # the test learns the replica has the request (its queue counts it)
+            Path(request["started"]).touch()
         await asyncio.sleep(request.get("hold_s", 0))
         tokens = request["prompt_token_ids"]
         self._publish(stored(tokens, len(tokens) // C))
@@ -260,17 +263,22 @@ def test_requests_go_to_the_replica_that_holds_their_prefix(app) -> None:  # noq
 
 
 @pytest.mark.timeout(240)
-def test_with_no_holder_the_shorter_queue_wins_and_a_long_queue_outweighs_a_hit(app) -> None:  # noqa: ANN001
+def test_with_no_holder_the_shorter_queue_wins_and_a_long_queue_outweighs_a_hit(app, tmp_path: Path) -> None:  # noqa: ANN001
     handle, router = app
     p, holder = _place(handle, router, 3, 8)
     other = next(e for e in router.index.engines() if e != holder)
     rid = next(r for r in router.curr_replicas if r.unique_id == holder)
     held = []
     for n in range(3):  # the holder's hit (120 tokens saved) beats queues of 0, 1 and 2 (x 48 tokens)
-        held.append(handle.remote({"prompt_token_ids": p + prompt(30 + n, 1), "hold_s": 60}))  # held past the checks below, even on a loaded machine
+        started = tmp_path / f"started-{n}"
+        held.append(handle.remote({"prompt_token_ids": p + prompt(30 + n, 1), "hold_s": 60,  # held past the checks below
+                                   "started": str(started)}))
         # Ray counts a request in the replica's queue once it is sent, after the router chose
         _until(lambda: (router.replica_queue_len_cache.get(rid) or 0) > n, "the held request was queued")  # noqa: B023
     assert [c.engine for c in router.last[:1]] == [holder] and router.last[0].queue_len == 2, router.last
+    # a replica's own count (what a fresh probe reads) includes a request once it has arrived: on a
+    # loaded machine the third may still be in transit, so wait until all three have started
+    _until(lambda: all((tmp_path / f"started-{n}").exists() for n in range(3)), "the held requests started")
     # three requests queued on the holder: 120 - 3 x 48 < 0, so the idle replica wins. Ray's
     # cached queue lengths may lag on a loaded machine: the router asks both replicas afresh
     for r in router.curr_replicas:
