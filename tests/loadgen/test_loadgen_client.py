@@ -1,4 +1,5 @@
-"""Both HTTP clients against a fake OpenAI-compatible server that streams on a known schedule."""
+"""The bench's client (vllm bench serve's request function) against a fake OpenAI-compatible
+server that streams on a known schedule."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from kvtier.loadgen.client import RequestFailed, http_stream, make_client, openai_stream
+from kvtier.loadgen.client import RequestFailed, vllm_stream
+
+pytest.importorskip("vllm.benchmarks.lib.endpoint_request_func")
 
 FIRST_S, GAP_S, TOKENS = 0.15, 0.08, 4
 
@@ -44,7 +47,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.flush()
 
         base = {"id": "x", "object": "text_completion", "created": 0, "model": body["model"]}
-        # max_tokens 2 * TOKENS: two token ids a chunk and no usage (the client counts the ids)
+        # max_tokens 2 * TOKENS: fewer tokens than asked for, and no usage (a stream cut short)
         per_chunk = 2 if body["max_tokens"] == 2 * TOKENS else 1
         time.sleep(FIRST_S)
         for i in range(TOKENS):
@@ -70,10 +73,9 @@ def server() -> Iterator[str]:
     srv.server_close()
 
 
-@pytest.mark.parametrize("make", [http_stream, openai_stream], ids=["http", "openai"])
-def test_ttft_gaps_and_tokens_come_from_the_stream(server: str, make) -> None:  # type: ignore[no-untyped-def]
-    stream = make(timeout_s=10)
-    for _ in range(2):  # the second request reuses the client
+def test_ttft_gaps_and_tokens_come_from_the_stream(server: str) -> None:
+    stream = vllm_stream(timeout_s=10)
+    for _ in range(2):  # the second request reuses the stream function
         s = stream(server, "m", [5, 6, 7], TOKENS)
         # no upper bound by a margin (noise can break any): the first token's time is bounded by
         # the server's send time below and by the request's own end (latency) above
@@ -89,23 +91,26 @@ def test_ttft_gaps_and_tokens_come_from_the_stream(server: str, make) -> None:  
         assert s.latency_s >= s.ttft_s + sum(s.gaps_s) * 0.99
     body = _Handler.bodies[-1]
     assert body["prompt"] == [5, 6, 7] and body["stream"] is True
-    assert body["ignore_eos"] is True and body["return_token_ids"] is True
+    assert body["ignore_eos"] is True and body["temperature"] == 0.0
     assert body["stream_options"] == {"include_usage": True} and body["max_tokens"] == TOKENS
 
 
-@pytest.mark.parametrize("make", [http_stream, openai_stream], ids=["http", "openai"])
-def test_without_usage_the_token_ids_are_counted(server: str, make) -> None:  # type: ignore[no-untyped-def]
-    s = make(timeout_s=10)(server, "m", [1], 2 * TOKENS)
-    assert s.output_tokens == 2 * TOKENS and len(s.gaps_s) == TOKENS - 1
+def test_a_stream_short_of_max_tokens_is_a_failed_request(server: str) -> None:
+    """ignore_eos asks for every token: fewer (here no usage chunk either) is never a sample."""
+    with pytest.raises(RequestFailed, match="0 output tokens of 8"):
+        vllm_stream(timeout_s=10)(server, "m", [1], 2 * TOKENS)
 
 
-@pytest.mark.parametrize("make", [http_stream, openai_stream], ids=["http", "openai"])
-def test_an_error_answer_is_a_failed_request(server: str, make) -> None:  # type: ignore[no-untyped-def]
-    with pytest.raises(RequestFailed, match="400"):
-        make(timeout_s=10)(server, "m", [1], 1000)
+def test_an_error_answer_is_a_failed_request(server: str) -> None:
+    with pytest.raises(RequestFailed, match="Bad Request"):
+        vllm_stream(timeout_s=10)(server, "m", [1], 1000)
 
 
-def test_auto_prefers_openai_when_installed() -> None:
-    pytest.importorskip("openai")
-    assert make_client("auto")[0] == "openai"
-    assert make_client("http")[0] == "http"
+def test_no_server_is_a_failed_request() -> None:
+    import socket
+
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with pytest.raises(RequestFailed, match=f"127.0.0.1:{port}: .*[Cc]onnect"):
+        vllm_stream(timeout_s=10)(f"http://127.0.0.1:{port}", "m", [1], 4)

@@ -1,21 +1,21 @@
-"""One streamed completion against an OpenAI-compatible server (`/v1/completions`), timed.
+"""One streamed completion against a vLLM server, sent and timed by `vllm bench serve`'s own client.
 
-The prompt goes as token ids, so both servers see exactly the same tokens (no tokenizer round
-trip). `ignore_eos` (vLLM's extension) makes every request produce `max_tokens` tokens, and
-`return_token_ids` (also vLLM's) puts each chunk's token ids in the chunk, so tokens are counted,
-not guessed from text. Two clients, chosen by `make_client`: the `openai` package when it is
-installed (what users of these servers run), else `http.client` reading the server-sent events
-itself. TTFT is from just before the request is sent to the first chunk that carries a choice;
-the gaps are between successive such chunks (vLLM sends one a step).
+The request and its timing are vLLM's (`vllm.benchmarks.lib.endpoint_request_func`, the `vllm`
+backend's `async_request_openai_completions`): TTFT from just before the request is sent to the
+first chunk that carries a choice, the inter-token gaps between successive such chunks (vLLM
+sends one a step), latency to the last token, output and prompt tokens from the usage chunk. Run
+one workload through both generators against one server and they agree (docs/vllm.md, "Load
+generators compared"), so kvtier keeps no HTTP client of its own. What it adds: the prompt goes
+as token ids kvtier chose (`workloads`: both servers see exactly the same tokens, no tokenizer
+round trip), `ignore_eos` and greedy sampling make every request produce `max_tokens` tokens,
+and a request that did not is a failure (`RequestFailed`), never a sample. Each request opens its
+own loopback connection (a kept-alive one may have been closed by a server while the other was
+busy: uvicorn drops idle ones after 5 s). vLLM is imported when the client is made.
 """
 
 from __future__ import annotations
 
-import http.client
-import json
-import time
-import urllib.parse
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 from kvtier.errors import KvtierError
 
@@ -23,127 +23,39 @@ from .stats import Sample
 
 # (base_url, model, prompt ids, max_tokens) -> one timed sample
 Stream = Callable[[str, str, Sequence[int], int], Sample]
+CLIENT = "vllm.benchmarks"  # the name `kvtier bench serve` reports
 
 
 class RequestFailed(KvtierError):
-    """A server answered a benchmark request with an error or an unreadable stream."""
+    """A server answered a benchmark request with an error, or fewer tokens than asked for."""
 
 
-def _body(model: str, prompt: Sequence[int], max_tokens: int) -> dict[str, object]:
-    return {"model": model, "prompt": list(prompt), "max_tokens": max_tokens, "temperature": 0.0,
-            "stream": True, "stream_options": {"include_usage": True},
-            "ignore_eos": True, "return_token_ids": True}
+def vllm_stream(timeout_s: float = 600.0) -> Stream:
+    """`vllm bench serve`'s request function, one request at a time (`drive` sends them so)."""
+    import asyncio
 
+    import aiohttp
+    from vllm.benchmarks.lib.endpoint_request_func import RequestFuncInput, async_request_openai_completions
 
-def _sample(t0: float, events: Iterator[tuple[float, dict]], prompt_tokens: int) -> Sample:
-    times: list[float] = []
-    counted = 0
-    usage_tokens: int | None = None
-    for now, event in events:
-        choices = event.get("choices") or []
-        if choices:
-            times.append(now)
-            counted += len(choices[0].get("token_ids") or ())
-        usage = event.get("usage")
-        if usage and usage.get("completion_tokens") is not None:
-            usage_tokens = int(usage["completion_tokens"])
-    end = time.perf_counter()
-    if not times:
-        raise RequestFailed("the stream ended without a token")
-    return Sample(ttft_s=times[0] - t0, latency_s=end - t0,
-                  gaps_s=tuple(b - a for a, b in zip(times, times[1:])),
-                  output_tokens=usage_tokens if usage_tokens is not None else counted,
-                  prompt_tokens=prompt_tokens)
-
-
-def http_stream(timeout_s: float = 600.0) -> Stream:
-    """Plain `http.client`, a new loopback connection a request (a kept-alive one may have been
-    closed by the server while the other server was busy: uvicorn drops idle ones after 5 s), and
-    the server-sent events read line by line."""
+    async def one(base_url: str, model: str, prompt: Sequence[int], max_tokens: int):  # type: ignore[no-untyped-def]
+        request = RequestFuncInput(prompt=list(prompt), api_url=base_url.rstrip("/") + "/v1/completions",
+                                   prompt_len=len(prompt), output_len=max_tokens, model=model,
+                                   ignore_eos=True, extra_body={"temperature": 0.0})
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
+            return await async_request_openai_completions(request, session)
 
     def stream(base_url: str, model: str, prompt: Sequence[int], max_tokens: int) -> Sample:
-        u = urllib.parse.urlsplit(base_url)
-        payload = json.dumps(_body(model, prompt, max_tokens)).encode()
-        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout_s)
-        t0 = time.perf_counter()
-        try:
-            conn.request("POST", u.path.rstrip("/") + "/v1/completions", body=payload,
-                         headers={"Content-Type": "application/json", "Accept": "text/event-stream"})
-            resp = conn.getresponse()
-            if resp.status != 200:
-                raise RequestFailed(f"{base_url}: HTTP {resp.status}: {resp.read()[:300]!r}")
-            return _sample(t0, _sse(resp), len(prompt))
-        except (OSError, http.client.HTTPException) as exc:
-            raise RequestFailed(f"{base_url}: {exc}") from exc
-        finally:
-            conn.close()
+        out = asyncio.run(one(base_url, model, prompt, max_tokens))
+        if not out.success:  # vLLM's error: the HTTP reason, or a traceback (its last line)
+            why = (out.error.strip().splitlines() or ["the request failed"])[-1][-300:]
+            raise RequestFailed(f"{base_url}: {why}")
+        if out.output_tokens != max_tokens:  # ignore_eos: anything else is a stream cut short
+            raise RequestFailed(f"{base_url}: {out.output_tokens} output tokens of {max_tokens} asked "
+                                "(the stream ended early, or carried no usage)")
+        return Sample(ttft_s=out.ttft, latency_s=out.latency, gaps_s=tuple(out.itl),
+                      output_tokens=out.output_tokens, prompt_tokens=out.prompt_len or len(prompt))
 
     return stream
-
-
-def _sse(resp: http.client.HTTPResponse) -> Iterator[tuple[float, dict]]:
-    while True:
-        line = resp.readline()
-        if not line:
-            return
-        now = time.perf_counter()
-        if not line.startswith(b"data:"):
-            continue
-        data = line[5:].strip()
-        if data == b"[DONE]":
-            return
-        try:
-            event = json.loads(data)
-        except ValueError as exc:
-            raise RequestFailed(f"unreadable event {data[:200]!r}") from exc
-        if "error" in event:
-            raise RequestFailed(f"server error in stream: {event['error']}")
-        yield now, event
-
-
-def openai_stream(timeout_s: float = 600.0) -> Stream:
-    """The `openai` package's client (one per server: it keeps its connections alive)."""
-    import openai
-
-    clients: dict[str, openai.OpenAI] = {}
-
-    def stream(base_url: str, model: str, prompt: Sequence[int], max_tokens: int) -> Sample:
-        client = clients.get(base_url)
-        if client is None:
-            client = clients[base_url] = openai.OpenAI(base_url=base_url.rstrip("/") + "/v1",
-                                                       api_key="none", max_retries=0, timeout=timeout_s)
-        body = _body(model, prompt, max_tokens)
-        extra = {k: body.pop(k) for k in ("ignore_eos", "return_token_ids")}
-        body.pop("stream")
-        t0 = time.perf_counter()
-        try:
-            chunks = client.completions.create(stream=True, extra_body=extra, **body)  # type: ignore[call-overload]
-
-            def events() -> Iterator[tuple[float, dict]]:
-                for chunk in chunks:
-                    yield time.perf_counter(), chunk.model_dump()
-
-            return _sample(t0, events(), len(prompt))
-        except openai.OpenAIError as exc:
-            raise RequestFailed(f"{base_url}: {exc}") from exc
-
-    return stream
-
-
-def make_client(kind: str, timeout_s: float = 600.0) -> tuple[str, Stream]:
-    """("openai" | "http", the stream function); `auto` is openai when it imports."""
-    if kind in ("auto", "openai"):
-        try:
-            import openai  # noqa: F401
-        except ImportError:
-            if kind == "openai":
-                from kvtier.errors import ConfigError
-
-                raise ConfigError("--client openai: the openai package is not installed; "
-                                  "pip install openai, or use --client http") from None
-        else:
-            return "openai", openai_stream(timeout_s)
-    return "http", http_stream(timeout_s)
 
 
 PREFIX_CACHE_SERIES = {"vllm:prefix_cache_hits_total": "engine_cache_hit_tokens",

@@ -18,7 +18,7 @@ class Sample:
     """One streamed completion, timed by the client."""
 
     ttft_s: float  # request sent -> first token chunk received
-    latency_s: float  # request sent -> stream finished
+    latency_s: float  # request sent -> last token chunk received (vLLM's request function)
     gaps_s: tuple[float, ...]  # between successive token chunks
     output_tokens: int
     prompt_tokens: int
