@@ -50,7 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tier", action="append", metavar="NAME=SIZE",
                    help="a tier and its capacity, fastest first (repeat); default cpu=10%%")
     p.add_argument("--policy", action="append", metavar="P",
-                   help="eviction policy (repeat): lru, fifo, arc, s3fifo; default lru; or marconi "
+                   help="eviction policy (repeat): lru, fifo, arc, s3fifo; worth (LRU + the compute an "
+                        "entry saves, weight tuned online; worth:w=W fixes it; docs/admission.md); or marconi "
                         "(the Marconi baseline, MLSys'25: its admission and eviction, alpha tuned "
                         "online; marconi:alpha=A fixes alpha; docs/replay.md)")
     p.add_argument("--admission", action="append", metavar="A",
@@ -156,9 +157,14 @@ def run(args: argparse.Namespace) -> int:
             plan = make_plan(geometry)
     else:
         plan = make_plan(geometry, chunk_tokens=chunk_tokens)
+    placement = args.placement or ("every" if args.tail_endpoints else "hits")
     policies = args.policy or ["lru"]
     for pol in policies:
-        if pol.partition(":")[0] == "marconi":
+        if pol.partition(":")[0] == "worth":
+            from kvtier.replay.worth import worth_options
+
+            worth_options(pol)  # bad options fail before any replay
+        elif pol.partition(":")[0] == "marconi":
             from kvtier.replay.marconi import marconi_options
 
             marconi_options(pol)  # bad options fail before any replay
@@ -203,8 +209,7 @@ def run(args: argparse.Namespace) -> int:
                           for n, f in _admissions(args.admission, horizon)]
             for res in run_all(plan, trace, caps, policies, admissions, shares, cost,
                                bar.update if bar else None, future, args.tail_endpoints,
-                               _placement(args.placement or ("every" if args.tail_endpoints else "hits"),
-                                          plan), {"marconi": run_marconi}):
+                               _placement(placement, plan), {"marconi": run_marconi}):
                 rows.append((caps, res))
     finally:
         if bar:

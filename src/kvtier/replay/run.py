@@ -167,12 +167,18 @@ def replay(
     for tier in capacities:
         cost.load_seconds(tier, 0)  # every tier needs a bandwidth: fail before the replay
     is_min = policy == "min"
-    if isinstance(policy, str) and not is_min and policy not in POLICIES:
-        raise ConfigError(f"unknown eviction policy {policy!r}; use one of: {', '.join(POLICIES)}, min")
+    worth = isinstance(policy, str) and policy.partition(":")[0] == "worth"
+    if isinstance(policy, str) and not is_min and not worth and policy not in POLICIES:
+        raise ConfigError(f"unknown eviction policy {policy!r}; use one of: {', '.join(POLICIES)}, "
+                          "worth, min")
     next_use: dict[ChunkHash, float] = {}
+    tuner = None
     if is_min:
         future = future if future is not None else next_uses(trace)
         index = Index(plan, capacities, policy=lambda slots: Belady(slots, next_use), share=share)
+    elif worth:
+        assert isinstance(policy, str)
+        index, tuner = _worth_index(policy, plan, capacities, share, cost, placement, tail_endpoints)
     else:
         index = Index(plan, capacities, policy=policy, share=share)
     if setup is not None:
@@ -289,14 +295,21 @@ def replay(
                         put(chunks[i], g, 0)
         if learned:
             demote(index.observe().evicted)
+        if tuner is not None:
+            tuner.observe(req, tuner.started or any(
+                index.counters(gp.index, first)["evictions"] for gp in cacheable))
         if observe is not None:
             observe(r, index)
         if progress is not None:
             progress(1)
     evictions = {t: {names[g]: index.counters(g, t)["evictions"] for g in names} for t in tiers}
     dead = {t: {names[g]: index.counters(g, t)["dead_evictions"] for g in names} for t in tiers}
+    label = policy if isinstance(policy, str) else getattr(placement, "name", "custom")
+    if worth:
+        w = index.policy_of(cacheable[0].index, first).weight.w  # type: ignore[attr-defined]
+        label = f"worth(w={w:g}{', tuned' if tuner is not None else ''})"
     return Result(
-        policy=policy if isinstance(policy, str) else getattr(placement, "name", "custom"),
+        policy=label,
         admission=admission_name if not is_min else "oracle",
         share=share if isinstance(share, str) else ",".join(f"{k}={v:g}" for k, v in share.items()),
         hit_chunks=hit_chunks,
@@ -320,6 +333,43 @@ def replay(
         share_final={lr.tier: {names[g]: round(f, 4) for g, f in lr.shares().items()}  # type: ignore[attr-defined]
                      for lr in index.learners} or None,
     )
+
+
+def _worth_index(name: str, plan: Plan, capacities: Mapping[str, int],
+                 share: str | Mapping[str, float], cost: CostModel, placement: Placement | None,
+                 tail_endpoints: int | None):
+    """An Index whose pools evict by worth (`kvtier.index.worth`), and its tuner (None when the
+    name fixes w): the shadow replays of the tuner use a fresh placement of the same rule."""
+    from kvtier.index.placement import HitsLand
+    from kvtier.index.worth import WorthLRU, WorthWeight, worth_value
+    from kvtier.replay.worth import WorthTuner, worth_options
+
+    opts = worth_options(name)
+    weight = WorthWeight(opts.get("w", 0.0))
+    index = Index(plan, capacities, policy=lambda slots: WorthLRU(slots, weight), share=share)
+    tree = getattr(placement, "tree", None)
+    depth = tree.depth if tree is not None else (lambda key: 0)
+    for gp in plan.cacheable_groups:
+        value = worth_value(gp.kind, cost.model.flops, plan.chunk_tokens, depth)
+        for tier in capacities:
+            index.policy_of(gp.index, tier).value = value  # type: ignore[attr-defined]
+    if "w" in opts:
+        return index, None
+    if placement is None:
+        fresh: Callable[[], Placement | None] = lambda: None  # noqa: E731
+    elif isinstance(placement, HitsLand):
+        nodes = placement.tree.max_nodes
+        fresh = lambda: HitsLand(plan, tree_nodes=nodes)  # noqa: E731
+    else:
+        raise ConfigError(f"policy {name!r}: tuning w needs placement 'hits' or 'every', not "
+                          f"{getattr(placement, 'name', placement)!r}; give worth:w=W")
+
+    def score(window: Trace, w: float) -> float:
+        return replay(plan, window, capacities, f"worth:w={w:g}", share=share, cost=cost,
+                      tail_endpoints=tail_endpoints, placement=fresh()).flops_saved
+
+    kw = {k: int(v) for k, v in opts.items() if k in ("max_chunks", "period")}
+    return index, WorthTuner(weight, score, next(iter(capacities)), **kw)
 
 
 def tail_chunks(plan: Plan, group: int, num_chunks: int, endpoints: int) -> list[int]:
@@ -409,6 +459,8 @@ def run_all(plan: Plan, trace: Trace, capacities: Mapping[str, int], policies: I
                     continue
                 # row-per-key models a layout-blind offloader: every chunk of every group warm
                 blind = share == "row-per-key"
+                if blind and pol.partition(":")[0] == "worth":
+                    pol = "lru"  # a layout-blind offloader evicts by recency
                 out.append(replay(plan, trace, capacities, pol, admission=make() if make else None,
                                   admission_name=adm_name, share=share, cost=cost,
                                   progress=progress, tail_endpoints=None if blind else tail_endpoints,
