@@ -16,6 +16,8 @@ from kvtier.loadgen.client import RequestFailed, vllm_stream
 pytest.importorskip("vllm.benchmarks.lib.endpoint_request_func")
 
 FIRST_S, GAP_S, TOKENS = 0.15, 0.08, 4
+SLOW_TOKENS, SLOW_GAP_S = 6, 0.3  # max_tokens SLOW_TOKENS: a stream longer than its reads' timeout
+STALL_TOKENS, STALL_S = 5, 3.0  # max_tokens STALL_TOKENS: no token for STALL_S
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -49,15 +51,17 @@ class _Handler(BaseHTTPRequestHandler):
         base = {"id": "x", "object": "text_completion", "created": 0, "model": body["model"]}
         # max_tokens 2 * TOKENS: fewer tokens than asked for, and no usage (a stream cut short)
         per_chunk = 2 if body["max_tokens"] == 2 * TOKENS else 1
-        time.sleep(FIRST_S)
-        for i in range(TOKENS):
+        slow = body["max_tokens"] == SLOW_TOKENS
+        tokens, gap_s = (SLOW_TOKENS, SLOW_GAP_S) if slow else (TOKENS, GAP_S)
+        time.sleep(STALL_S if body["max_tokens"] == STALL_TOKENS else FIRST_S)
+        for i in range(tokens):
             if i:
-                time.sleep(GAP_S)
+                time.sleep(gap_s)
             send({**base, "choices": [{"index": 0, "text": "a", "token_ids": [7] * per_chunk,
                                        "logprobs": None, "finish_reason": None}]})
         if per_chunk == 1:
             send({**base, "choices": [], "usage": {"prompt_tokens": len(body["prompt"]),
-                                                   "completion_tokens": TOKENS, "total_tokens": 0}})
+                                                   "completion_tokens": tokens, "total_tokens": 0}})
         send("[DONE]")
         self.wfile.write(b"0\r\n\r\n")
         self.wfile.flush()
@@ -93,6 +97,18 @@ def test_ttft_gaps_and_tokens_come_from_the_stream(server: str) -> None:
     assert body["prompt"] == [5, 6, 7] and body["stream"] is True
     assert body["ignore_eos"] is True and body["temperature"] == 0.0
     assert body["stream_options"] == {"include_usage": True} and body["max_tokens"] == TOKENS
+
+
+def test_the_timeout_bounds_each_wait_not_the_whole_stream(server: str) -> None:
+    """timeout_s bounds the connect and each read, as the old clients' did (http.client's socket
+    timeout, openai's per-operation one): a stream that keeps sending is never cut for its
+    length (1.65 s here, past a 1 s timeout; each wait 0.3 s)."""
+    s = vllm_stream(timeout_s=1.0)(server, "m", [1, 2], SLOW_TOKENS)
+    assert s.output_tokens == SLOW_TOKENS and s.latency_s > 1.0
+    t0 = time.perf_counter()
+    with pytest.raises(RequestFailed, match="Timeout"):  # a server that stops sending: one wait's timeout
+        vllm_stream(timeout_s=0.5)(server, "m", [1], STALL_TOKENS)
+    assert time.perf_counter() - t0 < STALL_S
 
 
 def test_a_stream_short_of_max_tokens_is_a_failed_request(server: str) -> None:

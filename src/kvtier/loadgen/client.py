@@ -41,7 +41,10 @@ def vllm_stream(timeout_s: float = 600.0) -> Stream:
         request = RequestFuncInput(prompt=list(prompt), api_url=base_url.rstrip("/") + "/v1/completions",
                                    prompt_len=len(prompt), output_len=max_tokens, model=model,
                                    ignore_eos=True, extra_body={"temperature": 0.0})
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
+        # timeout_s bounds the connect and each read, never the whole stream (a long answer is
+        # not a failure; vllm bench serve's own total is 6 h)
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeout_s, sock_read=timeout_s)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
             return await async_request_openai_completions(request, session)
 
     def stream(base_url: str, model: str, prompt: Sequence[int], max_tokens: int) -> Sample:
