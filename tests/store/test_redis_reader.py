@@ -147,3 +147,32 @@ def test_a_connection_closed_mid_value_raises_rather_than_returning_a_short_valu
         read_reply(ReplyReader(sock), lambda rr, n: read_value(rr, n, want, memoryview(bytearray(N)), None))
     t.join()
     sock.close()
+
+
+class _Conn:  # what redis_wire._replies reads: a redis-py connection's `_sock`
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+
+
+@pytest.mark.parametrize("piece", [1, 3, 7, 4096])
+def test_a_saves_replies_are_read_in_step_and_every_non_ok_keeps_its_place(piece: int) -> None:
+    """The save's replies take a fast path for runs of `+OK` (`ReplyReader.oks`, compared a
+    block at a time); an error, an integer (the budget's INCRBY) or a status that only starts
+    like OK is read in its place, whatever the receives cut, and nothing past the last reply is
+    taken (a leftover is a protocol error, as before)."""
+    from kvtier.store.tiers.redis_reader import ProtocolError
+    from kvtier.store.tiers.redis_wire import _replies
+
+    wire = b"+OK\r\n" * 9 + b"-OOM no\r\n" + b"+OKAY\r\n" + b"+OK\r\n" * 3 + b":42\r\n"
+    sock, t = _serve(wire, piece)
+    got = _replies(_Conn(sock), 15)
+    t.join()
+    sock.close()
+    assert [g in (True, "OK") for g in got] == [True] * 9 + [False, False] + [True] * 3 + [False]
+    assert isinstance(got[9], ResponseError) and str(got[9]) == "OOM no"
+    assert got[10] == "OKAY" and got[14] == 42
+    sock, t = _serve(b"+OK\r\n" * 3, piece)
+    with pytest.raises(ProtocolError):  # one reply more than was asked for
+        _replies(_Conn(sock), 2)
+    t.join()
+    sock.close()

@@ -1,14 +1,19 @@
 """`kvtier bench redis`: the redis tier against raw redis-py on the same server, as ratios.
 
-Both sides move the same chunk payloads (seeded random bytes) in one batch per round:
+Every side moves the same chunk payloads (seeded random bytes) in one batch per round:
 - save: `RedisTier.write_many` (header, checksum, MAC with --secret, one value per chunk,
-  TTL-less SET, streamed zero-copy with each value sealed while the previous one is sent:
+  TTL-less SET, streamed zero-copy, each value sealed just before it is sent:
   `tiers/redis_wire.py`) against a raw pipelined `SET key <the payload's memoryview>` (redis-py
   sends a memoryview without a copy);
 - load: `RedisTier.read_many` into preallocated uint8 buffers (header and checksum, or the MAC
   alone with --secret, verified in the same pass as the one copy into the buffer) against a raw
   pipelined `GET` that returns bytes and stops there.
-The two alternate within each round (which goes first flips every round) and the figures are
+Raw redis-py runs once per reply parser this build has, hiredis' C parser and redis-py's own, and
+each ratio is against the stronger (both reported): a baseline without hiredis flattered loads.
+Beside them, for what the wire allows: kvtier's streams with nothing sealed or checked (`wire_*`),
+and the save's limit on one core, raw SET time against raw + the seal's passes over the same
+bytes (xxh3; with --secret also OpenSSL's MAC), timed in the same rounds.
+The sides alternate within each round (the order flips every round) and the figures are
 medians over rounds; ratios are kvtier's throughput over raw's (1.0 = as fast). Without --url
 a redis-server is started on a free loopback port in a temp dir, with a random password (any
 local user can reach a loopback port), and stopped afterwards.
@@ -81,13 +86,39 @@ def _timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t0
 
 
+def _raw_clients(opts: object) -> dict[str, object]:
+    """Plain redis-py clients with the tier's connection settings, one per reply parser this
+    build has: `hiredis` (its C parser, when installed) and `pure` (redis-py's own Python
+    parser). A Cluster client keeps redis-py's default parser (reported as whichever it is)."""
+    from redis._parsers import _HiredisParser, _RESP2Parser
+    from redis.utils import HIREDIS_AVAILABLE
+
+    from kvtier.store.tiers.redis_conn import build_client
+
+    parsers = {"hiredis": _HiredisParser} if HIREDIS_AVAILABLE else {}
+    parsers["pure"] = _RESP2Parser
+    out: dict[str, object] = {}
+    for name, parser in parsers.items():
+        client = build_client(opts)  # type: ignore[arg-type]
+        pool = getattr(client, "connection_pool", None)
+        if pool is None:  # Cluster: one client, redis-py's default parser
+            return {"hiredis" if HIREDIS_AVAILABLE else "pure": client}
+        pool.connection_kwargs["parser_class"] = parser  # before its first connection
+        out[name] = client
+    return out
+
+
 def measure(url: str, chunk_bytes: int, chunks: int, rounds: int, secret: bool = False) -> dict[str, object]:
     import redis
     import torch
 
-    from kvtier.store.payload import CHECKSUM_NAMES, DEFAULT_CHECKSUM, make_header
+    from kvtier.store.integrity import Keyed, mac_name
+    from kvtier.store.store import SHARED_SLOT  # what the store passes a key-addressed tier
+    from kvtier.store.payload import CHECKSUM_NAMES, CHECKSUM_XXH3, DEFAULT_CHECKSUM, MAC_GMAC, checksum, make_header
     from kvtier.store.tiers.redis import RedisOptions, RedisTier
-    from kvtier.store.tiers.redis_conn import build_client, redact
+    from kvtier.store.tiers.redis_conn import redact
+    from kvtier.store.tiers.redis_reader import Streamed
+    from kvtier.store.tiers.redis_wire import get_stream, set_stream
 
     opts = RedisOptions(url=url, key_prefix=KEY_PREFIX, socket_timeout_s=30.0,
                         connect_timeout_s=5.0)
@@ -97,71 +128,130 @@ def measure(url: str, chunk_bytes: int, chunks: int, rounds: int, secret: bool =
     headers = [make_header(BENCH_NS, i.to_bytes(8, "little") * 4, 0, 256 * i, 256 * (i + 1),
                            chunk_bytes) for i in range(chunks)]
     raw_keys = [f"{KEY_PREFIX}:raw:{{{i}}}" for i in range(chunks)]
+    wire_keys = [f"{KEY_PREFIX}:wire:{{{i}}}" for i in range(chunks)]
     outs = [torch.empty(chunk_bytes, dtype=torch.uint8) for _ in range(chunks)]
+    wire_outs = [memoryview(bytearray(chunk_bytes + 128)) for _ in range(chunks)]
     views = [d.numpy().data for d in datas]
+    keyed = Keyed(os.urandom(32)) if secret else None
+    mac_keyed = keyed if keyed is not None and keyed.kind == MAC_GMAC else None
+    fixed_header = bytes(128)
 
     def kv_save() -> None:
-        if not all(tier.write_many([(0, 0, h, d) for h, d in zip(headers, datas)])):
+        if not all(tier.write_many([(0, SHARED_SLOT, h, d) for h, d in zip(headers, datas)])):
             raise KvtierError(f"redis tier could not save to {redact(url)}: {tier.last_error}")
 
     def kv_load() -> None:
-        if not all(tier.read_many([(0, 0, h, o) for h, o in zip(headers, outs)])):
+        if not all(tier.read_many([(0, SHARED_SLOT, h, o) for h, o in zip(headers, outs)])):
             raise KvtierError(f"redis tier could not load from {redact(url)} (evicted? maxmemory)")
 
-    def raw_save() -> None:
-        p = raw.pipeline(transaction=False)  # type: ignore[attr-defined]
-        for k, v in zip(raw_keys, views):
-            p.set(k, v)
-        p.execute()
+    def raw_save(client: object) -> Callable[[], None]:
+        def save() -> None:
+            p = client.pipeline(transaction=False)  # type: ignore[attr-defined]
+            for k, v in zip(raw_keys, views):
+                p.set(k, v)  # a memoryview: sent without a copy
+            p.execute()
+        return save
 
-    def raw_load() -> None:
-        p = raw.pipeline(transaction=False)  # type: ignore[attr-defined]
-        for k in raw_keys:
-            p.get(k)
-        got = p.execute()
-        if any(g is None for g in got):
-            raise KvtierError(f"raw GET missed on {redact(url)} (evicted? maxmemory)")
+    def raw_load(client: object) -> Callable[[], None]:
+        def load() -> None:
+            p = client.pipeline(transaction=False)  # type: ignore[attr-defined]
+            for k in raw_keys:
+                p.get(k)
+            if any(g is None for g in p.execute()):
+                raise KvtierError(f"raw GET missed on {redact(url)} (evicted? maxmemory)")
+        return load
+
+    def wire_save() -> None:  # kvtier's save stream, a fixed header: no pass over the bytes
+        set_stream(wire, wire_keys, headers, views, None, None, [], seal=lambda h, v, k: fixed_header)
+
+    def wire_direct(k: int, r: object, length: int) -> Streamed:
+        r.into(wire_outs[k][:length])  # type: ignore[attr-defined]
+        return Streamed(None)
+
+    def wire_load() -> None:  # kvtier's load stream into the buffers, nothing checked
+        get_stream(wire, [("GET", k) for k in wire_keys], chunks, wire_direct, lambda k, raw: None)
+
+    def seal_xxh3() -> None:  # the checksum pass a save makes, over the same bytes
+        for v in views:
+            checksum(v, CHECKSUM_XXH3)
+
+    def seal_mac() -> None:  # OpenSSL's MAC of the same bytes (key derivation included)
+        for h, v in zip(headers, views):
+            mac_keyed.mac(h, v)  # type: ignore[union-attr]
 
     try:
-        raw = build_client(opts)  # the same connection settings, used through plain redis-py
-        raw.ping()  # type: ignore[attr-defined]
+        raws = _raw_clients(opts)
+        for c in raws.values():
+            c.ping()  # type: ignore[attr-defined]
     except Exception as exc:  # noqa: BLE001
         raise KvtierError(f"cannot reach Redis at {redact(url)}: {exc}") from None
-    from kvtier.store.integrity import Keyed, mac_name
+    wire = next(iter(raws.values())) if not opts.is_cluster else None
 
-    tier = RedisTier(opts, namespace_id=BENCH_NS, keyed=Keyed(os.urandom(32)) if secret else None)
+    tier = RedisTier(opts, namespace_id=BENCH_NS, keyed=keyed)
+    sides: dict[str, Callable[[], None]] = {"kv_save": kv_save}
+    sides.update({f"raw_save_{n}": raw_save(c) for n, c in raws.items()})
+    sides["kv_load"] = kv_load
+    sides.update({f"raw_load_{n}": raw_load(c) for n, c in raws.items()})
+    if wire is not None:
+        sides.update(wire_save=wire_save, wire_load=wire_load)
+    if DEFAULT_CHECKSUM == CHECKSUM_XXH3:
+        sides["xxh3"] = seal_xxh3
+    if mac_keyed is not None:
+        sides["mac"] = seal_mac
     try:
-        kv_save(), raw_save(), kv_load(), raw_load()  # warm-up: connections, allocator
-        t: dict[str, list[float]] = {k: [] for k in ("kv_save", "raw_save", "kv_load", "raw_load")}
+        for fn in sides.values():  # warm-up: connections, allocator; the saves before the loads
+            fn()
+        t: dict[str, list[float]] = {k: [] for k in sides}
         for r in range(rounds):
-            order = (("kv", "raw") if r % 2 == 0 else ("raw", "kv"))
-            for side in order:
-                t[f"{side}_save"].append(_timed(kv_save if side == "kv" else raw_save))
-            for side in order:
-                t[f"{side}_load"].append(_timed(kv_load if side == "kv" else raw_load))
+            for name, fn in (list(sides.items()) if r % 2 == 0 else list(sides.items())[::-1]):
+                t[name].append(_timed(fn))
         if not all(torch.equal(o, d) for o, d in zip(outs, datas)):
             raise KvtierError("redis tier loaded bytes that differ from the saved ones")
     finally:
         with contextlib.suppress(Exception):
             tier.delete_many(headers)
-            raw.delete(*raw_keys)  # type: ignore[attr-defined]
+            next(iter(raws.values())).delete(*raw_keys, *wire_keys)  # type: ignore[attr-defined]
         tier.close()
-        with contextlib.suppress(Exception):
-            raw.close()  # type: ignore[attr-defined]
+        for c in raws.values():
+            with contextlib.suppress(Exception):
+                c.close()  # type: ignore[attr-defined]
+    return _figures(t, chunk_bytes, chunks, rounds, secret) | {
+        "checksum": CHECKSUM_NAMES[DEFAULT_CHECKSUM], "hiredis": _has_hiredis(),
+        "redis_py": redis.__version__, "keyed": secret, "mac": mac_name() if secret else None,
+    }
 
+
+def _figures(t: dict[str, list[float]], chunk_bytes: int, chunks: int, rounds: int,
+             secret: bool) -> dict[str, object]:
+    """Medians, GB/s and ratios of the timed sides. Each ratio is kvtier's throughput over the
+    strongest raw client's (1.0 = as fast); the limit is what sealing inline on one core allows:
+    raw save time against raw + the seal's passes over the same bytes, timed side by side."""
     total = chunk_bytes * chunks
     med = {k: statistics.median(v) for k, v in t.items()}
     gbs = {k: total / v / 1e9 for k, v in med.items()}
-    return {
-        "save_ratio": med["raw_save"] / med["kv_save"],
-        "load_ratio": med["raw_load"] / med["kv_load"],
-        "kvtier_save_gb_s": gbs["kv_save"], "raw_save_gb_s": gbs["raw_save"],
-        "kvtier_load_gb_s": gbs["kv_load"], "raw_load_gb_s": gbs["raw_load"],
-        "chunk_bytes": chunk_bytes, "chunks": chunks, "rounds": rounds,
-        "checksum": CHECKSUM_NAMES[DEFAULT_CHECKSUM], "hiredis": _has_hiredis(),
-        "redis_py": redis.__version__, "keyed": secret,
-        "mac": mac_name() if secret else None,
-    }
+    res: dict[str, object] = {}
+    for op in ("save", "load"):
+        clients = [k.rsplit("_", 1)[1] for k in med if k.startswith(f"raw_{op}_")]
+        best = min(clients, key=lambda c: med[f"raw_{op}_{c}"])
+        res[f"{op}_ratio"] = med[f"raw_{op}_{best}"] / med[f"kv_{op}"]
+        res[f"kvtier_{op}_gb_s"], res[f"raw_{op}_gb_s"] = gbs[f"kv_{op}"], gbs[f"raw_{op}_{best}"]
+        res[f"raw_{op}_strongest"] = best
+        for c in clients:
+            res[f"raw_{op}_{c}_gb_s"] = gbs[f"raw_{op}_{c}"]
+            res[f"{op}_ratio_{c}"] = med[f"raw_{op}_{c}"] / med[f"kv_{op}"]
+        if f"wire_{op}" in med:  # the stream with nothing sealed or checked: what the wire allows
+            res[f"wire_{op}_gb_s"] = gbs[f"wire_{op}"]
+    raw = med[f"raw_save_{res['raw_save_strongest']}"]
+    seal = med.get("xxh3", 0.0) + med.get("mac", 0.0)
+    res["raw_save_ms"] = raw * 1e3
+    res["xxh3_ms"] = med["xxh3"] * 1e3 if "xxh3" in med else None
+    res["mac_ms"] = med["mac"] * 1e3 if "mac" in med else None
+    res["save_limit_ratio"] = raw / (raw + seal)  # raw SET, then every seal pass, one core
+    res["save_of_limit"] = float(res["save_ratio"]) / res["save_limit_ratio"]  # type: ignore[arg-type]
+    if "mac" in med:  # had the MAC been the only pass (no xxh3 checksum under it)
+        res["save_limit_mac_only_ratio"] = raw / (raw + med["mac"])
+    res.update(chunk_bytes=chunk_bytes, chunks=chunks, rounds=rounds)
+    return res
 
 
 def _has_hiredis() -> bool:
@@ -188,8 +278,12 @@ def run(args: argparse.Namespace) -> int:
     print(f"redis tier vs raw redis-py, {args.chunks} chunks of {mib:.2f} MiB per batch, "
           f"median of {args.rounds} rounds ({res['server']}; checksum {res['checksum']}"
           + (f"; keyed: {res['mac']} on every value" if res["keyed"] else "") + ")")
-    print(f"  save  kvtier {res['kvtier_save_gb_s']:.2f} GB/s  raw SET {res['raw_save_gb_s']:.2f} "
-          f"GB/s  ratio {res['save_ratio']:.2f}")
-    print(f"  load  kvtier {res['kvtier_load_gb_s']:.2f} GB/s  raw GET {res['raw_load_gb_s']:.2f} "
-          f"GB/s  ratio {res['load_ratio']:.2f}")
+    for op, cmd in (("save", "SET"), ("load", "GET")):
+        others = ", ".join(f"{c} {res[f'raw_{op}_{c}_gb_s']:.2f}" for c in ("hiredis", "pure")
+                           if f"raw_{op}_{c}_gb_s" in res)
+        wire = f"  (stream alone {res[f'wire_{op}_gb_s']:.2f} GB/s)" if f"wire_{op}_gb_s" in res else ""
+        print(f"  {op}  kvtier {res[f'kvtier_{op}_gb_s']:.2f} GB/s  raw {cmd} {res[f'raw_{op}_gb_s']:.2f} "
+              f"GB/s ({res[f'raw_{op}_strongest']}; {others})  ratio {res[f'{op}_ratio']:.2f}{wire}")
+    print(f"  save limit (raw SET + the seal's passes over the same bytes, one core) "
+          f"{res['save_limit_ratio']:.2f}; kvtier at {res['save_of_limit']:.2f} of it")
     return 0

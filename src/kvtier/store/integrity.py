@@ -38,8 +38,8 @@ unverified bytes: the caller reports a miss and never uses them.
 One core per MAC (`max_threads=1` for BLAKE3), never a thread pool: the hosts kvtier runs on
 keep their cores busy (an engine's scheduler, its workers, the disk tier's helper), and on the
 2-core build machine two threads hashed no faster than one (docs/store.md, "Cost"). The disk
-tier overlaps a cold read's MAC with its I/O on its own helper thread; the redis tier seals an
-AES-GMAC value inline on its sender (redis_wire says why).
+tier overlaps a cold read's MAC with its I/O on its own helper thread; the redis tier seals every
+value inline on its sender (redis_wire says why).
 """
 
 from __future__ import annotations

@@ -469,6 +469,16 @@ def sealing_body(header: ChunkHeader, created_ns: int, salt: bytes) -> bytes:
                       bytes(MAC_BYTES), 0, salt, bytes(3))
 
 
+def encode_sealed(header: ChunkHeader, value: int, created_ns: int) -> bytes:
+    """`encode_header(sealed_with(header, value))` for an unkeyed xxh3_64 seal of `header`
+    (unsealed), packed in one go: the redis tier's save seals every value of a batch inline."""
+    body = _BODY.pack(MAGIC, FORMAT_VERSION, HEADER_BYTES, bytes.fromhex(header.namespace_id),
+                      header.chunk_hash.ljust(HASH_BYTES, b"\0"), header.group, DTYPE_CODES[header.dtype],
+                      CHECKSUM_XXH3, header.token_start, header.token_end, header.payload_bytes, value,
+                      created_ns, _ZERO_MAC, 0, _ZERO_SALT, _ZERO_SPARE)
+    return body + _CRC.pack(zlib.crc32(body))
+
+
 def with_seal(covered: bytes, value: int, mac: bytes, mac_kind: int) -> bytes:
     """The 128 bytes `encode_header` gives for a header whose first HEADER_BODY_BYTES, with
     checksum, MAC and MAC kind zero, are `covered`, once those three are `value`, `mac` and

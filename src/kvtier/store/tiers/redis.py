@@ -40,20 +40,19 @@ set `kvtier.tenant` (a namespace salt).
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 
+from kvtier.core.counters import REDIS_EXTRA, TIER_BASE, UndeclaredCounter
 from kvtier.errors import ConfigError
 from kvtier.store.integrity import Keyed, mac_only
 from kvtier.store.payload import HASH_BYTES, HEADER_BYTES, ChunkHeader, decode_header, span_not_held
 from kvtier.store.tiers.base import LogOnce, Tier
 from kvtier.store.tiers.redis_codec import Arena, restore, u8_view, unknown_command
 from kvtier.store.tiers.redis_reader import OversizedValue, ReplyReader, Streamed, read_value
-from kvtier.store.tiers.redis_wire import SpareCore, get_stream, set_stream
+from kvtier.store.tiers.redis_wire import get_stream, set_stream
 from kvtier.store.tiers.redis_conn import (
     Breaker,
     RedisOptions,
@@ -77,8 +76,7 @@ SLOT_MEMORY = 4096  # (group, slot) -> last header written, for free(group, slot
 
 
 # beyond the Tier base counters (reads, misses, writes, failed_writes, corrupt_dropped, bytes)
-_EXTRA = ("vanished", "skipped_reads", "skipped_saves", "budget_skipped", "errors", "deleted",
-          "foreign_skipped")
+_EXTRA = REDIS_EXTRA  # declared in kvtier.core.counters (TIER), with their help
 
 
 class RedisTier(Tier):
@@ -111,9 +109,6 @@ class RedisTier(Tier):
         self._slot_headers: OrderedDict[tuple[int, int], ChunkHeader] = OrderedDict()
         self._client: object | None = None  # built lazily: Redis may be down at start
         self._client_lock = threading.Lock()
-        self._pool: ThreadPoolExecutor | None = None  # the save stream's sealing thread
-        self._pool_pid = 0
-        self._spare_core = SpareCore()  # seal on that thread only while a core looks free
         self._getex = True  # GETEX reads and renews the TTL in one command (Redis >= 6.2)
         self._ttl_ms = int(self.options.ttl_s * 1000) if self.options.ttl_s is not None else None
 
@@ -135,21 +130,24 @@ class RedisTier(Tier):
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
-            if name in self._extra:
-                self._extra[name] += n
-            else:
-                setattr(self, name, getattr(self, name) + n)
+            self._add(name, n)
 
     def _count_all(self, counts: dict[str, int]) -> None:
         """`_count` of a whole batch under one lock (one acquisition, not one per chunk)."""
         with self._lock:
             for name, n in counts.items():
-                if not n:
-                    continue
-                if name in self._extra:
-                    self._extra[name] += n
-                else:
-                    setattr(self, name, getattr(self, name) + n)
+                if n:
+                    self._add(name, n)
+
+    def _add(self, name: str, n: int) -> None:
+        """Under self._lock: a redis counter or a base one (TIER_BASE); anything else raises."""
+        if name in self._extra:
+            self._extra[name] += n
+        elif name in TIER_BASE:
+            setattr(self, name, getattr(self, name) + n)
+        else:
+            raise UndeclaredCounter(f"{name!r} is not a counter of the redis tier; declare it in "
+                                    "kvtier/core/counters.py (TIER)")
 
     def metrics(self) -> dict[str, int | bool]:
         """The base TierStats counters plus the redis ones, and whether the breaker is closed."""
@@ -233,28 +231,9 @@ class RedisTier(Tier):
             except Exception:  # noqa: BLE001
                 pass
 
-    def _helper(self) -> ThreadPoolExecutor:
-        """The one thread that seals the next value of a save while this one is sent. A forked
-        child inherits the executor but not its thread, so it makes its own."""
-        with self._client_lock:
-            if self._pool is None or self._pool_pid != os.getpid():
-                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-redis")
-                self._pool_pid = os.getpid()
-            return self._pool
-
-    def _overlap(self) -> Callable[[], ThreadPoolExecutor] | None:
-        """The helper that seals a save stream's values ahead of the sender, or None (the sender
-        seals them): only while a core looks free (the xxh3 pass and the header's Python then
-        overlap the send; on busy cores the helper's CPU comes from the same cores)."""
-        return self._helper if self._spare_core() else None
-
     def close(self) -> None:
-        """Drop the client (a later call builds a new one) and join the helper thread."""
+        """Drop the client (a later call builds a new one)."""
         self._drop_client()
-        with self._client_lock:
-            pool, self._pool = self._pool, None
-        if pool is not None and self._pool_pid == os.getpid():
-            pool.shutdown(wait=True)
 
     # -- batched operations (what the store uses) ---------------------------------------------
 
@@ -418,13 +397,13 @@ class RedisTier(Tier):
 
     def _stream_batch(self, ns: str, part: list[tuple[int, str, ChunkHeader]],
                       views: list[memoryview], ok: list[bool]) -> None:
-        """One batch as a zero-copy SET stream, sealed one value ahead on the helper thread
-        (`redis_wire`): no arena copy, and the checksum and MAC overlap the send."""
+        """One batch as a zero-copy SET stream, each value sealed just before it is sent
+        (`redis_wire`): no arena copy."""
         total = sum(HEADER_BYTES + len(v) for v in views)
         bucket, extra = self._budget.charge(ns, total) if self._budget is not None else (0, [])
         res = self._call(lambda client: set_stream(
             client, [k for _, k, _ in part], [h for _, _, h in part], views, self.keyed,
-            self._ttl_ms, extra, self._overlap()), "skipped_saves", len(part), total)
+            self._ttl_ms, extra), "skipped_saves", len(part), total)
         if res is None:
             self._count("failed_writes", len(part))
             return

@@ -40,6 +40,7 @@ from kvtier.store.payload import (HEADER_BYTES, ChunkHeader, Rejected, Streaming
 # the longest reply that is not a value (a line, a blob error, a bulk string answering PEXPIRE):
 # Redis's own errors are under 1 KiB; longer is a protocol error, never an allocation
 REPLY_MAX = 64 << 10
+OK = b"+OK\r\n"  # the reply to a SET (`ReplyReader.oks`)
 RECV_PIECE = 256 << 10  # at most this much per recv_into: the check reads it while it is in L2
 
 
@@ -103,6 +104,26 @@ class ReplyReader:
             self._pending = memoryview(b"")
             if len(out) > REPLY_MAX:
                 raise ProtocolError(f"redis reply line over {REPLY_MAX} bytes: not a reply this stream sent for")
+
+    def oks(self, count: int) -> int:
+        """Consume the `+OK` replies at the front, at most `count`; how many. A save's replies are
+        nearly all `+OK`, compared here a block at a time (read_reply took ~3 us each, 5% of a
+        save); anything else, or a reply cut between two receives, is left for `read_reply`."""
+        got = 0
+        while got < count:
+            if not self._pending:
+                self._fill()
+            m = min(count - got, len(self._pending) // len(OK))
+            block = self._pending[:m * len(OK)]
+            if block != OK * m:  # some other reply in this block: count the +OKs before it
+                m = 0
+                while block[m * len(OK):(m + 1) * len(OK)] == OK:
+                    m += 1
+            self._pending = self._pending[m * len(OK):]
+            got += m
+            if self._pending or not m:  # another reply, or part of one: read_reply's
+                return got
+        return got
 
     def into(self, dst: memoryview, on_piece: Callable[[memoryview], None] | None = None) -> None:
         """Fill `dst` exactly, from what is pending, then straight from the socket; `on_piece`
