@@ -76,3 +76,13 @@ def test_heap_stays_bounded():
             pol.insert(100000 + i)
     assert len(pol.heap) <= pol.heap_bound == 4 * 32 + 64
     assert len(pol) == 32 and len(pol.sightings) == 32
+
+
+def test_touches_alone_keep_the_heap_bounded():
+    """A pool that is touched but never evicts from (it fits) must not grow its heap either."""
+    pol = WorthLRU(32, WorthWeight(2.0), lambda k, s: 1.0 + s)
+    for k in range(32):
+        pol.insert(k)
+    for i in range(10000):
+        pol.touch(i % 32)
+        assert len(pol.heap) <= pol.heap_bound

@@ -80,6 +80,14 @@ class WorthLRU:
         p = self.priority(key, self.clock, fresh)
         self.entries[key] = (p, self.clock)
         heapq.heappush(self.heap, (p, self.clock, key))
+        self._compact()
+
+    def _compact(self) -> None:
+        """Stale items (removed or touched since) dropped once the heap passes its bound: touches
+        alone, with no eviction, must not grow it either."""
+        if len(self.heap) > 4 * len(self.entries) + 64:
+            self.heap = [(p, c, k) for k, (p, c) in self.entries.items()]
+            heapq.heapify(self.heap)
 
     def insert(self, key: Key) -> None:
         if key in self.entries:
@@ -96,9 +104,7 @@ class WorthLRU:
     def remove(self, key: Key) -> None:
         if self.entries.pop(key, None) is not None:
             del self.sightings[key]
-        if len(self.heap) > 4 * len(self.entries) + 64:
-            self.heap = [(p, c, k) for k, (p, c) in self.entries.items()]
-            heapq.heapify(self.heap)
+        self._compact()
 
     def victim(self, evictable: Evictable) -> Key | None:
         heap, entries = self.heap, self.entries
@@ -125,7 +131,7 @@ class WorthLRU:
 
     @property
     def heap_bound(self) -> int:
-        """Most heap items this pool keeps after a remove: 4 x resident entries + 64."""
+        """Most heap items this pool keeps: 4 x resident entries + 64."""
         return 4 * len(self.entries) + 64
 
 
