@@ -179,8 +179,10 @@ class EventsOnlyEngine:
     async def __call__(self, request: dict) -> str:
         from ray import serve
 
-        if "started" in request:  # the test learns the replica has the request (its queue counts it)
-            Path(request["started"]).touch()
+        if "started" in request:  # the test learns which replica has the request (its queue counts it)
+            tmp = Path(request["started"] + ".tmp")
+            tmp.write_text(serve.get_replica_context().replica_id.unique_id)
+            tmp.rename(request["started"])
         await asyncio.sleep(request.get("hold_s", 0))
         tokens = request["prompt_token_ids"]
         self._publish(stored(tokens, len(tokens) // C))
@@ -214,6 +216,9 @@ def app():  # noqa: ANN201 - (handle, router)
         handle = serve.run(deployment.bind(), name="kvtier-ray-router")
         handle.remote({"prompt_token_ids": prompt(99, 1)}).result(timeout_s=60)
         (router,) = [r for r in routers() if r._deployment_id.name == "engine"]
+        # a replica that does not answer Ray's queue-length probe in time (0.1 s at first) is
+        # ranked last with no queue length; on a loaded test machine that, not the score, decided
+        router.queue_len_response_deadline_s = router.max_queue_len_response_deadline_s = 10.0
         _until(lambda: len(router.index.engines()) == 2, "the router subscribed to both replicas")
         yield handle, router
     finally:
@@ -267,20 +272,20 @@ def test_with_no_holder_the_shorter_queue_wins_and_a_long_queue_outweighs_a_hit(
     handle, router = app
     p, holder = _place(handle, router, 3, 8)
     other = next(e for e in router.index.engines() if e != holder)
-    rid = next(r for r in router.curr_replicas if r.unique_id == holder)
     held = []
     for n in range(3):  # the holder's hit (120 tokens saved) beats queues of 0, 1 and 2 (x 48 tokens)
+        # Ray's cached queue lengths lag what the replicas hold (a request in transit, one that
+        # finished): the router asks both replicas afresh, and a replica's own count includes a
+        # request once it has started there, so the next is sent only then
+        for r in router.curr_replicas:
+            router.replica_queue_len_cache.invalidate_key(r)
         started = tmp_path / f"started-{n}"
         held.append(handle.remote({"prompt_token_ids": p + prompt(30 + n, 1), "hold_s": 150,  # held past the checks below
                                    "started": str(started)}))
-        # Ray counts a request in the replica's queue once it is sent, after the router chose
-        _until(lambda: (router.replica_queue_len_cache.get(rid) or 0) > n, "the held request was queued", 60)  # noqa: B023
+        _until(started.exists, f"held request {n} started", 60)
+        assert started.read_text() == holder, (n, router.last)
     assert [c.engine for c in router.last[:1]] == [holder] and router.last[0].queue_len == 2, router.last
-    # a replica's own count (what a fresh probe reads) includes a request once it has arrived: on a
-    # loaded machine the third may still be in transit, so wait until all three have started
-    _until(lambda: all((tmp_path / f"started-{n}").exists() for n in range(3)), "the held requests started", 60)
-    # three requests queued on the holder: 120 - 3 x 48 < 0, so the idle replica wins. Ray's
-    # cached queue lengths may lag on a loaded machine: the router asks both replicas afresh
+    # three requests queued on the holder: 120 - 3 x 48 < 0, so the idle replica wins
     for r in router.curr_replicas:
         router.replica_queue_len_cache.invalidate_key(r)
     assert _serve(handle, p + prompt(40, 1)) == other, router.last
