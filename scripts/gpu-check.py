@@ -111,7 +111,7 @@ def _run(h, kind: str, chunks: int, reps: int) -> dict:
         exact &= all(bool(torch.equal(t[src], t[dst])) for t in kv)
     out = {"store_gbps": statistics.median(store_gbps), "load_gbps": statistics.median(load_gbps),
            "round_trip_exact": bool(exact), "bytes_per_rep": chunks * bpc * page}
-    if kind != "native":  # on a GPU kvtier's worker must copy through vLLM's own handler (copier.py)
+    if kind != "native":  # on a GPU kvtier's worker must copy through vLLM's own handler (copies.py)
         out["copy_path"] = "vLLM handler" if worker.copies.copier is not None else "index_copy"
     return out
 

@@ -726,7 +726,7 @@ def test_tensor_parallel_a_redis_hit_needs_every_ranks_shard(tmp_path: Path) -> 
 def _copier_over(handler, tids: list[int]):  # noqa: ANN001, ANN202 - a SlabCopier
     """A SlabCopier whose one group's three handlers are `handler`, with transfers `tids` in
     flight (no vLLM handler built: no CUDA tensors here)."""
-    from kvtier.integrations.vllm.copier import SlabCopier
+    from kvtier.integrations.vllm.copies import SlabCopier
 
     copier = SlabCopier.__new__(SlabCopier)
     copier._handlers, copier._owner, copier._ended = [(handler,) * 3], dict.fromkeys(tids, handler), set()

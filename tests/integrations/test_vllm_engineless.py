@@ -158,7 +158,7 @@ for _sc in SCENARIOS:
     if _sc["name"] in ("stats", "disk_unpromoted") or _sc["name"].startswith("promote"):
         _sc["extra"] = {**_sc.get("extra", {}), "kvtier.placement": "every"}
 # The same scenarios as a GPU runs them: kvtier's worker sees CUDA tensors and moves chunks in
-# cpu slots through vLLM's own SingleDirectionOffloadingHandler (copier.py), whose descriptor code
+# cpu slots through vLLM's own SingleDirectionOffloadingHandler (copies.py), whose descriptor code
 # runs unchanged; only the copy itself is emulated (vllm_engineless/fake_cuda.py: CPU tensors that
 # claim CUDA, a queued memmove per batched copy that runs when its event is asked, so a job the
 # worker reports done before asking its copies leaves wrong bytes behind). Chunks without a cpu

@@ -1,4 +1,4 @@
-"""The scheduler's promotion reads (integrations/vllm/promoter.py) are bounded by
+"""The scheduler's promotion reads (integrations/vllm/promotion.py's LookupPromoter) are bounded by
 `kvtier.io_queue_bytes`: a read's buffers are out from the moment it is queued until the scheduler's
 thread fills them into their cpu slot or gives them back, and a promotion that would pass the
 budget is dropped (counted `promote_dropped`), never queued. A dropped promotion is served as a
@@ -33,7 +33,7 @@ from kvtier.integrations.vllm.common import SpecContext  # noqa: E402
 from kvtier.integrations.vllm.counters import Metrics  # noqa: E402
 from kvtier.integrations.vllm.config import parse_config  # noqa: E402
 from kvtier.integrations.vllm.manager import KvtierManager  # noqa: E402
-from kvtier.integrations.vllm.promoter import LookupPromoter  # noqa: E402
+from kvtier.integrations.vllm.promotion import LookupPromoter  # noqa: E402
 from kvtier.integrations.vllm.worker import KvtierWorker  # noqa: E402
 from kvtier.store.payload import make_header  # noqa: E402
 

@@ -172,7 +172,7 @@ def test_prometheus_counters_per_tier_and_group_beside_vllms() -> None:
 
 
 def test_every_counter_the_integration_adds_has_a_metric() -> None:
-    """A counter added in any module of the integration (manager.py, promotion.py, promoter.py,
+    """A counter added in any module of the integration (manager.py, promotion.py,
     redis_lookup.py, worker.py, ...) without a family would stay in the file only."""
     names: set[str] = set()
     for path in sorted(SRC.glob("*.py")):

@@ -1,7 +1,7 @@
 """One background thread that runs disk and Redis I/O off an engine's thread, in FIFO order.
 
 Nothing here knows an engine. Its users are the vLLM halves: the worker's write-behind and
-reads (integrations/vllm/slow_io.py), the scheduler's Redis lookups and lookup promotions.
+reads (integrations/vllm/worker.py), the scheduler's Redis lookups and lookup promotions.
 
 Rule: `submit_store` and `submit_load` never wait for a disk or a network. The worker copies
 pages into a host buffer (a memory copy) and writes the cpu tier inline; every disk and Redis

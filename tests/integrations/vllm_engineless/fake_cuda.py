@@ -1,7 +1,7 @@
 """vLLM's GPU copy handler (`SingleDirectionOffloadingHandler`) on a CPU-only machine, for tests.
 
 The KV tensors are CPU tensors of a subclass that claims `is_cuda`, so kvtier's worker takes its
-GPU path through vLLM's handlers (copier.py) and vLLM's own descriptor code computes every
+GPU path through vLLM's handlers (copies.py's SlabCopier) and vLLM's own descriptor code computes every
 pointer. What a GPU would do is emulated, asynchronously:
 
 - `swap_blocks_batch` (the one batched copy) is queued, not run: a real GPU runs it later;
@@ -14,7 +14,7 @@ pointer. What a GPU would do is emulated, asynchronously:
   reports a job done, or reads a slot, without asking its events, or that relies on one
   handler's copies having run before another's, sees the bytes as they were before the copy (a
   restored request's check, or a disk write, then finds them wrong);
-- kvtier's own side stream (copier.SideStream: chunks without a cpu slot, through staging
+- kvtier's own side stream (copies.SideStream: chunks without a cpu slot, through staging
   buffers) is emulated alike: the copies it is given run later, as one more FIFO;
 - `tick()` runs everything queued (at the end of a scenario).
 
@@ -130,7 +130,7 @@ class _Stream:
 
 
 class _FakeSide:
-    """kvtier's SideStream (copier.py), its copies run later."""
+    """kvtier's SideStream (copies.py), its copies run later."""
 
     def __init__(self) -> None:
         self.chain = _Chain()

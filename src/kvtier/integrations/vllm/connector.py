@@ -115,7 +115,8 @@ class KvtierConnector(OffloadingConnector):
     # of layers with different pages, DeepSeek V4's), the workers the real ones. Slots must be
     # sized alike on both sides, so each worker reports its exact bytes per block through vLLM's
     # handshake (collected after the KV caches are registered, before any request), and the
-    # name of the host region its cpu tier lives in, which the scheduler maps then (promoter.py).
+    # name of the host region its cpu tier lives in, which the scheduler maps then (promotion.py:
+    # LookupPromoter).
 
     def get_handshake_metadata(self):  # noqa: ANN201 - vLLM's type
         w = self.connector_worker

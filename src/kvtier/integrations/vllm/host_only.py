@@ -24,7 +24,7 @@ from kvtier.index.index import Index
 
 from .common import SpecContext
 from .counters import Metrics
-from .promoter import LookupPromoter
+from .promotion import LookupPromoter
 
 log = logging.getLogger("kvtier.vllm")
 

@@ -117,7 +117,7 @@ Chunk = TypeVar("Chunk", bound=tuple)  # (group, index in group, blocks, ...)
 
 def consecutive_runs(chunks: Sequence[Chunk]) -> list[list[Chunk]]:
     """Chunks (group, index in group, blocks, ...) in runs of consecutive chunks of one group,
-    in (group, index) order: vLLM's copy handler moves one run in one transfer (copier.py), and
+    in (group, index) order: vLLM's copy handler moves one run in one transfer (copies.py), and
     only a run's first chunk may start mid-chunk."""
     out: list[list[Chunk]] = []
     for c in sorted(chunks, key=lambda c: (c[0], c[1])):
