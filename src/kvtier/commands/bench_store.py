@@ -11,6 +11,13 @@ fast as the plain copy).
   xxh3/crc32 checksum per chunk, checksum verified on every load) vs a plain sequential
   write / read of the same bytes to one preexisting file (fdatasync after each payload when the
   tier uses fsync="always"). Both run against the page cache (warm), as a cache re-read is.
+- the disk paths' measured serial limit (`_limits`): in the same rounds, alternated, the
+  passes a verified path adds are timed alone over the same bytes (the payload checksum, xxh3;
+  with --secret OpenSSL's MAC through `integrity.Keyed`, its per-value key included), and
+  `disk_{save,load}_limit_ratio` = plain / (plain + those passes), what one core running them
+  one after the other allows; `disk_{save,load}_of_limit` = the measured ratio over it. With
+  --secret also the MAC as a keyed load runs it, on pieces already in cache
+  (`disk_load_mac_hot_ms`, `disk_load_limit_hot_ratio`, `disk_load_of_limit_hot`).
 - lookup: `Store.lookup` of a 131072-token prompt fully cached on the 4-group geometry
   (512 chunks): `lookup_chunks_per_s` = prompt chunks / median lookup time; chunk hashing
   (kvtier.core.keys) is reported apart (`hash_ms_128k`).
@@ -167,6 +174,11 @@ def _run(args: argparse.Namespace) -> int:
         bufs = {k: v.clone() for k, v in src.items()}  # both sides' load buffers
         t_plain_s, t_ours_s, t_plain_l, t_ours_l = [], [], [], []  # wall seconds
         c_plain_s, c_ours_s, c_plain_l, c_ours_l = [], [], [], []  # this thread's CPU seconds
+        # disk: the passes a verified path adds, timed alone over the same bytes in the same rounds
+        # (`_limits`): name -> wall seconds a round
+        t_pass: dict[str, list[float]] = {}
+        if tier == "disk":
+            passes = _passes(src, ns.id, bool(args.secret))
         for r in range(rounds + 1):  # round 0 warms up (first touch of slabs and files)
             hashes = store.hashes(prompt(r))
             hit_keys: list[tuple[int, int]] = []
@@ -191,6 +203,8 @@ def _run(args: argparse.Namespace) -> int:
             a, b = (plain_save, ours_save) if r % 2 else (ours_save, plain_save)
             ta, tb = timed(a), timed(b)
             tp, to = (ta, tb) if r % 2 else (tb, ta)
+            if tier == "disk" and r:
+                _time_passes(passes, "save", list(src), r, t_pass)
             hit = store.lookup(hashes, n * C + 1)
             hit_keys = hit.buffers_needed()
 
@@ -217,6 +231,10 @@ def _run(args: argparse.Namespace) -> int:
             a, b = (plain_load, ours_load) if r % 2 else (ours_load, plain_load)
             ta, tb = timed(a), timed(b)
             lp, lo = (ta, tb) if r % 2 else (tb, ta)
+            if tier == "disk" and r:
+                _time_passes(passes, "load", hit_keys, r, t_pass)
+                if args.secret:
+                    t_pass.setdefault("load_mac_hot", []).append(_mac_hot(passes, hit_keys))
             if r:
                 t_plain_s.append(tp[0])
                 t_ours_s.append(to[0])
@@ -245,6 +263,11 @@ def _run(args: argparse.Namespace) -> int:
         out[f"{tier}_plain_save_gbps"] = round(save_bytes / statistics.median(t_plain_s) / 1e9, 2)
         out[f"{tier}_load_gbps"] = round(load_bytes / statistics.median(t_ours_l) / 1e9, 2)
         out[f"{tier}_plain_load_gbps"] = round(load_bytes / statistics.median(t_plain_l) / 1e9, 2)
+        if tier == "disk":
+            med = {f"plain_{op}": statistics.median(t) for op, t in (("save", t_plain_s), ("load", t_plain_l))}
+            med.update({k: statistics.median(v) for k, v in t_pass.items()})
+            out.update(_limits(med, {op: float(out[f"disk_{op}_ratio"]) for op in ("save", "load")},  # type: ignore[arg-type]
+                               bool(args.secret)))
     out["load_bytes_per_round"] = load_bytes
     tmp.cleanup()
     out.update(_lookup_bench(rounds))
@@ -263,6 +286,18 @@ def _run(args: argparse.Namespace) -> int:
         print(f"{tier:6} {out[f'{tier}_save_ratio']:>10} {out[f'{tier}_load_ratio']:>10}   "
               f"save {out[f'{tier}_save_gbps']} vs {out[f'{tier}_plain_save_gbps']}, load "
               f"{out[f'{tier}_load_gbps']} vs {out[f'{tier}_plain_load_gbps']} (plain {what}){cpu_t}")
+    for op in ("save", "load"):
+        if op == "load" and args.secret:  # a keyed load checks the MAC alone
+            passes = f"MAC {out['disk_load_mac_ms']} ms (a keyed load checks no checksum)"
+        else:
+            passes = f"xxh3 {out[f'disk_{op}_xxh3_ms']} ms" + (
+                f" + MAC {out[f'disk_{op}_mac_ms']} ms" if args.secret else "")
+        print(f"disk {op} limit, serial on one core: plain {out[f'disk_plain_{op}_ms']} ms + {passes} over "
+              f"the same bytes: {out[f'disk_{op}_limit_ratio']}; kvtier at {out[f'disk_{op}_of_limit']} of it")
+    if args.secret:
+        print(f"  the MAC of those pieces already in cache, as a keyed load runs it: "
+              f"{out['disk_load_mac_hot_ms']} ms; limit {out['disk_load_limit_hot_ratio']}, kvtier at "
+              f"{out['disk_load_of_limit_hot']} of it")
     print(f"checksum {out['checksum']} via {out['checksum_path']}: {out['host_checksum_gbps']} GB/s, memcpy "
           f"{out['host_memcpy_gbps']} GB/s on this host: a two-pass verified load (copy, then checksum) "
           f"could reach at most ~{out['two_pass_load_ratio_bound']} of a plain read on one core")
@@ -276,6 +311,95 @@ def _run(args: argparse.Namespace) -> int:
           f"{out['lookup_ms_128k']} ms, {out['lookup_chunks_per_s']:.0f} chunks/s; "
           f"hashing it: {out['hash_ms_128k']} ms")
     return 0
+
+
+def _passes(src: dict, namespace_id: str, keyed: bool) -> dict[str, object]:  # type: ignore[type-arg]
+    """The passes over a payload's bytes that the disk tier's verified paths add to plain I/O:
+    `xxh3` (the payload checksum: every save, every unkeyed load) and, keyed, `mac` (OpenSSL's
+    MAC through `integrity.Keyed`, its per-value key derivation included: every keyed save and
+    load). name -> f(key, view); views of the same source tensors the tier saves and loads."""
+    from kvtier.store.integrity import Keyed
+    from kvtier.store.payload import DEFAULT_CHECKSUM, as_bytes_view, checksum, make_header, seal
+
+    views = {k: as_bytes_view(v) for k, v in src.items()}
+    out: dict[str, object] = {"views": views,
+                              "xxh3": lambda k: checksum(views[k], DEFAULT_CHECKSUM)}
+    if keyed:
+        mac = Keyed(os.urandom(32))
+        headers = {k: make_header(namespace_id, bytes([k[0], k[1] % 256]) * 16, k[0], 256 * k[1],
+                                  256 * (k[1] + 1), len(v)) for k, v in views.items()}
+        out["mac"] = lambda k: mac.mac(headers[k], views[k])
+        out["signed"] = {k: mac.sign(seal(h, views[k]), views[k]) for k, h in headers.items()}
+        out["keyed"] = mac
+    return out
+
+
+def _mac_hot(passes: dict, keys: list) -> float:  # type: ignore[type-arg]
+    """Seconds of the MAC of the `keys`' payloads fed piece by piece (MAC_PIECE), each piece
+    brought into this core's cache first, untimed: the MAC a keyed load pays after its copy
+    (`Keyed.copy_check` MACs each piece from the caller's buffer right after copying it)."""
+    import numpy as np
+
+    from kvtier.store.integrity import MAC_PIECE
+
+    keyed, views, signed = passes["keyed"], passes["views"], passes["signed"]
+    scratch = np.empty(MAC_PIECE, np.uint8)
+    total = 0.0
+    for k in keys:
+        view, n = views[k], len(views[k])
+        t0 = time.perf_counter()
+        mac = keyed.stream(signed[k])
+        total += time.perf_counter() - t0
+        for a in range(0, n, MAC_PIECE):
+            piece = view[a:a + MAC_PIECE]
+            np.copyto(scratch[:len(piece)], np.frombuffer(piece, np.uint8))  # into L2, untimed
+            t0 = time.perf_counter()
+            mac.update(piece)
+            total += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        if mac.verdict() is not None:
+            raise AssertionError("the bench's own MAC did not verify")
+        total += time.perf_counter() - t0
+    return total
+
+
+def _time_passes(passes: dict, op: str, keys: list, r: int, t: dict) -> None:  # type: ignore[type-arg]
+    """Time each pass over the `keys`' payloads once (the order flips every round); appended to
+    t[f"{op}_{name}"] in seconds."""
+    names = [n for n in ("xxh3", "mac") if n in passes]
+    for name in (names if r % 2 else names[::-1]):
+        f = passes[name]
+        t0 = time.perf_counter()
+        for k in keys:
+            f(k)  # type: ignore[operator]
+        t.setdefault(f"{op}_{name}", []).append(time.perf_counter() - t0)
+
+
+def _limits(med: dict[str, float], ratios: dict[str, float], keyed: bool) -> dict[str, object]:
+    """The disk paths' measured serial limit: on one core, a verified path can run at most at
+    plain / (plain + the passes it adds over the same bytes), each timed alone in the same rounds
+    (`med`: median seconds of plain_save, plain_load, save_xxh3, load_xxh3 and, keyed, save_mac,
+    load_mac). A save adds the xxh3 checksum and, keyed, the MAC; an unkeyed load the checksum; a
+    keyed load the MAC alone (it covers header and bytes; integrity's docstring). `*_of_limit`:
+    the measured ratio over that limit (above 1: the tier beats one core's serial sum, by its
+    second write lane or by a pass that rides on the copy)."""
+    res: dict[str, object] = {}
+    for op in ("save", "load"):
+        plain = med[f"plain_{op}"]
+        added = [f"{op}_xxh3", f"{op}_mac"] if op == "save" and keyed else (
+            [f"{op}_mac"] if keyed else [f"{op}_xxh3"])
+        limit = plain / (plain + sum(med[k] for k in added))
+        res[f"disk_plain_{op}_ms"] = round(plain * 1e3, 3)
+        res[f"disk_{op}_xxh3_ms"] = round(med[f"{op}_xxh3"] * 1e3, 3)
+        res[f"disk_{op}_mac_ms"] = round(med[f"{op}_mac"] * 1e3, 3) if keyed else None
+        res[f"disk_{op}_limit_ratio"] = round(limit, 3)
+        res[f"disk_{op}_of_limit"] = round(ratios[op] / limit, 3)
+    if keyed:  # the keyed load's MAC as it runs there: on each piece right after its copy, in cache
+        plain, hot = med["plain_load"], med["load_mac_hot"]
+        res["disk_load_mac_hot_ms"] = round(hot * 1e3, 3)
+        res["disk_load_limit_hot_ratio"] = round(plain / (plain + hot), 3)
+        res["disk_load_of_limit_hot"] = round(ratios["load"] * (plain + hot) / plain, 3)
+    return res
 
 
 def _checksum_bound() -> dict[str, object]:
