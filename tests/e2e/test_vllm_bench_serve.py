@@ -20,7 +20,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parents[1]))
 sys.path.insert(0, str(Path(__file__).parent / "vllm"))
 from redis_servers import have_redis  # noqa: E402
-from vllm_e2e import tiny_llama_dir, wait_for_memory  # noqa: E402
+from vllm_e2e import engines_slot, tiny_llama_dir  # noqa: E402
 
 from kvtier.loadgen.servers import group_alive  # noqa: E402
 
@@ -30,7 +30,11 @@ TIMEOUT_S = 600
 
 
 def _run(argv: list[str]) -> subprocess.CompletedProcess[str]:
-    wait_for_memory(3)  # the bench starts three vllm serve engines
+    with engines_slot(3):  # the bench starts three vllm serve engines
+        return _run_bench(argv)
+
+
+def _run_bench(argv: list[str]) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

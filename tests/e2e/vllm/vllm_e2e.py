@@ -7,12 +7,14 @@ package, and must never become one: its name would shadow vLLM itself).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 HERE = Path(__file__).parent
@@ -108,14 +110,34 @@ def wait_for_memory(engines: int, timeout_s: float = 600.0) -> None:
         time.sleep(2)
 
 
-def run_engines(*scenarios: dict[str, object], expect_failure: bool = False) -> list[dict]:
-    """Run driver.py for each scenario, all at once (separate engine processes; for tests that
-    compare outputs, never timings), once their memory is available (`wait_for_memory`). Output
-    goes to files, so no engine stalls on a full pipe while another is awaited. Each one's RESULT,
-    in order."""
+@contextlib.contextmanager
+def engines_slot(engines: int) -> Iterator[None]:
+    """One group of engines at a time across pytest workers (a lock file), started once their
+    memory is available: three Gemma 3 engines take about 13 GB as they run, and beside the other
+    worker's pair the kernel's OOM killer took one (a fresh-clone run)."""
+    import fcntl
     import tempfile
 
-    wait_for_memory(len(scenarios))
+    with open(Path(tempfile.gettempdir()) / "kvtier-e2e-engines.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            wait_for_memory(engines)
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def run_engines(*scenarios: dict[str, object], expect_failure: bool = False) -> list[dict]:
+    """Run driver.py for each scenario, all at once (separate engine processes; for tests that
+    compare outputs, never timings), in `engines_slot`. Output goes to files, so no engine stalls
+    on a full pipe while another is awaited. Each one's RESULT, in order."""
+    with engines_slot(len(scenarios)):
+        return _run_engines(scenarios, expect_failure)
+
+
+def _run_engines(scenarios: tuple[dict[str, object], ...], expect_failure: bool) -> list[dict]:
+    import tempfile
+
     with tempfile.TemporaryDirectory(prefix="kvtier-e2e-") as tmp:
         procs = []
         for i, scenario in enumerate(scenarios):
