@@ -27,7 +27,7 @@ Policies, by name (`POLICIES`): `lru`, `fifo`, `arc` (Megiddo & Modha, FAST'03),
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Protocol
 
 from kvtier.errors import ConfigError
@@ -270,3 +270,23 @@ def make_policy(name: str, capacity: int) -> EvictionPolicy:
     if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
         raise ConfigError(f"policy capacity {capacity!r} must be a positive number of slots")
     return cls(capacity)
+
+
+def policy_options(name: str, base: str, keys: Sequence[str], real: str, usage: str) -> dict[str, float | int]:
+    """`base` or `base:key=value,...` -> {key: value}: `real` a non-negative number, every other key
+    a positive integer; anything else raises ConfigError naming the option and `usage`."""
+    head, _, rest = name.partition(":")
+    if head != base:
+        raise ConfigError(f"{name!r} is not a {base} policy name")
+    out: dict[str, float | int] = {}
+    for part in filter(None, rest.split(",")):
+        key, eq, value = part.partition("=")
+        if not eq or key not in keys:
+            raise ConfigError(f"policy {name!r}: option {part!r}; {usage}")
+        try:
+            out[key] = float(value) if key == real else int(value)
+        except ValueError:
+            raise ConfigError(f"policy {name!r}: {key}={value!r} is not a number") from None
+        if out[key] < 0 or (key != real and out[key] == 0):
+            raise ConfigError(f"policy {name!r}: {key}={value} must be positive")
+    return out

@@ -25,6 +25,7 @@ from kvtier.core.plan import Plan
 from kvtier.index.branches import BranchTree
 from kvtier.index.index import ChunkHash, Index
 from kvtier.index.policies import Evictable
+from kvtier.index.policies import policy_options
 from kvtier.replay.run import CostModel, Result, admission_horizon, replay
 from kvtier.replay.trace import Request, Trace
 
@@ -196,24 +197,7 @@ def run_marconi(name: str, plan: Plan, trace: Trace, capacities: Mapping[str, in
 
 def marconi_options(name: str) -> dict[str, float | int]:
     """`marconi` or `marconi:alpha=1,tail=2,factor=5` -> keyword arguments of marconi_replay."""
-    from kvtier.errors import ConfigError
-
-    base, _, rest = name.partition(":")
-    if base != "marconi":
-        raise ConfigError(f"{name!r} is not a Marconi policy name")
-    out: dict[str, float | int] = {}
-    for part in filter(None, rest.split(",")):
-        key, eq, value = part.partition("=")
-        if not eq or key not in ("alpha", "tail", "factor", "tree_nodes", "max_window"):
-            raise ConfigError(f"policy {name!r}: option {part!r}; marconi takes alpha=A (fixed, no "
-                              "tuning), tail=K, factor=F, tree_nodes=N, max_window=N")
-        try:
-            out[key] = float(value) if key == "alpha" else int(value)
-        except ValueError:
-            raise ConfigError(f"policy {name!r}: {key}={value!r} is not a number") from None
-        if out[key] < 0 or (key != "alpha" and out[key] == 0):
-            raise ConfigError(f"policy {name!r}: {key}={value} must be positive")
-    return out
+    return policy_options(name, "marconi", ("alpha", "tail", "factor", "tree_nodes", "max_window"), "alpha", "marconi takes alpha=A (fixed, no tuning), tail=K, factor=F, tree_nodes=N, max_window=N")
 
 
 class _Tuner:

@@ -92,19 +92,6 @@ class WorthTuner:
 
 def worth_options(name: str) -> dict[str, float | int]:
     """`worth` or `worth:w=4,max_chunks=N,period=N` -> options (w fixes the weight: no tuning)."""
-    base, _, rest = name.partition(":")
-    if base != "worth":
-        raise ConfigError(f"{name!r} is not a worth policy name")
-    out: dict[str, float | int] = {}
-    for part in filter(None, rest.split(",")):
-        key, eq, value = part.partition("=")
-        if not eq or key not in ("w", "max_chunks", "period"):
-            raise ConfigError(f"policy {name!r}: option {part!r}; worth takes w=W (fixed, no tuning), "
-                              "max_chunks=N, period=N")
-        try:
-            out[key] = float(value) if key == "w" else int(value)
-        except ValueError:
-            raise ConfigError(f"policy {name!r}: {key}={value!r} is not a number") from None
-        if out[key] < 0 or (key != "w" and out[key] == 0):
-            raise ConfigError(f"policy {name!r}: {key}={value} must be positive")
-    return out
+    from kvtier.index.policies import policy_options
+
+    return policy_options(name, "worth", ("w", "max_chunks", "period"), "w", "worth takes w=W (fixed, no tuning), max_chunks=N, period=N")
