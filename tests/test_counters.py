@@ -209,7 +209,7 @@ def test_every_store_and_tier_counter_is_exported_by_the_store_collector(tmp_pat
     plan = make_plan(geom, chunk_tokens=16)
     ns = Namespace("m", geom.fingerprint(), "bfloat16")
     row = plan.groups[0].chunk_bytes
-    store = Store(plan, ns, cpu_bytes=4 * row, disk_dir=tmp_path, disk_bytes=8 * row, write_through=True)
+    store = Store(plan, ns, cpu_bytes=4 * row, disk_dir=tmp_path, disk_bytes=8 * row)
     toks = list(range(33))
     store.save_tokens(toks, {(0, i): torch.full((row,), i, dtype=torch.uint8) for i in range(2)})
     hit = store.lookup_tokens(toks)

@@ -33,7 +33,7 @@ def _store_kwargs(tiers: str, tmp_path) -> dict[str, object]:  # type: ignore[no
     if "cpu" in tiers:
         kw["cpu_bytes"] = 8 << 20
     if "disk" in tiers:
-        kw.update(disk_dir=str(tmp_path / "kv"), disk_bytes=8 << 20, write_through=True)
+        kw.update(disk_dir=str(tmp_path / "kv"), disk_bytes=8 << 20)
     return kw
 
 

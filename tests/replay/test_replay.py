@@ -76,17 +76,35 @@ def test_hybrid_hit_needs_the_window_and_row_per_key_holds_less(tmp_path):
     assert rows.hit_chunks == 0
 
 
-def test_tiers_demote_and_promote(tmp_path):
+def test_tiers_write_through_and_promote(tmp_path):
     plan = one_group()
     b = plan.chunk_bytes_all_groups
-    trace = load_trace(mooncake(tmp_path, [1], [2], [1]), plan)
-    # r1: 1 -> cpu | r2: 2 -> cpu evicts 1, demoted to disk | r3: 1 hits on disk, promoted to
-    # cpu (evicting 2, demoted to disk)
+    trace = load_trace(mooncake(tmp_path, [1], [2], [1], [3]), plan)
+    # write-through (the store's policy): every new chunk goes to cpu and disk, an eviction is a
+    # drop. r1: 1 -> cpu, disk | r2: 2 -> cpu (evicts 1), disk {1, 2} | r3: 1 hits on disk,
+    # promoted to cpu (evicts 2) | r4: 3 -> cpu (evicts 1), disk (evicts 2, its LRU) {1, 3}
     r = replay(plan, trace, {"cpu": b, "disk": 2 * b}, "lru")
     assert r.hit_chunks == 1
     assert r.loads == {"cpu": {"full": 0}, "disk": {"full": 1}}
-    assert r.written_bytes == {"cpu": {"full": 3 * b}, "disk": {"full": 2 * b}}
-    assert r.evictions == {"cpu": {"full": 2}, "disk": {"full": 0}}
+    assert r.written_bytes == {"cpu": {"full": 4 * b}, "disk": {"full": 3 * b}}
+    assert r.evictions == {"cpu": {"full": 3}, "disk": {"full": 1}}
+
+
+def test_cold_chunks_go_to_the_tiers_after_the_first(tmp_path):
+    g = Geometry((
+        Group("full", "full", 1, 16, bytes_per_token_per_layer=2),
+        Group("swa", "sliding", 1, 16, bytes_per_token_per_layer=2, window=600),
+    ), 16)
+    plan = make_plan(g, chunk_tokens=512)
+    b = plan.groups[1].chunk_bytes
+    trace = load_trace(mooncake(tmp_path, [1, 2, 3, 4]), plan)
+    # swa: hits read chunks 0..3, the last endpoint (T = 2048) reads 2, 3: warm; 0, 1 cold
+    big = 100 * plan.chunk_bytes_all_groups
+    two = replay(plan, trace, {"cpu": big, "disk": big}, "lru", tail_endpoints=1)
+    assert two.written_bytes["cpu"]["swa"] == 2 * b and two.written_bytes["disk"]["swa"] == 4 * b
+    assert two.written_bytes["cpu"]["full"] == two.written_bytes["disk"]["full"] == 4 * b
+    one = replay(plan, trace, {"cpu": big}, "lru", tail_endpoints=1)  # one tier: cold entries in it
+    assert one.written_bytes["cpu"]["swa"] == 4 * b
 
 
 def test_cost_model_by_hand(tmp_path):

@@ -62,7 +62,7 @@ def roundtrip(store: Store, toks: list[int], seed: int = 0) -> tuple[int, int]:
     return hit.tokens, got
 
 
-# Tests of the store's mechanics (admission, restart, demotion, corruption) with hand-derived
+# Tests of the store's mechanics (admission, restart, tiers, corruption) with hand-derived
 # counts of every chunk stored: placement "every". The default ("hits") is tested where its
 # counts differ, and in test_store_placement.py.
 EVERY = {"placement": "every"}
@@ -125,13 +125,18 @@ def test_disk_store_survives_a_restart(tmp_path) -> None:
         assert roundtrip(s2, toks, seed=3) == (96, 96)
 
 
-def test_write_back_demotes_cpu_evictions_and_promotes_disk_hits(tmp_path) -> None:
+def test_a_cpu_eviction_loses_nothing_the_disk_holds_and_disk_hits_are_promoted(tmp_path) -> None:
+    """Write-through: every chunk reaches the disk at save time, so the 3 chunks per group the
+    cpu tier evicts (with no copy made) are still restored, from disk."""
     s = Store(PLAN, NS, cpu_bytes=2 * ROW, disk_dir=tmp_path, disk_bytes=16 * ROW, **EVERY)
     toks = tokens(170, seed=5)  # 5 chunks; cpu holds 2 per group
-    assert s.save_tokens(toks, payloads(170, 5)) == 15
+    # disk: 5 chunks x 3 groups; cpu: 2 per group (chunks 0..2 are evicted within the batch
+    # before their write, so they are not written to cpu at all)
+    assert s.save_tokens(toks, payloads(170, 5)) == 15 + 6
     m = s.metrics()
-    assert m["demotions"] == 9  # 3 chunks per group pushed out of cpu, written to disk once
     assert m["tiers"]["cpu"]["full"]["evictions"] == 3
+    assert [m["tiers"][t][g]["save_chunks"] for t in ("cpu", "disk") for g in ("full", "local", "ssm")] == \
+        [2, 2, 2, 5, 5, 5]
     assert roundtrip(s, toks, seed=5) == (160, 160)
     assert s.metrics()["promotions"] == 0  # cpu held only chunks of this hit: pinned, kept
     short = toks[: 2 * C + 1]  # its first 2 chunks live on disk only
@@ -144,10 +149,18 @@ def test_write_back_demotes_cpu_evictions_and_promotes_disk_hits(tmp_path) -> No
 
 
 def test_write_through_writes_every_tier(tmp_path) -> None:
-    s = Store(PLAN, NS, cpu_bytes=4 * ROW, disk_dir=tmp_path, disk_bytes=4 * ROW, write_through=True)
-    s.save_tokens(tokens(70), payloads(70))
-    assert s.metrics()["tiers"]["disk"]["ssm"]["save_chunks"] == 2
-    assert s.metrics()["demotions"] == 0
+    """The one write policy: a save reaches cpu and disk at once, with no eviction needed, so a
+    restart (the cpu tier gone) keeps every chunk."""
+    toks = tokens(70)
+    with Store(PLAN, NS, cpu_bytes=4 * ROW, disk_dir=tmp_path, disk_bytes=4 * ROW, **EVERY) as s:
+        assert s.save_tokens(toks, payloads(70)) == 2 * 2 * 3  # 2 chunks x 3 groups x 2 tiers
+        m = s.metrics()
+        assert {(t, g): m["tiers"][t][g]["save_chunks"] for t in ("cpu", "disk") for g in ("full", "local", "ssm")} \
+            == dict.fromkeys([(t, g) for t in ("cpu", "disk") for g in ("full", "local", "ssm")], 2)
+        assert m["evictions"] == 0
+    with Store(PLAN, NS, disk_dir=tmp_path, disk_bytes=4 * ROW, **EVERY) as s2:
+        assert s2.rebuilt == 6
+        assert roundtrip(s2, toks) == (64, 64)
 
 
 @pytest.mark.parametrize("placement, restored", [("every", 64), ("hits", 0)])
@@ -204,8 +217,9 @@ def test_eight_equal_groups_with_room_for_sixteen_payloads_hold_sixteen() -> Non
 
 
 def test_a_save_larger_than_the_disk_tier_keeps_what_saving_one_by_one_keeps(tmp_path, monkeypatch) -> None:
-    """Store.save hands the disk tier its payloads as one batch (two lanes); a batch that needs
-    more slots than the tier has is written in parts, so LRU ends where one-by-one saving does."""
+    """Store.save hands the disk tier its payloads as one batch (two lanes); in a batch that
+    needs more slots than the tier has, a payload evicted before its write is not written, and
+    LRU ends where one-by-one saving does."""
     import kvtier.store.tiers.disk as disk
 
     monkeypatch.setattr(disk, "PIPELINE", "always")
@@ -219,8 +233,8 @@ def test_a_save_larger_than_the_disk_tier_keeps_what_saving_one_by_one_keeps(tmp
     toks = tokens(4 * C + 1)
     hashes = s.hashes(toks)
     pl = {(g, i): torch.full((chunk,), 10 * g + i, dtype=torch.uint8) for g in range(2) for i in range(4)}
-    # one by one: chunks 0, 1 fill each group; 2 evicts 0, 3 evicts 1
-    assert s.save(hashes, pl, len(toks)) == 8
+    # one by one: chunks 0, 1 fill each group; 2 evicts 0, 3 evicts 1 (0, 1: never written)
+    assert s.save(hashes, pl, len(toks)) == 4
     m = s.metrics()
     assert (m["failed_saves"], m["evictions"]) == (0, 4)
     assert s.slot_tiers["disk"].helper_ios > 0
@@ -236,10 +250,10 @@ def test_a_save_larger_than_the_disk_tier_keeps_what_saving_one_by_one_keeps(tmp
 
 @pytest.mark.parametrize("policy", ["lru", "arc", "s3fifo"])
 def test_queued_writes_leave_the_index_where_saving_one_by_one_does(tmp_path, monkeypatch, policy) -> None:
-    """Store.save walks the index payload by payload (held: touch; else reserve, demote,
-    commit) and only queues the writes; the same saves made one payload per call (each written
-    before the next reservation) must leave every tier holding the same chunks, with the same
-    evictions and demotions, and the batched store must restore the right bytes."""
+    """Store.save walks the index payload by payload (held: touch; else reserve, commit) and
+    only queues the writes; the same saves made one payload per call (each written before the
+    next reservation) must leave every tier holding the same chunks, with the same evictions,
+    and the batched store must restore the right bytes."""
     import random
     import types
 
@@ -268,9 +282,9 @@ def test_queued_writes_leave_the_index_where_saving_one_by_one_does(tmp_path, mo
             for h in seen:
                 assert sorted(batched.index.where(h, g)) == sorted(single.index.where(h, g))
     mb, ms = batched.metrics(), single.metrics()
-    assert mb["evictions"] == ms["evictions"] and mb["demotions"] == ms["demotions"] > 0
+    assert mb["evictions"] == ms["evictions"] > 0
     assert (mb["failed_saves"], mb["corrupt_dropped"]) == (0, 0)
-    assert batched.slot_tiers["disk"].helper_ios > 0  # demotions were written on two lanes
+    assert batched.slot_tiers["disk"].helper_ios > 0  # saves were written on two lanes
     for seed in range(4):
         toks = tokens(5 * C + 1, seed)
         hit = batched.lookup_tokens(toks)
@@ -296,7 +310,7 @@ def test_a_save_that_meets_chunks_it_holds_keeps_the_one_by_one_order() -> None:
     pl = lambda hs: {(0, i): torch.full((plan.groups[0].chunk_bytes,), i, dtype=torch.uint8)  # noqa: E731
                      for i in range(len(hs))}
     assert s.save([h1, h2], pl([h1, h2]), 2 * C) == 2
-    assert s.save([h0, h1, h2], pl([h0, h1, h2]), 3 * C) == 3
+    assert s.save([h0, h1, h2], pl([h0, h1, h2]), 3 * C) == 2  # h0, evicted before its write: not written
     assert {h for h in (h0, h1, h2) if s.index.contains(h, 0, "cpu")} == {h1, h2}
     assert s.metrics()["evictions"] == 3
 
@@ -359,11 +373,11 @@ def test_threads_sharing_one_store_restore_only_their_own_bytes(tmp_path) -> Non
     assert errors == []
     m = s.metrics()
     assert m["corrupt_dropped"] == 0 and m["failed_saves"] == 0
-    assert m["demotions"] > 0  # 4 prompts x 4 chunks do not fit the cpu tier's 6
+    assert m["tiers"]["cpu"]["full"]["evictions"] > 0  # 4 prompts x 4 chunks do not fit the cpu tier's 6
 
 
 def test_a_bad_cpu_copy_falls_back_to_the_disk_copy(tmp_path) -> None:
-    s = Store(PLAN, NS, cpu_bytes=4 * ROW, disk_dir=tmp_path, disk_bytes=4 * ROW, write_through=True)
+    s = Store(PLAN, NS, cpu_bytes=4 * ROW, disk_dir=tmp_path, disk_bytes=4 * ROW)
     toks = tokens(70, seed=4)
     s.save_tokens(toks, payloads(70, 4))
     hit = s.lookup_tokens(toks)

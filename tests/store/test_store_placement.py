@@ -142,9 +142,9 @@ def test_cold_entries_go_to_a_later_tier_only(tmp_path) -> None:
             assert st["cpu"]["groups"]["linear"]["committed"] == 2  # warm: the endpoints only
             m = s.metrics()
             assert m["placement_cold"] == cold_disk and m["placement_skipped"] == 4 - cold_disk
-            if cold_disk:
-                assert st["disk"]["groups"]["linear"]["committed"] == 4
-                assert st["disk"]["groups"]["full"]["committed"] == 0  # warm chunks stay in cpu (write-back)
+            if cold_disk:  # write-through: the warm entries are on disk too, the cold ones only there
+                assert st["disk"]["groups"]["linear"]["committed"] == 4 + 2
+                assert st["disk"]["groups"]["full"]["committed"] == 6
             short = toks[: 3 * C + 1]  # a hit of 3 chunks needs the checkpoint at chunk 2
             bufs = {(gp.index, i): torch.zeros(gp.chunk_bytes, dtype=torch.uint8)
                     for gp in PLAN.cacheable_groups for i in range(3)}

@@ -52,13 +52,13 @@ OPS = st.lists(
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=OPS, write_through=st.booleans(), placement=st.sampled_from(["hits", "every"]))
-def test_loads_never_restore_wrong_bytes(ops: list[tuple[str, int]], write_through: bool, placement: str) -> None:
+@given(ops=OPS, placement=st.sampled_from(["hits", "every"]))
+def test_loads_never_restore_wrong_bytes(ops: list[tuple[str, int]], placement: str) -> None:
     root = tempfile.mkdtemp(prefix="kvtier-prop-")
     # "hits" (the default) shares half of each tier to the full group: 2 rows give every group a slot
     cpu = ROW if placement == "every" else 2 * ROW
     make = lambda: Store(PLAN, NS, cpu_bytes=cpu, disk_dir=root, disk_bytes=6 * ROW,  # noqa: E731
-                         write_through=write_through, placement=placement)
+                         placement=placement)
     s = make()
     try:
         for op, arg in ops:

@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     if disk_dir is None:
         tmp = tempfile.mkdtemp(prefix="kvtier-demo-")
         disk_dir = tmp
-    store_kw = dict(cpu_bytes=1 << 30, disk_dir=disk_dir, disk_bytes=2 << 30, write_through=True)
+    store_kw = dict(cpu_bytes=1 << 30, disk_dir=disk_dir, disk_bytes=2 << 30)
     pr = Prompts(tok, document(tok))
     turns: list[dict[str, object]] = []
     try:

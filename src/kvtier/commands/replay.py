@@ -26,8 +26,9 @@ conventions:
   Requests replay in timestamp order (ties in file order). A request's hit is the longest
   prefix of its chunks that every cacheable group can restore (the plan's hybrid rules) before
   any of its own chunks are stored; then its chunks are stored or touched in prefix order
-  (full/mla groups first, only what plan.store_chunks says a hit can read), cpu evictions are
-  demoted to the next tier (write-back), lower-tier hits are promoted to the first tier.
+  (full/mla groups first, only what plan.store_chunks says a hit can read); a new chunk goes
+  to every tier (write-through; a cold one to the tiers after the first), an evicted one is
+  dropped, lower-tier hits are promoted to the first tier.
   Hit rate = hit chunks / all chunks. Token hit rate = hit tokens (capped at input_length) /
   input tokens. MIN (Belady: evict the farthest next use, never store a chunk without one) is
   always added as the reference row.

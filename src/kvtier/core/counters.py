@@ -140,7 +140,6 @@ STORE = Registry("store", (
     Counter("skipped_saves", "Chunk writes skipped (every slot pinned, or already held)."),
     Counter("not_admitted", "Chunks the admission policy kept out."),
     Counter("promotions", "Chunks copied into a faster tier after a load from a slower one."),
-    Counter("demotions", "Chunks written back into a slower tier when evicted from a faster one."),
     Counter("shared_exists_queries", "Existence queries sent to the shared tiers."),
     Counter("rebuild_refused", "Disk entries refused at the index rebuild (a layout that no longer fits)."),
     Counter("placement_cold", "Entries the placement stored only in the tiers after the first."),

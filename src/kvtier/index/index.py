@@ -18,7 +18,7 @@ capacity is shared out among the cacheable groups by `share`:
 - "learned": starts proportional; a `kvtier.index.share.LearnedShare` per tier then moves
   bytes toward equal lifetimes of every group's warm entries (each group's bytes in proportion
   to the bytes it stored warm lately), through `resize`, called by `observe` once per request
-  (the caller demotes or frees the entries it evicts and copies the ones it moves).
+  (the caller drops the entries it evicts and copies the ones it moves).
 Fixed-size slots per group make a slot a file offset and a slab view; one shared pool of
 variable-size entries would need a byte allocator (fragmentation) in every tier.
 
@@ -43,10 +43,9 @@ asks its policy. A dead entry revives if every anchor group holds h_i again. The
 drops a chunk some hit could read while a useless one stays. Geometries without a full/mla group
 have no anchors and no dead entries. (The looser rule "the prefix is cached further on beyond
 the window" is not used: a prompt that diverges right after chunk i still needs chunk i.)
-Evicted entries come back from `reserve` with `dead=True` when they were dead, so the store can
-skip demoting them. For the best results a store demotes the entries evicted by one reserve
-before it makes the next reserve (an anchor in flight to the next tier counts as held once it is
-reserved there).
+Evicted entries come back from `reserve` with `dead=True` when they were dead (counted as
+`dead_evictions`). Callers drop what is evicted, never copy it down: the store and the vLLM
+manager write through to every tier at save time (docs/store.md, "Write policy").
 
 Not thread-safe: callers serialize (the store holds one lock; vLLM's scheduler is one thread).
 """
@@ -254,8 +253,8 @@ class Index:
 
     def observe(self) -> Resized:
         """Once per request (after its save): with share="learned", now and then move bytes
-        between the groups' pools (`resize`). Returns what moved: evicted entries (demote or
-        free them) and relocated ones (copy their payloads); nothing for other shares."""
+        between the groups' pools (`resize`). Returns what moved: evicted entries (drop
+        them) and relocated ones (copy their payloads); nothing for other shares."""
         if not self.learners:
             return _NO_RESIZE
         evicted: list[Entry] = []

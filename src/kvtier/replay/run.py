@@ -8,9 +8,10 @@
    first tier, evicting there as a save would).
 2. admission (optional) says how many leading chunks may be stored: `admit(chunks)`.
 3. save: for every admitted chunk in prefix order, anchor groups (full/mla) first, the groups'
-   `plan.store_chunks`: a chunk already held is touched in every tier; a new one is put into the
-   first tier; an entry evicted there is demoted to the next tier unless it is dead or already
-   there (write-back), and so on down.
+   `plan.store_chunks`: a chunk already held is touched in every tier; a new one is put into
+   every tier (write-through, the store's and the vLLM manager's one policy; a cold one into the
+   tiers after the first, or with one tier into it as a first victim); an evicted entry is
+   dropped, never copied down.
 Hit rate = hit chunks / all chunks (full chunks of every request).
 
 Belady's MIN ("min") is the reference row: on every pool, evict the entry whose next use (the
@@ -33,7 +34,7 @@ from typing import Protocol
 
 from kvtier.core.cost import ComputeModel, Term
 from kvtier.errors import ConfigError
-from kvtier.index.index import ChunkHash, Entry, Index
+from kvtier.index.index import ChunkHash, Index
 from kvtier.core.plan import Plan
 from kvtier.index.policies import POLICIES, EvictionPolicy
 from kvtier.replay.oracle import NEVER, Belady, next_uses
@@ -88,7 +89,7 @@ class Result:
     requests: int
     loads: dict[str, dict[str, int]]  # tier -> group name -> chunks loaded
     loaded_bytes: dict[str, dict[str, int]]
-    written_bytes: dict[str, dict[str, int]]  # saves + promotions + demotions
+    written_bytes: dict[str, dict[str, int]]  # saves (to every tier) + promotions
     evictions: dict[str, dict[str, int]]
     dead_evictions: dict[str, dict[str, int]]
     prefill_seconds_saved: float  # compute saved minus load time
@@ -210,21 +211,20 @@ def replay(
             store_cache[n] = got
         return got
 
-    def put(h: ChunkHash, g: int, level: int, cold: bool = False) -> None:
-        tier = tiers[level]
-        r = index.put(h, g, tier, cold=cold)
-        if r.slot is None:
-            return
-        written[tier][names[g]] += chunk_bytes[g]
-        demote(r.evicted)
+    def put(h: ChunkHash, g: int, tier: str, cold: bool = False) -> None:
+        # what this evicts is dropped: write-through put it in the lower tiers already
+        if index.put(h, g, tier, cold=cold).slot is not None:
+            written[tier][names[g]] += chunk_bytes[g]
 
-    def demote(evicted: Sequence[Entry]) -> None:
-        for ev in evicted:  # write-back demotion, cascading down the tiers
-            level = tiers.index(ev.tier)
-            g = ev.group
-            if ev.dead or level + 1 >= len(tiers) or index.contains(ev.chunk_hash, g, tiers[level + 1]):
-                continue
-            put(ev.chunk_hash, g, level + 1)
+    def save(h: ChunkHash, g: int, cold: bool = False) -> None:
+        if not cold:
+            for tier in tiers:  # write-through
+                put(h, g, tier)
+        elif len(tiers) > 1:  # cold: the tiers after the first, as the store and vLLM place it
+            for tier in tiers[1:]:
+                put(h, g, tier)
+        else:  # one tier: into it as a first victim (the store and vLLM skip it)
+            put(h, g, first, True)
 
     hit_chunks = hit_tokens = hit_requests = 0
     flops_saved = flops_total = load_secs = 0.0
@@ -261,7 +261,7 @@ def replay(
                     loaded[ld.tier][name] += chunk_bytes[g]
                     load_secs += cost.load_seconds(ld.tier, chunk_bytes[g])
                     if ld.tier != first and not contains(ld.chunk_hash, g, first):
-                        put(ld.chunk_hash, g, 0)  # promotion
+                        put(ld.chunk_hash, g, first)  # promotion
         n = len(chunks)
         if is_min:
             assert future is not None
@@ -281,20 +281,20 @@ def replay(
                             continue
                         if warm_g is None or i in warm_g:
                             if not touch_all(chunks[i], g):
-                                put(chunks[i], g, 0)
+                                save(chunks[i], g)
                         elif i in cold_g and not contains(chunks[i], g):
-                            put(chunks[i], g, 0, True)
+                            save(chunks[i], g, True)
                     continue
                 for i in range(n):
                     if idx is not None and i not in idx:
                         continue
                     if warm is not None and i not in warm:
                         if not contains(chunks[i], g):
-                            put(chunks[i], g, 0, True)
+                            save(chunks[i], g, True)
                     elif not touch_all(chunks[i], g):
-                        put(chunks[i], g, 0)
+                        save(chunks[i], g)
         if learned:
-            demote(index.observe().evicted)
+            index.observe()  # a resize's evictions are dropped, its moves cost no bytes here
         if tuner is not None:
             tuner.observe(req, tuner.started or any(
                 index.counters(gp.index, first)["evictions"] for gp in cacheable))

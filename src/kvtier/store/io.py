@@ -1,5 +1,5 @@
 """Moving payloads between the store's tiers, with the accounting: timed reads, promotion,
-reserve-write-commit with write-back demotion, batched writes to shared tiers.
+reserve-commit-write in batches, batched writes to shared tiers.
 
 A mixin of `kvtier.store.store.Store` (split out to keep each module one concept): the facade decides
 *what* to move (plan rules, hits, admission); this part moves bytes and counts what happened.
@@ -10,26 +10,13 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import NamedTuple
 
 from kvtier.index.index import Index
 from kvtier.store.metrics import StoreMetrics
-from kvtier.store.payload import HASH_BYTES, ChunkHeader
+from kvtier.store.payload import ChunkHeader
 from kvtier.store.tiers.base import Tier
-from kvtier.store.tiers.cpu import CpuTier
 
 log = logging.getLogger("kvtier.store.store")
-
-
-class _Queued(NamedTuple):
-    """A write `_store_many` queued; its result lands in `out[k]`."""
-
-    chunk_hash: bytes
-    header: ChunkHeader
-    data: object
-    out: list[int | None]
-    k: int
-    demotion: bool
 
 
 class TierIO:
@@ -39,8 +26,6 @@ class TierIO:
     slot_tiers: dict[str, Tier]
     promote: bool
     m: StoreMetrics
-    _pending: dict[str, dict[tuple[int, int], _Queued]]  # tier -> (group, slot) -> write, in order
-    _io_depth: int
 
     def _timed_read(self, tier: Tier, g: int, slot: int, header: ChunkHeader, out: object) -> bool:
         before = tier.corrupt_dropped
@@ -68,34 +53,23 @@ class TierIO:
             self.m.add("promotions")
 
     # Writes are deferred, the index is not. `_store_many` walks its payloads one by one through
-    # the index exactly as saving one by one does (held? touch; else reserve -> demote what
-    # the reservation evicted -> commit), so every eviction policy sees the same sequence of
-    # events, but it only *queues* the write (`_pending`, per tier). The queue is written by one
-    # `write_many` per tier (the disk tier's two write lanes) when the outermost call returns.
-    # Rules that keep every byte right:
-    # - a queued payload's bytes stay put until written: they are the caller's buffers (a save)
-    #   or an evicted cpu slot (a demotion), and that slot is overwritten only by a payload
-    #   queued for the cpu tier, so tiers are written lowest first (disk before cpu);
-    # - a reservation that evicts an entry still queued in its tier writes that tier's queue
-    #   (and the lower tiers') first: the evicted payload lands, is demoted from where it landed,
-    #   and its slot's new payload is queued behind it;
-    # - a write that fails removes its entry from the index (it was committed when queued); a
-    #   failure does not free a slot for the reservations after it as an abort would, which is
-    #   the one difference from one-by-one saving. The store's lock is held throughout, so no
-    #   lookup or load sees a queued entry before it is written.
+    # the index exactly as saving one by one does (held? touch; else reserve -> commit), so every
+    # eviction policy sees the same sequence of events, but it only *queues* the writes, one per
+    # slot, and hands them to the tier in one `write_many` (the disk tier's two write lanes). An
+    # entry evicted from a tier is dropped, never copied: saves write every slot tier
+    # (write-through, `Store._save_all`), so a lower tier already holds what it still can. An
+    # entry evicted while still queued is not written at all. A write that fails removes its
+    # entry from the index (it was committed when queued); the store's lock is held throughout,
+    # so no lookup or load sees a queued entry before it is written.
     def _store_many(self, tier_name: str, items: list[tuple[bytes, int, ChunkHeader, object]],
-                    counted: bool = True, skip_held: bool = False, demotion: bool = False,
-                    ) -> list[int | None]:
+                    counted: bool = True, skip_held: bool = False) -> list[int | None]:
         """Per payload: 1 if written, 0 if not, None if `skip_held` found it held by a slot
-        tier already (touched in every tier, counted as a skipped save). A nested call (a
-        demotion inside a save) returns before its writes are done; its list is filled in when
-        they are. A promotion that finds every slot pinned (`counted=False`) is not a failed
-        save; `demotion=True` counts each payload written as a demotion."""
+        tier already (touched in every tier, counted as a skipped save). A promotion that finds
+        every slot pinned (`counted=False`) is not a failed save."""
         index = self.index
         assert index is not None
         out: list[int | None] = [0] * len(items)
-        queue = self._pending
-        self._io_depth += 1
+        queue: dict[tuple[int, int], tuple[int, bytes, ChunkHeader, object]] = {}  # (group, slot) -> write
         try:
             for k, (h, g, header, data) in enumerate(items):
                 if skip_held and any(index.contains(h, g, t) for t in self.slot_tiers):
@@ -110,67 +84,37 @@ class TierIO:
                         self.m.add("failed_saves")
                         self.m.tg(tier_name, g)["save_failures"] += 1
                     continue
-                if any((ev.group, ev.slot) in queue.get(tier_name, {}) for ev in res.evicted):
-                    self._write_queued(tier_name)
-                for ev in res.evicted:
-                    self._demote(tier_name, ev.chunk_hash, ev.group, ev.slot, ev.dead)
+                for ev in res.evicted:  # evicted before its write: never written
+                    queue.pop((ev.group, ev.slot), None)
                 index.commit(h, g, tier_name)
-                queue.setdefault(tier_name, {})[(g, res.slot)] = _Queued(h, header, data, out, k, demotion)
+                queue[(g, res.slot)] = (k, h, header, data)
         finally:
-            self._io_depth -= 1
-            if self._io_depth == 0:
-                self._write_queued(next(iter(self.slot_tiers)))
+            if queue:
+                self._write_batch(tier_name, queue, out)
         return out
 
-    def _write_queued(self, tier_name: str) -> None:
-        """Write the queues of `tier_name` and every tier below it, lowest first."""
-        names = list(self.slot_tiers)
-        for name in reversed(names[names.index(tier_name):]):
-            batch = self._pending.pop(name, None)
-            if batch:
-                self._write_batch(name, batch)
-
-    def _write_batch(self, tier_name: str, batch: dict[tuple[int, int], _Queued]) -> None:
+    def _write_batch(self, tier_name: str, batch: dict[tuple[int, int], tuple[int, bytes, ChunkHeader, object]],
+                     out: list[int | None]) -> None:
         assert self.index is not None
         tier = self.slot_tiers[tier_name]
         t0 = time.perf_counter()
         try:
-            results = tier.write_many([(g, slot, q.header, q.data) for (g, slot), q in batch.items()])
+            results = tier.write_many([(g, slot, header, data) for (g, slot), (_, _, header, data) in batch.items()])
         except OSError as exc:
             log.warning("tier %s: write failed: %s", tier_name, exc)
             results = [False] * len(batch)
-        share = (time.perf_counter() - t0) / max(1, sum(q.header.payload_bytes for q in batch.values()))
-        for ((g, _), q), good in zip(batch.items(), results):
+        share = (time.perf_counter() - t0) / max(1, sum(header.payload_bytes for _, _, header, _ in batch.values()))
+        for ((g, _), (k, h, header, _)), good in zip(batch.items(), results):
             d = self.m.tg(tier_name, g)
-            d["save_seconds"] += share * q.header.payload_bytes  # a batch's time, shared by bytes
+            d["save_seconds"] += share * header.payload_bytes  # a batch's time, shared by bytes
             if not good:
-                self.index.remove(q.chunk_hash, g, tier_name)  # committed when queued (unless evicted since)
+                self.index.remove(h, g, tier_name)  # committed when queued
                 self.m.add("failed_saves")
                 d["save_failures"] += 1
                 continue
             d["save_chunks"] += 1
-            d["save_bytes"] += q.header.payload_bytes
-            q.out[q.k] = 1
-            if q.demotion:
-                self.m.add("demotions")
-
-    def _demote(self, tier_name: str, h: object, g: int, slot: int, dead: bool) -> None:
-        """Copy an entry evicted from `tier_name` down to the next slot tier (write-back)."""
-        names = list(self.slot_tiers)
-        k = names.index(tier_name)
-        if dead or k + 1 >= len(names) or not isinstance(h, bytes):
-            return
-        assert self.index is not None
-        lower = names[k + 1]
-        if self.index.contains(h, g, lower):
-            return
-        src = self.slot_tiers[tier_name]
-        if not isinstance(src, CpuTier):
-            return
-        old = src.header(g, slot)
-        if old is None or old.key != (h.ljust(HASH_BYTES, b"\0"), g):
-            return
-        self._store_many(lower, [(h, g, old, src.view(g, slot, old.payload_bytes))], demotion=True)
+            d["save_bytes"] += header.payload_bytes
+            out[k] = 1
 
     def _shared_write(self, tier: Tier, batch: list[tuple[int, int, ChunkHeader, object]]) -> int:
         """Write what the shared tier lacks (one exists_many, then one write_many)."""

@@ -3,7 +3,7 @@
 Every name is declared once in kvtier.core.counters: `STORE` (per (tier, group): chunks hit
 (loaded), misses (a load that found nothing or a bad payload), bytes and seconds of loads and
 saves; store-wide: lookups, hit tokens, corrupt payloads dropped, failed saves, promotions,
-demotions, placement...) and `TIER` (each tier's own counters: `Tier` attributes, `TierStats`,
+placement...) and `TIER` (each tier's own counters: `Tier` attributes, `TierStats`,
 and the redis tier's extra ones). Counting an undeclared name raises (UndeclaredCounter, or a
 KeyError from a per (tier, group) dict, which holds only declared names). Everything is a counter
 (redis's `up` a gauge), so a scrape can compute rates; nothing here is on the hot path beyond an

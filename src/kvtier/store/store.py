@@ -21,16 +21,17 @@ local index lacks.
   checkpoint only where hits land (docs/admission.md). `placement="every"` stores every chunk
   warm. A hit still needs every cacheable group's entry at its T (lookup, load), so a skipped
   entry only makes a hit shorter, never partial.
-  Write-back (default): saves go to the first slot tier; cpu evictions are demoted (written to
-  disk) before their slot is reused. Write-through: every slot tier gets the save. Shared tiers
-  get the chunks they lack at save time, in one batch, so other processes see them at once.
+  Write-through, the one write policy (docs/store.md, "Write policy"): a save goes to every slot
+  tier (cold entries: every one after the first), so the disk holds each saved chunk at once (a
+  restart keeps it) and a cpu eviction is a drop, no I/O. Shared tiers get the chunks they lack
+  at save time, in one batch, so other processes see them at once.
   A failed write (ENOSPC, read-only directory, server down) is a counted failure, never an
   exception: inference goes on.
 
 Restart: a disk tier's slots are listed and fed to `Index.rebuild`, so a restarted process
 keeps its cache. One lock serializes the calls, I/O included (the index is not thread-safe):
 the engines we serve call the store from one thread per process, and the single lock keeps
-demotion/promotion ordering simple.
+promotion ordering simple.
 """
 
 from __future__ import annotations
@@ -135,7 +136,6 @@ class Store(TierIO):
         share: str | Mapping[str, float] = "auto",
         admission: object | str | None = None,
         placement: object | str = "hits",
-        write_through: bool = False,
         promote: bool = True,
         fsync: str = "never",
         pin_memory: bool | None = None,
@@ -191,11 +191,8 @@ class Store(TierIO):
             self.slot_tiers[name] = make_tier(name, layout, options)  # tiers/factory.py
         self.shared: tuple[Tier, ...] = tuple(shared)
         self.admission = admission
-        self.write_through = write_through
         self.promote = promote
         self._lock = threading.RLock()
-        self._pending = {}  # writes queued by TierIO._store_many, per slot tier
-        self._io_depth = 0
         self._dtypes = [gp.group.dtype if gp.group.dtype in DTYPE_CODES else "uint8" for gp in plan.groups]
         self.rebuilt = self._rebuild()
 
@@ -505,21 +502,20 @@ class Store(TierIO):
 
     def _save_all(self, todo: list[tuple[bytes, int, ChunkHeader, object]], skip_first: bool = False,
                   ) -> list[int | None]:
-        """Write each payload no slot tier holds yet to the first slot tier (to every one with
-        write_through, tier after tier); per payload, how many tiers it was written to, or None
-        when no slot tier was to take it (no index, or a cold entry without a later slot tier)
-        and none holds it. `skip_first` (cold entries): the slot tiers after the first only."""
+        """Write each payload no slot tier holds yet to every slot tier, tier after tier
+        (write-through); per payload, how many tiers it was written to, or None when no slot tier
+        was to take it (no index, or a cold entry without a later slot tier) and none holds it.
+        `skip_first` (cold entries): the slot tiers after the first only."""
         index = self.index
         names = list(self.slot_tiers)[1:] if skip_first else list(self.slot_tiers)
         if index is None:
             return [None] * len(todo)
         if not names:
             return [0 if any(index.contains(h, g, t) for t in self.slot_tiers) else None for h, g, _, _ in todo]
-        targets = names if self.write_through else names[:1]
-        first = self._store_many(targets[0], todo, skip_held=True)
+        first = self._store_many(names[0], todo, skip_held=True)
         wrote: list[int | None] = [w or 0 for w in first]
         new = [k for k, w in enumerate(first) if w is not None]
-        for t in targets[1:]:
+        for t in names[1:]:
             for k, w in zip(new, self._store_many(t, [todo[k] for k in new])):
                 wrote[k] = (wrote[k] or 0) + (w or 0)
         return wrote
