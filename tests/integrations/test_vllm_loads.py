@@ -1,9 +1,13 @@
-"""Each request's loads on the scheduler side (kvtier.integrations.vllm.loads): which chunks a
-failed load forgets, and the pins its jobs hold; tested without vLLM or torch."""
+"""Each request's loads on the scheduler side (LoadLedger in kvtier.integrations.vllm.manager):
+which chunks a failed load forgets, and the pins its jobs hold; without an engine."""
 
 from __future__ import annotations
 
-from kvtier.integrations.vllm.loads import LoadLedger
+import pytest
+
+pytest.importorskip("vllm")
+
+from kvtier.integrations.vllm.manager import LoadLedger  # noqa: E402
 
 A, B = (b"a", 0), (b"b", 1)
 

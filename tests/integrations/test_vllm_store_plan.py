@@ -1,12 +1,16 @@
-"""Which tiers take a prepare_store call (kvtier.integrations.vllm.store_plan): vLLM's
-all-or-nothing rule on a real kvtier Index, tested without vLLM or torch."""
+"""Which tiers take a prepare_store call (the store plan in kvtier.integrations.vllm.manager):
+vLLM's all-or-nothing rule on a real kvtier Index, without an engine."""
 
 from __future__ import annotations
 
-from kvtier.core.geometry import Geometry, Group
-from kvtier.core.plan import make_plan
-from kvtier.index.index import Index
-from kvtier.integrations.vllm.store_plan import chunks_to_store, plan_store, protect, reserve
+import pytest
+
+pytest.importorskip("vllm")
+
+from kvtier.core.geometry import Geometry, Group  # noqa: E402
+from kvtier.core.plan import make_plan  # noqa: E402
+from kvtier.index.index import Index  # noqa: E402
+from kvtier.integrations.vllm.manager import chunks_to_store, plan_store, protect, reserve  # noqa: E402
 
 TIERS = ("cpu", "disk")
 

@@ -3,18 +3,20 @@
 vLLM asks per offload key (a block hash + a KV-cache group id). Each key becomes kvtier's
 `(chunk_hash, group)`; the index decides where it lives (one slot pool per (tier, group), slots
 sized for that group's chunk only), pins it while a load is in flight, and evicts per group with
-kvtier's policies. Stores are write-through and all or nothing per tier (store_plan.py): a chunk
-is reserved in every configured tier that takes the call, so the disk tier holds what the host
-tier holds and survives the process. A pool whose entries are all pinned answers "full": that
+kvtier's policies. Stores are write-through and all or nothing per tier (`plan_store`, below): a
+chunk is reserved in every configured tier that takes the call, so the disk tier holds what the
+host tier holds and survives the process. A pool whose entries are all pinned answers "full": that
 store is skipped and counted, never waited on.
 
-Its parts, one job each: promotion.py (a chunk only on disk or in Redis is promoted into the cpu
-tier at lookup where the workers' host regions are mapped, HIT_PENDING until its read landed, else
-at load); loads.py (each request's loads; a failed one forgets its chunks in every tier, its
-promotion slots aborted, never committed unfilled); redis_lookup.py (a key the index lacks may be
-in the shared Redis tier, asked off the engine thread: RETRY meanwhile); rebuild.py (at start, what
-a previous engine left on disk); host_only.py (vLLM 0.33's `sync_load_budget_bytes`: HIT only for
-a whole cpu chunk); events.py (vLLM's key of every held chunk, for KV events and evicted keys).
+In this file, before the manager: the store plan (`chunks_to_store`, `protect`, `plan_store`,
+`reserve`: which tiers take a prepare_store call's new chunks) and `LoadLedger` (each request's
+loads; a failed one forgets its chunks in every tier, its promotion slots aborted, never committed
+unfilled). Its other parts, one job each: promotion.py (a chunk only on disk or in Redis is
+promoted into the cpu tier at lookup where the workers' host regions are mapped, HIT_PENDING until
+its read landed, else at load); redis_lookup.py (a key the index lacks may be in the shared Redis
+tier, asked off the engine thread: RETRY meanwhile); rebuild.py (at start, what a previous engine
+left on disk); host_only.py (vLLM 0.33's `sync_load_budget_bytes`: HIT only for a whole cpu
+chunk); events.py (vLLM's key of every held chunk, for KV events and evicted keys).
 Placement (`kvtier.placement`, default "hits": kvtier.index.placement.HitsLand, the Store's rule):
 `prepare_store` may store a subset of the keys it is given. Full/MLA chunks are stored as vLLM
 offers them (every longer hit reads them). A windowed group's chunk (sliding, chunked-local,
@@ -32,14 +34,16 @@ Only chunks a load needs whole are promoted at load (bytes a load does not need 
 so a slot filled from a partial load would claim too few blocks): with more than one block per
 chunk, the first chunk of each group in a load may start mid-chunk and is not promoted.
 
-Rule: write-through, never a demotion of host evictions (a copy job vLLM cannot schedule; the
-alternative weighed: docs/changelog.md, 2026-12-06).
+Rule: write-through, never a demotion of host evictions (a copy job vLLM cannot schedule): kvtier's
+one write policy, the Store's too (docs/store.md, "Write policy").
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Collection
+from collections.abc import Collection, Container, Hashable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Protocol
 
 from vllm.v1.kv_offload.base import (
@@ -54,7 +58,7 @@ from vllm.v1.kv_offload.base import (
 
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvtier.index.index import Index
+from kvtier.index.index import Entry, Index
 from kvtier.index.placement import COLD, SKIP, HitsLand
 
 from .compat import offload_key_positions
@@ -63,15 +67,192 @@ from .common import SPLIT_MEMO_KEYS, ChunkItem, KvtierLoadStoreSpec, SpecContext
 from .counters import Metrics
 from .events import HeldKeys, KvEvents
 from .host_only import HostOnlyHits
-from .loads import LoadLedger
 from .promotion import Promotions
 from .rebuild import mark_reset, rebuild_from_disk
 from .redis_lookup import RedisLookup
 from .stats import config_info
-from .store_plan import chunks_to_store, plan_store, protect, reserve
 
 _HIT_SOURCE = {"cpu": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
 PLACED_REQUESTS = 4096  # requests whose placement is kept (finished ones are dropped at once)
+Chunk = tuple[bytes, int]  # (chunk hash, plan group)
+Todo = list[tuple[Hashable, Chunk]]  # (engine key, chunk), in call order
+
+
+# -- The store plan: which tiers take a prepare_store call's new chunks ------------------------
+# vLLM's contract for prepare_store, kept to the letter (its own CPU manager does the same): every
+# given chunk is protected from eviction for the whole call (`protect`); all or nothing per tier
+# (`plan_store`): storing a part would evict chunks a lookup just answered HIT for and keep a
+# prefix with holes; refused when no tier can take the new chunks (vLLM offers them again later).
+# Write-through: reserved in every tier that takes the call (`reserve`).
+
+
+@dataclass(frozen=True, slots=True)
+class StorePlan:
+    """`new[tier]`: the call's chunks `tier` has no record of, in call order; `taking`: the tiers
+    that take all of theirs; `skipped[(tier, group)]`: new chunks of a tier too full to take them all."""
+
+    new: dict[str, Todo]
+    taking: tuple[str, ...]
+    skipped: dict[tuple[str, int], int]
+
+    @property
+    def refused(self) -> bool:
+        """Some chunk is new and no tier takes the call's new chunks: nothing is reserved."""
+        return any(self.new.values()) and not self.taking
+
+
+def chunks_to_store(splits: Iterable[tuple[Hashable, Chunk | None]], pending: Container[Hashable]) -> Todo:
+    """The call's keys worth planning, in call order, from (key, its chunk or None): a chunk
+    known to the plan, not being stored already (in `pending`), each chunk once (the first key)."""
+    todo: Todo = []
+    seen: set[Chunk] = set()
+    for key, chunk in splits:
+        if chunk is None or key in pending or chunk in seen:
+            continue
+        seen.add(chunk)
+        todo.append((key, chunk))
+    return todo
+
+
+@contextmanager
+def protect(index: Index, chunks: Iterable[Chunk]) -> Iterator[None]:
+    """Every given chunk a tier holds is pinned there until the block ends, so no reservation of
+    the call evicts it (reserved entries are pinned already)."""
+    pinned = [(h, g, tier) for h, g in chunks for tier, _ in index.where(h, g) if index.pin(h, g, tier)]
+    try:
+        yield
+    finally:
+        for h, g, tier in pinned:
+            index.unpin(h, g, tier)
+
+
+def plan_store(index: Index, tiers: Sequence[str], todo: Todo, cold: Container[Hashable] = ()) -> StorePlan:
+    """Per tier (in `tiers` order), the chunks of `todo` it lacks, and whether it can take them
+    all now (`Index.can_take` per group). Keys in `cold` (the placement's) are planned in the
+    tiers after the first only. Reserves nothing: call inside `protect`."""
+    new: dict[str, Todo] = {t: [] for t in tiers}
+    for key, chunk in todo:
+        for tier in tiers[1:] if key in cold else tiers:
+            if not index.has_record(*chunk, tier):
+                new[tier].append((key, chunk))
+    taking: list[str] = []
+    skipped: dict[tuple[str, int], int] = {}
+    for tier in tiers:
+        if not new[tier]:
+            continue
+        per_group: dict[int, int] = {}
+        for _, (_, g) in new[tier]:
+            per_group[g] = per_group.get(g, 0) + 1
+        if all(index.can_take(g, tier, n) for g, n in per_group.items()):
+            taking.append(tier)
+        else:
+            skipped.update(((tier, g), n) for g, n in per_group.items())
+    return StorePlan(new, tuple(taking), skipped)
+
+
+def reserve(index: Index, plan: StorePlan) -> Iterator[tuple[Hashable, str, int, Collection[Entry]]]:
+    """Reserve every new chunk in every tier that takes the call, in tier order, yielding (key,
+    tier, slot, what it evicted) one at a time: whether an evicted chunk left its last tier
+    depends on the reservations before it, so the caller handles each before the next."""
+    for tier in plan.taking:
+        for key, (h, g) in plan.new[tier]:
+            r = index.reserve(h, g, tier)
+            assert r.slot is not None, f"can_take promised {tier} room for every key ({r.status})"
+            yield key, tier, r.slot, r.evicted
+
+
+# -- Each request's loads -----------------------------------------------------------------------
+
+
+class LoadLedger:
+    """Per request: the chunks of its last load, its load jobs in flight (prepare_load ..
+    complete_load), whether it finished meanwhile, whether its load failed in the output vLLM is
+    handling now. Per engine key: the tier of each index pin its loads hold, oldest first (each
+    complete_load releases the oldest). A request finished while its load is in flight keeps its
+    chunks until the load completes, so a failed load still forgets them."""
+
+    def __init__(self) -> None:
+        self._chunks: dict[str, list[Chunk]] = {}
+        self._jobs: dict[str, int] = {}
+        self._finished: set[str] = set()  # finished while loading: chunks kept until the load ends
+        self._failing: set[str] = set()
+        self._pins: dict[Hashable, list[str]] = {}
+
+    def started(self, req_id: str, chunks: list[Chunk]) -> None:
+        """prepare_load scheduled a load job of `chunks` for the request."""
+        self._chunks[req_id] = chunks
+        self._jobs[req_id] = self._jobs.get(req_id, 0) + 1
+
+    def pinned(self, key: Hashable, tier: str) -> None:
+        """A load of `key` pinned its chunk in `tier` (prepare_load)."""
+        self._pins.setdefault(key, []).append(tier)
+
+    def unpin(self, key: Hashable) -> str | None:
+        """The tier of `key`'s oldest load pin, released here (complete_load); None without one."""
+        tiers = self._pins.get(key)
+        if not tiers:
+            return None
+        tier = tiers.pop(0)
+        if not tiers:
+            del self._pins[key]
+        return tier
+
+    def source(self, key: Hashable) -> str | None:
+        """The tier `key`'s latest load reads from, while its pin is held."""
+        tiers = self._pins.get(key)
+        return tiers[-1] if tiers else None
+
+    def pins(self) -> int:
+        """Load pins held, over every key."""
+        return sum(len(t) for t in self._pins.values())
+
+    def completed(self, req_id: str) -> None:
+        """vLLM completed one of the request's load jobs (also a failed one)."""
+        left = self._jobs.pop(req_id, 0) - 1
+        if left > 0:
+            self._jobs[req_id] = left
+        elif req_id in self._finished and req_id not in self._failing:
+            # finished while loading and the load worked: nothing will ask for its chunks again
+            self._finished.discard(req_id)
+            self._chunks.pop(req_id, None)
+
+    def finished(self, req_id: str) -> None:
+        """vLLM finished the request: its chunks are dropped, or kept until its load completes."""
+        if req_id in self._jobs:
+            self._finished.add(req_id)
+        else:
+            self._chunks.pop(req_id, None)
+
+    def failed(self, req_id: str) -> list[Chunk]:
+        """The request's load failed (after its complete_load): the chunks to forget, dropped here."""
+        self._finished.discard(req_id)
+        return self._chunks.pop(req_id, [])
+
+    def mark_failed(self, req_ids: Collection[str]) -> None:
+        """These requests' loads failed in the output vLLM handles next (until `clear_failed`)."""
+        self._failing = set(req_ids)
+
+    def clear_failed(self) -> None:
+        self._failing = set()
+
+    def failing(self, req_id: str) -> bool:
+        """Whether `mark_failed` named the request's load."""
+        return req_id in self._failing
+
+    def busy(self) -> bool:
+        """Some load is in flight, holds a pin or its chunks are kept."""
+        return bool(self._chunks or self._jobs or self._pins)
+
+    def clear(self) -> None:
+        """The manager's index was reset: no load's chunks or pins are kept (the failed marks of
+        the output being handled stay)."""
+        self._pins.clear()
+        self._chunks.clear()
+        self._jobs.clear()
+        self._finished.clear()
+
+
+# -- The manager -------------------------------------------------------------------------------
 
 
 class WorkersContext(Protocol):
@@ -307,11 +488,11 @@ class KvtierManager(OffloadingManager):
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
-        """vLLM's contract, kept to the letter (store_plan.py): every given key is protected from
-        eviction for the whole call; all or nothing per tier; None when some key is new and no
-        tier can take the call's new keys (vLLM offers them again later; evictions reported later
-        are kept for the next call). Write-through: a key is reserved in every tier that takes
-        the call's keys."""
+        """vLLM's contract, kept to the letter (the store plan, above): every given key is
+        protected from eviction for the whole call; all or nothing per tier; None when some key is
+        new and no tier can take the call's new keys (vLLM offers them again later; evictions
+        reported later are kept for the next call). Write-through: a key is reserved in every tier
+        that takes the call's keys."""
         if self.ctx.off_reason:  # never a store no hit can read
             self.metrics.add("store_keys_offload_off", len(keys))
             return PrepareStoreOutput(keys_to_store=[], store_spec=KvtierLoadStoreSpec([]),

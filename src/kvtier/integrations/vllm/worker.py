@@ -50,6 +50,7 @@ import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from vllm.v1.kv_offload.base import (
@@ -417,7 +418,7 @@ class SlowIO:
             if self.lane is None:  # no lane (only when driven by hand): the writes run inline
                 self.write_slow(copies, g, slow, nbytes, src)
             elif not self.lane.submit(
-                    lambda g=g, slow=slow, n=nbytes, src=src: self.write_slow(copies, g, slow, n, src),
+                    partial(self.write_slow, copies, g, slow, nbytes, src),
                     write_bytes=nbytes * len(slow)):
                 # the queue is full: these tiers skip the chunk (a later load there is a counted
                 # miss); the engine never waits for a disk or a network
