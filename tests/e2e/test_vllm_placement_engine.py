@@ -68,10 +68,10 @@ def test_hits_keeps_every_window_a_hit_reads_and_restores_what_every_restores(
         (tmp_path / p).mkdir()
     base, hits, every = run_engines(
         {"model": str(model), "dtype": "float32", "kv": None, "turns": turns, "directory": None,
-         "env": env_base, "driver": "turns_driver.py", "engine_args": chunked},
+         "env": env_base, "engine_args": chunked},
         *({"model": str(model), "dtype": "float32", "turns": turns, "directory": str(tmp_path / p),
            "kv": kv_transfer_config(tmp_path / p, tiers="cpu", cpu_bytes=cpu, **{"kvtier.placement": p}),
-           "env": env_kv, "driver": "turns_driver.py", "engine_args": chunked} for p in ("hits", "every")))
+           "env": env_kv, "engine_args": chunked} for p in ("hits", "every")))
     assert len(set(base["outputs"][1][0])) >= 2, base["outputs"]  # a real continuation
     assert hits["outputs"] == base["outputs"] and every["outputs"] == base["outputs"]
     assert [hits["info"][f"chunk_bytes_group{g}"] for g in range(6)] == [CHUNK_BYTES] * 6, hits["info"]

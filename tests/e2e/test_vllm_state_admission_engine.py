@@ -74,8 +74,7 @@ def test_default_restores_more_than_every_chunk_at_equal_bytes_on_a_state_heavy_
 
     def scenario(placement: str | None, env: dict[str, str]) -> dict:
         sc = {"model": str(model), "dtype": "float32", "turns_file": str(turns_file), "kv": None,
-              "directory": None, "env": env, "driver": "turns_driver.py", "engine_args": ENGINE,
-              "max_tokens": 8}
+              "directory": None, "env": env, "engine_args": ENGINE, "max_tokens": 8}
         if placement is not None:
             d = tmp_path / placement
             d.mkdir()

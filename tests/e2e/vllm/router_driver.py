@@ -20,14 +20,25 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
-from events_driver import _settle  # this script's directory is on sys.path
+from driver import engine_env, start_engine  # this script's directory is on sys.path
 
 RESET_WAIT_S = 3.0
+
+
+def _settle(sub, quiet_s: float = 0.6, limit_s: float = 20.0) -> None:  # noqa: ANN001
+    """Wait until no event batch arrived for `quiet_s` (vLLM publishes per engine step)."""
+    deadline = time.monotonic() + limit_s
+    last, since = sub.batches, time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        if sub.batches != last:
+            last, since = sub.batches, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return
 
 
 def _held(index, engine: str) -> dict[str, int]:  # noqa: ANN001
@@ -41,8 +52,7 @@ def _held(index, engine: str) -> dict[str, int]:  # noqa: ANN001
 
 def main() -> int:
     sc = json.loads(Path(json.loads(sys.argv[1])["scenario_file"]).read_text())
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from vllm import LLM, SamplingParams
+    engine_env()
     from vllm.config import KVEventsConfig
 
     from kvtier.integrations.vllm.counters import read_metrics
@@ -59,13 +69,10 @@ def main() -> int:
         events = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://*:{ports['port']}",
                                 replay_endpoint=f"tcp://*:{ports['replay_port']}", topic="kv")
         t0 = time.monotonic()
-        llm = LLM(model=ph["model"], max_model_len=ph.get("max_model_len", 2560), enforce_eager=True,
-                  dtype=ph.get("dtype", "float32"), seed=0, enable_prefix_caching=True,
-                  kv_transfer_config=ph["kv"], kv_events_config=events)
+        llm, sp = start_engine(ph, max_model_len=2560, max_tokens=2, dtype="float32", kv_events_config=events)
         start_s = time.monotonic() - t0
         _settle(sub)
         out = {"engine": name, "start_s": round(start_s, 1), "held_at_start": _held(index, name), "rows": []}
-        sp = SamplingParams(temperature=0.0, max_tokens=ph.get("max_tokens", 2))
         for step in ph["steps"]:
             if step[0] == "reset":
                 assert llm.reset_prefix_cache(reset_connector=True)

@@ -82,7 +82,8 @@ def prompts(n: int, length: int, seed: int) -> list[list[int]]:
 
 
 def run_engine(scenario: dict[str, object], expect_failure: bool = False) -> dict:
-    """Run driver.py with `scenario`; its RESULT (or, when a failure is expected, the stderr)."""
+    """Run driver.py (a "passes" or "turns" workload; "driver" names another script) with
+    `scenario`; its RESULT (or, when a failure is expected, the stderr)."""
     return run_engines(scenario, expect_failure=expect_failure)[0]
 
 
@@ -143,7 +144,7 @@ def _run_engines(scenarios: tuple[dict[str, object], ...], expect_failure: bool)
             env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1",
                        TOKENIZERS_PARALLELISM="false", **scenario.get("env", {}))  # type: ignore[arg-type]
             out, err = open(Path(tmp, f"{i}.out"), "w+"), open(Path(tmp, f"{i}.err"), "w+")
-            driver = HERE / str(scenario.get("driver", DRIVER.name))  # events_driver.py: KV events
+            driver = HERE / str(scenario.get("driver", DRIVER.name))  # router_driver.py: KV events
             procs.append((subprocess.Popen([sys.executable, str(driver), json.dumps(scenario)], env=env,
                                            stdout=out, stderr=err, text=True), out, err))
         results = []
