@@ -172,7 +172,7 @@ def test_a_saves_replies_are_read_in_step_and_every_non_ok_keeps_its_place(piece
     assert isinstance(got[9], ResponseError) and str(got[9]) == "OOM no"
     assert got[10] == "OKAY" and got[14] == 42
     sock, t = _serve(b"+OK\r\n" * 3, piece)
+    t.join()  # the third reply is in the socket before the read: a leftover the reader can see
     with pytest.raises(ProtocolError):  # one reply more than was asked for
         _replies(_Conn(sock), 2)
-    t.join()
     sock.close()
