@@ -194,5 +194,33 @@ def test_a_prefix_from_redis_is_read_in_one_batched_call() -> None:
         writer.close()
 
 
+
+def test_a_save_larger_than_the_cpu_tier_still_reaches_redis_whole() -> None:
+    """Write-through: every chunk new to this store goes to the shared tier, also those the cpu
+    tier took and then evicted within the same save (one chunk row of room for six)."""
+    import torch
+
+    from kvtier.store.store import Store
+    from kvtier.store.tiers.redis import RedisTier
+    from redis_servers import redis_server
+
+    with redis_server() as srv:
+        probe, plan, tokens = _setup(srv.url)
+        probe.close()
+        row = sum(gp.chunk_bytes for gp in plan.cacheable_groups)
+        tier = RedisTier.from_url(srv.url, namespace_id=probe.namespace.id, socket_timeout_s=2.0)
+        writer = Store(plan, probe.namespace, cpu_bytes=row, shared=[tier], placement="every")
+        n = PROMPT_TOKENS // CHUNK_TOKENS
+        payloads = {(g, i): _payload(plan, g, i) for g in range(len(plan.groups)) for i in range(n)}
+        writer.save_tokens(tokens, payloads)
+        reader_tier = RedisTier.from_url(srv.url, namespace_id=probe.namespace.id, socket_timeout_s=2.0)
+        reader = Store(plan, probe.namespace, shared=[reader_tier])  # nothing local: all from Redis
+        hit = reader.lookup_tokens(tokens)
+        buffers = {k: torch.zeros_like(v) for k, v in payloads.items()}
+        assert reader.load(hit, buffers) == EXPECTED_HIT
+        assert all(torch.equal(buffers[k], payloads[k]) for k in hit.buffers_needed())
+        reader.close()
+        writer.close()
+
 if __name__ == "__main__":
     print(json.dumps(child(sys.argv[1], sys.argv[2])))

@@ -91,7 +91,7 @@ class Prefill:
 class GenerateResult:
     sequences: torch.Tensor
     stats: PrefillStats
-    saved_payloads: int  # chunk payloads written after decoding
+    saved_payloads: int  # chunk payloads written after decoding, summed over the tiers
 
 
 def dtype_name(dtype: torch.dtype) -> str:

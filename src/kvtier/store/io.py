@@ -58,7 +58,8 @@ class TierIO:
     # slot, and hands them to the tier in one `write_many` (the disk tier's two write lanes). An
     # entry evicted from a tier is dropped, never copied: saves write every slot tier
     # (write-through, `Store._save_all`), so a lower tier already holds what it still can. An
-    # entry evicted while still queued is not written at all. A write that fails removes its
+    # entry evicted while still queued is not written at all (the entry that evicted it takes
+    # its slot); the shared tiers still get it (`Store._write`). A write that fails removes its
     # entry from the index (it was committed when queued); the store's lock is held throughout,
     # so no lookup or load sees a queued entry before it is written.
     def _store_many(self, tier_name: str, items: list[tuple[bytes, int, ChunkHeader, object]],

@@ -424,7 +424,8 @@ class Store(TierIO):
 
     # -- save -----------------------------------------------------------------------------
     def save(self, chunk_hashes: Sequence[bytes], payloads: Buffers, num_tokens: int) -> int:
-        """Store the chunks worth storing; returns how many (group, chunk) payloads were written."""
+        """Store the chunks worth storing; returns the payloads written, summed over the tiers
+        (a chunk written to cpu, disk and Redis counts 3)."""
         get = _getter(payloads)
         plan = self.plan
         with self._lock:
@@ -482,16 +483,16 @@ class Store(TierIO):
         return len(self.slot_tiers) + len(self.shared) > 1
 
     def _write(self, todo: list[tuple[bytes, int, ChunkHeader, object]], cold: bool) -> int:
-        """Write `todo` to the first tier (warm) or only the tiers after it (cold), shared tiers
-        last: they get, in one batch, what was written to a slot tier now (a chunk a slot tier
-        already held was shared when it was first saved), or all of it without a slot tier."""
+        """Write `todo` to every slot tier (warm) or only those after the first (cold), shared
+        tiers last: they get, in one batch, every chunk no slot tier held before this save,
+        whether or not a slot tier kept it (a chunk a slot tier already held was shared when it
+        was first saved)."""
         if not todo:
             return 0
-        wrote = self._save_all(todo, skip_first=cold)
-        stored = sum(w or 0 for w in wrote)
+        wrote, new = self._save_all(todo, skip_first=cold)
+        stored = sum(wrote)
         shared = self.shared[1:] if cold and not self.slot_tiers else self.shared
-        shared_batch = [(g, SHARED_SLOT, header, data) for (_, g, header, data), w in zip(todo, wrote)
-                        if w is None or w > 0]
+        shared_batch = [(g, SHARED_SLOT, header, data) for (_, g, header, data), fresh in zip(todo, new) if fresh]
         for tier in shared:
             if shared_batch:
                 stored += self._shared_write(tier, shared_batch)
@@ -501,24 +502,25 @@ class Store(TierIO):
         return self.save(self.hashes(token_ids, extra_keys), payloads, len(token_ids))
 
     def _save_all(self, todo: list[tuple[bytes, int, ChunkHeader, object]], skip_first: bool = False,
-                  ) -> list[int | None]:
+                  ) -> tuple[list[int], list[bool]]:
         """Write each payload no slot tier holds yet to every slot tier, tier after tier
-        (write-through); per payload, how many tiers it was written to, or None when no slot tier
-        was to take it (no index, or a cold entry without a later slot tier) and none holds it.
-        `skip_first` (cold entries): the slot tiers after the first only."""
+        (write-through; `skip_first`, cold entries: the slot tiers after the first only). Per
+        payload: how many slot tiers it was written to, and whether it is new (no slot tier held
+        it before: the shared tiers take it, even where a slot tier dropped it in this save)."""
         index = self.index
         names = list(self.slot_tiers)[1:] if skip_first else list(self.slot_tiers)
         if index is None:
-            return [None] * len(todo)
+            return [0] * len(todo), [True] * len(todo)
         if not names:
-            return [0 if any(index.contains(h, g, t) for t in self.slot_tiers) else None for h, g, _, _ in todo]
+            return [0] * len(todo), [not any(index.contains(h, g, t) for t in self.slot_tiers) for h, g, _, _ in todo]
         first = self._store_many(names[0], todo, skip_held=True)
-        wrote: list[int | None] = [w or 0 for w in first]
-        new = [k for k, w in enumerate(first) if w is not None]
+        new = [w is not None for w in first]
+        wrote = [w or 0 for w in first]
+        ks = [k for k, fresh in enumerate(new) if fresh]
         for t in names[1:]:
-            for k, w in zip(new, self._store_many(t, [todo[k] for k in new])):
-                wrote[k] = (wrote[k] or 0) + (w or 0)
-        return wrote
+            for k, w in zip(ks, self._store_many(t, [todo[k] for k in ks])):
+                wrote[k] += w or 0
+        return wrote, new
 
     # -- metrics and lifecycle ------------------------------------------------------------
     def metrics(self) -> dict[str, object]:
