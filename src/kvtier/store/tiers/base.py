@@ -188,11 +188,43 @@ class Tier(ABC):
 
 
 class SlotTier(Tier):
-    """Base of slot-addressed tiers: a `TierLayout` and bounds checks."""
+    """Base of slot-addressed tiers: a `TierLayout` and bounds checks.
+
+    Under a learned share (index/share.py) the layout gives each group the most slots it may
+    ever get: that costs address space only, since memory pages and disk blocks are committed
+    where a slot is written, and `release` gives back those of a pool that shrank. So what the
+    tier holds stays within its capacity (plus at most a page per group at a pool's end)."""
 
     def __init__(self, layout: TierLayout) -> None:
         super().__init__()
         self.layout = layout
+
+    def header(self, group: int, slot: int) -> ChunkHeader | None:
+        """The header the slot holds, None when empty or unreadable; the payload is not verified
+        (`read` and `move` verify): what a caller that knows a chunk by its hash alone (a learned
+        share's moves) builds the expected header from."""
+        raise NotImplementedError(f"tier {self.name!r} cannot report a slot's header")
+
+    def release(self, group: int, slots: int) -> int:
+        """Empty every slot >= `slots` of `group` (a read of one is a miss, `list()` skips it)
+        and give back its memory or disk blocks: the caller shrank the group's pool to `slots`
+        (after moving what it keeps below). Returns the bytes given back, as measured."""
+        raise NotImplementedError(f"tier {self.name!r} cannot release slots")
+
+    def move(self, group: int, src: int, dst: int, header: ChunkHeader) -> bool:
+        """Copy the payload `src` holds, verified as `read` verifies it, to `dst` with the same
+        header, then free `src` (a shrinking pool relocates what it keeps). False when `src` does
+        not hold `header` or the write fails (counted as a miss, a corrupt drop or a failed
+        write): `dst` then holds nothing valid and `src` is freed."""
+        raise NotImplementedError(f"tier {self.name!r} cannot move slots")
+
+    def _check_release(self, group: int, slots: int) -> None:
+        lay = self.layout
+        if not 0 <= group < lay.num_groups:
+            raise ConfigError(f"group {group} out of range; this tier has {lay.num_groups} groups")
+        if not 0 <= slots <= lay.num_slots[group]:
+            raise ConfigError(f"cannot release group {group} down to {slots} slots; give 0.."
+                              f"{lay.num_slots[group]}")
 
     def _check(self, group: int, slot: int, nbytes: int | None = None) -> None:
         lay = self.layout

@@ -1,7 +1,10 @@
 """The cpu tier: one preallocated host slab per group, fixed-size slots, zero-copy views.
 
 Each group g owns a `torch.uint8` tensor of shape `(num_slots[g], slot_bytes[g])`, allocated
-once at construction (pinned when CUDA is present, so device<->host copies run async). Given
+once at construction (pinned when CUDA is present, so device<->host copies run async). An
+unpinned slab is a private anonymous mapping, never touched here: a page is committed where a
+slot is first written, and `release` gives back those of a pool that shrank (a learned share
+lays a tier out for the most slots each group may get: base.SlotTier). Given
 `host_register` (vLLM's own `host_register`/`host_unregister`, as the vLLM worker passes them),
 a slab is plain memory registered after the fact, as vLLM's CPU tier does: PyTorch's pinned
 allocator rounds a request up to a power of two, so a 20 GiB slab would lock 32 GiB; if
@@ -33,7 +36,9 @@ between a group's chunk size and the largest one.
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import mmap
 import struct
 import threading
 import weakref
@@ -75,10 +80,21 @@ def _pin_default() -> bool:
 HostRegister = tuple[Callable[[int, int], bool], Callable[[int], None]]  # (register, unregister)
 
 
+def _pageable(shape: tuple[int, int]) -> torch.Tensor:
+    """An unpinned slab: a private anonymous mapping (the tensor holds it), not malloc's memory,
+    which may be pages touched before; untouched, so it commits no memory until written."""
+    mm = mmap.mmap(-1, shape[0] * shape[1], flags=mmap.MAP_PRIVATE)
+    return torch.frombuffer(mm, dtype=torch.uint8).view(shape)
+
+
 def _slab(shape: tuple[int, int], pin: bool, register: HostRegister | None) -> tuple[torch.Tensor, bool]:
     """A host slab, page-locked when `pin`; (slab, registered through `register`)."""
-    if not pin or register is None or shape[0] * shape[1] == 0:
-        return torch.empty(shape, dtype=torch.uint8, pin_memory=pin and shape[0] * shape[1] > 0), False
+    if shape[0] * shape[1] == 0:
+        return torch.empty(shape, dtype=torch.uint8), False
+    if not pin:
+        return _pageable(shape), False
+    if register is None:
+        return torch.empty(shape, dtype=torch.uint8, pin_memory=True), False
     t = torch.empty(shape, dtype=torch.uint8)
     if register[0](t.data_ptr(), t.numel()):
         return t, True
@@ -128,6 +144,38 @@ fence: Callable[[], None] = _c_fence if _c_fence is not None else _lock_fence
 
 
 _SEQ = struct.Struct("<Q")
+PAGE = mmap.PAGESIZE
+_LOW_BIT = bytes(b & 1 for b in range(256))
+
+
+def _load_libc():  # type: ignore[no-untyped-def]
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    except (OSError, AttributeError):  # pragma: no cover - not Linux
+        return None
+    return libc
+
+
+_LIBC = _load_libc()
+
+
+def resident_in(addr: int, length: int) -> int:
+    """Bytes of the pages spanning [addr, addr + length) that are in memory now (`mincore`)."""
+    if length <= 0 or _LIBC is None:
+        return 0
+    start = addr // PAGE * PAGE
+    pages = -(-(addr + length - start) // PAGE)
+    vec = ctypes.create_string_buffer(pages)
+    if _LIBC.mincore(start, pages * PAGE, vec) != 0:
+        return 0
+    return vec.raw[:pages].translate(_LOW_BIT).count(1) * PAGE  # bit 0: resident
+
+
+def _table_words(table: memoryview, n: int) -> torch.Tensor:
+    """A slot table as 8-byte words, a row per slot: word 0 the sequence number, then the header."""
+    return torch.frombuffer(table, dtype=torch.int64, count=n * SLOT_RECORD // 8).view(n, SLOT_RECORD // 8)
 
 
 class CpuTier(SlotTier):
@@ -288,6 +336,66 @@ class CpuTier(SlotTier):
         if self._lost():
             return
         self._set_header(group, slot, None, bump=False)
+
+    def move(self, group: int, src: int, dst: int, header: ChunkHeader) -> bool:
+        """`SlotTier.move`: `holds` checks `src` (counted as a read, or a miss or corrupt drop),
+        the row is copied inside `begin`/`commit` (a reader comparing `generation` never takes
+        a half-copied `dst`), with the header `src` had (`header` or a wider span of it), and
+        counted as a write. The caller holds both slots: no other writer touches them."""
+        self._check(group, src, header.payload_bytes)
+        self._check(group, dst)
+        if src == dst:
+            raise ValueError(f"move of group {group} slot {src} onto itself")
+        stored = self.header(group, src) if self.holds(group, src, header) else None
+        if stored is None:
+            self.free(group, dst)
+            self.free(group, src)
+            return False
+        n = header.payload_bytes
+        row = self.begin(group, dst)  # a stand-in, counted failed, if the region was lost since
+        row[:n].copy_(self.slabs[group][src, :n])
+        self.commit(group, dst, stored)
+        self.free(group, src)
+        return self.region is None or not self.region.lost
+
+    def release(self, group: int, slots: int) -> int:
+        """`SlotTier.release`. Each slot's sequence number is odd while its bytes go and changed
+        after (a copy taken across it is disowned), its header cleared, and the whole pages of the
+        slab from slot `slots` on given back (`madvise(MADV_DONTNEED)`: they read as zeros and
+        are committed again when written); the page holding slot `slots - 1`'s last bytes is kept.
+        Pageable slabs only: a page-locked slab (pinned, registered) and a host region (its
+        memory is reserved at creation, so a full tmpfs fails there, not with SIGBUS at a later
+        store) only have their headers cleared, and 0 is returned; a learned share is not used
+        with those. Returns the bytes of memory given back (resident before, `mincore`)."""
+        self._check_release(group, slots)
+        n, b = self.layout.num_slots[group], self.layout.slot_bytes[group]
+        if slots == n or self._lost():
+            return 0
+        words = _table_words(self._tables[group], n)[slots:]
+        seq = words[:, 0].clone()
+        words[:, 0] = seq | 1  # odd: being rewritten
+        words[:, 1:] = 0  # headers cleared: every read is a miss from here on
+        fence()
+        freed = 0
+        if self.region is None and not self.locked[group] and _LIBC is not None:
+            base = self.slabs[group].data_ptr()
+            start = -(-(base + slots * b) // PAGE) * PAGE  # a kept slot's last page stays
+            end = -(-(base + n * b) // PAGE) * PAGE  # the mapping's last page is the slab's own
+            if end > start:
+                freed = resident_in(start, end - start)
+                if _LIBC.madvise(start, end - start, mmap.MADV_DONTNEED) != 0:
+                    freed = 0
+                    self._warnings.warn("release", f"tier cpu: madvise of group {group}'s slots from "
+                                        f"{slots} failed (errno {ctypes.get_errno()}); headers cleared only")
+        fence()
+        words[:, 0] = (seq | 1) + 1  # even again, and not the number any chunk was committed at
+        return freed
+
+    def resident_bytes(self) -> int:
+        """Bytes of the slabs in memory now, page by page (`mincore`): what the tier commits."""
+        if self._lost():
+            return 0
+        return sum(resident_in(t.data_ptr(), t.numel()) for t in self.slabs if t.numel())
 
     def close(self) -> None:
         """Unregister the slabs this tier registered (their owner synchronized its copies)."""

@@ -36,6 +36,11 @@ would need aligned buffers the engine does not give us.
 Mapped pages count in the process's RSS as shared file pages (`RssFile`): they are the page
 cache, which the kernel reclaims under memory pressure like any other.
 
+Files are sized sparse (`ftruncate`), so a slot's blocks are allocated when it is written; under
+a learned share a tier is laid out for the most slots each group may get (base.SlotTier) and
+`release` punches out the blocks of a pool that shrank, keeping the file's size (a mapping
+never sees it shorter).
+
 The slab files are only ever truncated by their writer at open (under the directory's lock,
 below), and `kvtier check --fix` only zeroes headers, so a mapped slot never lies past the end
 of its file. Truncating a slab file by hand while a process has it open is not supported.
@@ -43,6 +48,8 @@ of its file. Truncating a slab file by hand while a process has it open is not s
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import re
 import threading
@@ -108,6 +115,32 @@ WRITE_PIECE = 1 << 20
 # False: every read takes the preadv path (the default for `mapped_reads`, read at construction;
 # `kvtier bench store --disk-reads preadv` sets it)
 MAPPED_READS = True
+FALLOC_FL_KEEP_SIZE = 0x01
+FALLOC_FL_PUNCH_HOLE = 0x02
+
+
+def _load_fallocate():  # type: ignore[no-untyped-def]
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = getattr(libc, "fallocate64", None) or libc.fallocate
+    except (OSError, AttributeError):  # pragma: no cover - not Linux
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_FALLOCATE = _load_fallocate()
+
+
+def punch_hole(fd: int, offset: int, length: int) -> None:
+    """Give back the blocks of [offset, offset + length) of a file, keeping its size (the range
+    reads as zeros); raises OSError where the file system cannot."""
+    if _FALLOCATE is None:
+        raise OSError(errno.EOPNOTSUPP, "fallocate is not available")
+    if _FALLOCATE(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, length) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
 
 
 class DiskTier(SlotTier):
@@ -168,6 +201,7 @@ class DiskTier(SlotTier):
         self._maps: list[Mapping | None] = [
             map_file(fd) if self.mapped and fd is not None else None for fd in self._fds]
         self.mapped_reads = 0  # payloads read through the mapping (bench reports it)
+        self.unpunched_releases = 0  # releases that could only zero headers (no hole punching)
 
     # -- contract ------------------------------------------------------------------------
     def write(self, group: int, slot: int, header: ChunkHeader, data: object) -> bool:
@@ -421,6 +455,80 @@ class DiskTier(SlotTier):
                 os.pwrite(fd, ZERO_HEADER, slot * self.strides[group])
             except OSError:
                 pass  # a slot we cannot zero still fails its header/checksum checks on read
+
+    def header(self, group: int, slot: int) -> ChunkHeader | None:
+        """`SlotTier.header`: one `pread` of the slot's header, decoded; nothing dropped or counted."""
+        with self._io:
+            self._check(group, slot)
+            fd = self._fds[group]
+            if self.closed or fd is None:
+                return None
+            try:
+                h = decode_header(os.pread(fd, HEADER_BYTES, slot * self.strides[group]))
+            except OSError:
+                return None
+            return h if isinstance(h, ChunkHeader) else None
+
+    def move(self, group: int, src: int, dst: int, header: ChunkHeader) -> bool:
+        """`SlotTier.move`: a verified `read` of `src` (checksum, or MAC when keyed; counted as
+        any read), then `write` to `dst` with the header `src` had (`header` or a wider span of
+        it: sealed and signed anew), then `free(src)`."""
+        with self._io:
+            self._check(group, src, header.payload_bytes)
+            self._check(group, dst)
+            if src == dst:
+                raise ValueError(f"move of group {group} slot {src} onto itself")
+            buf = bytearray(header.payload_bytes)
+            stored: ChunkHeader | Rejected | None = None
+            if self.read(group, src, header, buf):
+                fd = self._fds[group]
+                assert fd is not None  # a read hit has a file
+                try:  # read just verified it: the header `src` has, under this tier's lock
+                    stored = decode_header(os.pread(fd, HEADER_BYTES, src * self.strides[group]))
+                except OSError as exc:
+                    stored = Rejected(f"read error: {exc.strerror}")
+                if isinstance(stored, Rejected):
+                    self._drop_corrupt(group, src, stored.reason)
+            ok = isinstance(stored, ChunkHeader) and self.write(group, dst, stored, buf)
+            if not ok:
+                self.free(group, dst)
+            self.free(group, src)
+            return ok
+
+    def release(self, group: int, slots: int) -> int:
+        """`SlotTier.release`: the group's file is hole-punched from slot `slots`'s offset to its
+        end (`fallocate(PUNCH_HOLE | KEEP_SIZE)`: headers read as zeros; the size is kept, so a
+        mapped read never faults past the end). Where the file system cannot punch, each slot's
+        header is zeroed instead (counted in `unpunched_releases`, logged once a minute) and no
+        block is given back. Returns the bytes of blocks given back (`st_blocks` before - after)."""
+        with self._io:
+            self._check_release(group, slots)
+            fd = self._fds[group]
+            n, stride = self.layout.num_slots[group], self.strides[group]
+            if self.closed or fd is None or self.read_only or slots == n:
+                return 0
+            before = os.fstat(fd).st_blocks
+            try:
+                punch_hole(fd, slots * stride, (n - slots) * stride)
+            except OSError as exc:
+                self.unpunched_releases += 1
+                self._warnings.warn("punch", f"tier disk: cannot punch holes in {self.dir} "
+                                    f"({exc.strerror}); released slots have their headers zeroed, "
+                                    "and their blocks stay allocated")
+                written = -(-os.fstat(fd).st_size // stride)  # a zero header past the end would grow it
+                for s in range(slots, min(n, written)):
+                    self.free(group, s)
+            if self.fsync == "always":
+                try:
+                    os.fdatasync(fd)
+                except OSError:
+                    pass
+            return max(0, before - os.fstat(fd).st_blocks) * 512
+
+    def allocated_bytes(self) -> int:
+        """Disk blocks the slab files hold now (`st_blocks`): what the tier commits."""
+        with self._io:
+            return sum(os.fstat(fd).st_blocks * 512 for fd in self._fds if fd is not None)
 
     def list(self) -> Iterator[tuple[int, int, ChunkHeader]]:
         """Valid headers of this namespace in the current layout, oldest first.
