@@ -7,8 +7,7 @@ import statistics
 
 import pytest
 
-from kvtier.loadgen.stats import (Sample, agree, figures, percentile, ratio, ratios, spread, sum_counts,
-                                  within_margin)
+from kvtier.loadgen.stats import Sample, figures, percentile, ratio, ratios, spread, sum_counts
 
 
 def test_percentile_interpolates_between_ranks_like_numpy() -> None:
@@ -54,15 +53,6 @@ def test_spread_is_median_min_max_and_the_wider_side_over_the_median() -> None:
     one = spread([1.5])
     assert one["median"] == 1.5 and one["margin"] is None  # one repeat states no margin
     assert spread([None, math.nan])["median"] is None and spread([])["repeats"] == 0
-
-
-def test_runs_agree_when_each_median_is_within_every_others_margin() -> None:
-    a, b = spread([1.9, 2.0, 2.1]), spread([1.95, 2.05, 2.1])  # +-5%, +-4.9%
-    assert within_margin(2.1, a) is True and within_margin(2.11, a) is False
-    assert agree([a, b]) is True
-    c = spread([2.0, 2.2, 2.25])  # 2.2 +-9.1%: holds a's 2.0, but a's +-5% does not hold 2.2
-    assert within_margin(2.0, c) is True and agree([a, c]) is False
-    assert agree([a, spread([2.0])]) is None and within_margin(None, a) is None
 
 
 def test_sum_counts_adds_dicts_key_by_key() -> None:

@@ -63,10 +63,11 @@ def wait_quiet(idle: float = QUIET_IDLE, window_s: float = QUIET_WINDOW_S, max_s
 
 def drive(endpoints: Sequence[Endpoint], prompts: Sequence[Sequence[int]], stream: Stream,
           max_tokens: int, progress: Callable[[int], None] | None = None,
-          quiet: Callable[[], float] | None = wait_quiet, waited: list[float] | None = None
-          ) -> dict[str, list[Sample]]:
+          quiet: Callable[[], float] | None = wait_quiet, waited: list[float] | None = None,
+          sent: dict[str, list[float]] | None = None) -> dict[str, list[Sample]]:
     """`quiet` runs before each request (None: requests back to back); the seconds it waited
-    are appended to `waited`."""
+    are appended to `waited`. `sent` gets, per endpoint name, the wall-clock time (seconds since
+    the epoch) each of its requests was sent, in the order of its samples."""
     out: dict[str, list[Sample]] = {e.name: [] for e in endpoints}
     for i, prompt in enumerate(prompts):
         k = i % len(endpoints)
@@ -75,6 +76,8 @@ def drive(endpoints: Sequence[Endpoint], prompts: Sequence[Sequence[int]], strea
                 w = quiet()
                 if waited is not None:
                     waited.append(w)
+            if sent is not None:
+                sent.setdefault(e.name, []).append(time.time())
             out[e.name].append(stream(e.base_url, e.model, prompt, max_tokens))
             if progress is not None:
                 progress(1)

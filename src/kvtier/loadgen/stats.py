@@ -4,6 +4,12 @@ Percentiles interpolate linearly between the two nearest ranks (numpy's default,
 `statistics.quantiles(method="inclusive")`), so p50 is the median. A ratio of two figures is
 taken only when both are positive: a zero or missing figure gives None (printed `null`), never
 an infinity that JSON cannot hold.
+
+Two servers in one run are compared per pair (the same prompt sent to both: `paired`, a
+geometric mean of ratios with a 95% interval from per-pair noise), or, for a figure that exists
+only once per repeat, over repeats (`over_repeats`, a t-interval); two runs agree on a figure
+when a z-test on the log difference of their estimates says so (`agree`). `spread` (median and
+min-max over repeats) stays as the secondary view.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ class Sample:
     gaps_s: tuple[float, ...]  # between successive token chunks
     output_tokens: int
     prompt_tokens: int
+    sent_s: float | None = None  # when it was sent, seconds since the epoch (`drive`'s `sent`)
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -94,23 +101,115 @@ def spread(values: Sequence[float | None]) -> dict[str, object]:
             "coverage": 1 - 2.0 ** (1 - len(xs)), "repeats": len(xs), "values": xs}
 
 
-def within_margin(value: float | None, of: dict[str, object]) -> bool | None:
-    """Whether `value` lies within the margin that spread `of` states around its median (None:
-    either is missing)."""
-    med, margin = of.get("median"), of.get("margin")
-    if value is None or med is None or margin is None:
-        return None
-    return abs(value - med) <= margin * abs(med) + 1e-12  # type: ignore[operator]
+Z95 = 1.959963984540054  # the normal distribution's 97.5th percentile: a two-sided 95% interval
+# Student's t, 97.5th percentile, by degrees of freedom (1..30); above 30 the Cornish-Fisher series
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160,
+         2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056,
+         2.052, 2.048, 2.045, 2.042)
 
 
-def agree(runs: Sequence[dict[str, object]]) -> bool | None:
-    """Whether every run's median lies within every other run's stated margin (spreads of one
-    figure from separate runs); None where a run lacks the median or the margin."""
-    checks = [within_margin(x.get("median"), y)  # type: ignore[arg-type]
-              for i, x in enumerate(runs) for j, y in enumerate(runs) if i != j]
-    if not checks or any(c is None for c in checks):
+def t975(df: int) -> float:
+    """The two-sided 95% critical value of Student's t with `df` degrees of freedom."""
+    if df < 1:
+        raise ValueError(f"t975 needs df >= 1, got {df}")
+    if df <= len(_T975):
+        return _T975[df - 1]
+    z = Z95
+    return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
+
+
+def _estimate(mean_log: float, se: float | None, crit: float, **extra: object) -> dict[str, object]:
+    """An estimate on the log scale as the JSON carries it: the figure exp(mean_log), its 95%
+    interval exp(mean_log -+ crit x se), `margin` the interval's wider side over the figure
+    (exp(crit x se) - 1), and `se_log` (what `agree` combines)."""
+    est = math.exp(mean_log)
+    if se is None:
+        return {"estimate": est, "low": None, "high": None, "se_log": None, "margin": None, **extra}
+    return {"estimate": est, "low": math.exp(mean_log - crit * se), "high": math.exp(mean_log + crit * se),
+            "se_log": se, "margin": math.expm1(crit * se), **extra}
+
+
+def _log_ratio(num: float | None, den: float | None) -> float | None:
+    r = ratio(num, den)
+    return None if r is None else math.log(r)
+
+
+def paired(num: Sequence[Sequence[float | None]], den: Sequence[Sequence[float | None]]) -> dict[str, object] | None:
+    """The geometric mean of per-pair ratios num/den with a 95% interval: `num[r][i]` and
+    `den[r][i]` are one prompt (position i) sent to both servers in repeat r (each repeat sends
+    the same shapes in the same order, tokens of its own). Every pair gives log(num/den); the
+    estimate is exp of their mean, the interval exp(mean -+ 1.96 x se).
+
+    The standard error is stratified by prompt: each log ratio less its prompt's mean over the
+    repeats, pooled into one sd with N(R-1) degrees of freedom, se = sd / sqrt(R x N)
+    (notes/41-serve-analysis.md, section 2). The plain per-pair SE (sd of all R x N log ratios)
+    is not equivalent here: a trace workload's prompts differ by design (a first turn's ratio is
+    about 1, a later turn's 1.4-5.8), the same in every run, and the plain SE counts that design
+    as noise. Over the four runs of 2026-12-06 it gave (a) and (c) intervals about twice as wide
+    (±13-16% against ±6-9%); for (b), whose prompts are alike, both agree (±6-11%). The
+    stratified noise is what moves a run: per repeat it predicts sd 0.064 of the log geomean,
+    0.068 observed. With one repeat there is nothing to stratify over: the plain per-pair SE
+    (wider; `method` says which). A position missing or not positive in any repeat is left out
+    of every repeat. None without a pair."""
+    R = len(num)
+    if R == 0 or len(den) != R:
         return None
-    return all(checks)
+    n = min(min(len(x) for x in num), min(len(x) for x in den))
+    logs = [[_log_ratio(num[r][i], den[r][i]) for i in range(n)] for r in range(R)]
+    keep = [i for i in range(n) if all(logs[r][i] is not None for r in range(R))]
+    L = [[logs[r][i] for i in keep] for r in range(R)]  # type: ignore[misc]
+    N = len(keep)
+    if N == 0:
+        return None
+    flat: list[float] = [v for row in L for v in row]  # type: ignore[misc]
+    mean = math.fsum(flat) / len(flat)
+    per_repeat = [math.exp(math.fsum(row) / N) for row in L]  # type: ignore[arg-type]
+    if R > 1:
+        prompt_mean = [math.fsum(L[r][i] for r in range(R)) / R for i in range(N)]  # type: ignore[misc]
+        df = N * (R - 1)
+        sd = math.sqrt(math.fsum((L[r][i] - prompt_mean[i]) ** 2 for r in range(R) for i in range(N)) / df)  # type: ignore[operator]
+        method = "paired, stratified by prompt"
+    elif N > 1:
+        df = N - 1
+        sd = math.sqrt(math.fsum((v - mean) ** 2 for v in flat) / df)
+        method = "paired, per pair (one repeat: prompts' differences count as noise, wider)"
+    else:
+        return _estimate(mean, None, Z95, pairs=1, repeats=1, df=0, sd_log=None, method="one pair",
+                         values=per_repeat)
+    return _estimate(mean, sd / math.sqrt(R * N), Z95, pairs=R * N, repeats=R, df=df, sd_log=sd,
+                     method=method, values=per_repeat)
+
+
+def over_repeats(values: Sequence[float | None]) -> dict[str, object] | None:
+    """A figure that exists only once per repeat (a ratio of two servers' pooled percentiles): the
+    geometric mean of the repeats' values with a t-interval over them, exp(mean log -+ t(R-1) x
+    sd / sqrt(R)). Three repeats give t = 4.30, so the interval is wide; `method` says it is not
+    paired. Values missing or not positive are left out; None without one."""
+    logs = [math.log(v) for v in values if v is not None and math.isfinite(v) and v > 0]
+    R = len(logs)
+    if R == 0:
+        return None
+    mean = math.fsum(logs) / R
+    vals = [math.exp(x) for x in logs]
+    if R == 1:
+        return _estimate(mean, None, Z95, pairs=None, repeats=1, df=0, sd_log=None,
+                         method="one repeat", values=vals)
+    sd = math.sqrt(math.fsum((x - mean) ** 2 for x in logs) / (R - 1))
+    return _estimate(mean, sd / math.sqrt(R), t975(R - 1), pairs=None, repeats=R, df=R - 1, sd_log=sd,
+                     method=f"t over {R} repeats (not paired per request)", values=vals)
+
+
+def agree(a: dict[str, object] | None, b: dict[str, object] | None) -> dict[str, object]:
+    """Whether two runs' estimates of one figure agree: a z-test on the log difference,
+    |log a - log b| <= 1.96 x sqrt(se_a^2 + se_b^2). `z` is the difference over that combined
+    standard error (None where it is 0 and the figures differ); `agree` None where a side lacks
+    the estimate or its standard error."""
+    if not a or not b or a.get("se_log") is None or b.get("se_log") is None:
+        return {"z": None, "agree": None, "ratio": None}
+    d = math.log(a["estimate"]) - math.log(b["estimate"])  # type: ignore[arg-type]
+    s = math.sqrt(a["se_log"] ** 2 + b["se_log"] ** 2)  # type: ignore[operator]
+    z = d / s if s > 0 else (0.0 if d == 0 else None)
+    return {"z": z, "agree": abs(d) <= Z95 * s + 1e-12, "ratio": math.exp(d)}
 
 
 def sum_counts(items: Sequence[object]) -> object:
