@@ -220,3 +220,15 @@ def test_disk_header_reports_what_a_slot_holds(tmp_path: Path) -> None:
     assert tier.header(0, 1) is None
     tier.close()
     assert tier.header(0, 1) is None
+
+
+def test_fault_in_touches_only_the_starting_pools_given() -> None:
+    """A learned share's layout is address space: `fault_in=(slots per group)` commits each
+    group's starting pool now (no first-touch faults in an engine step there) and nothing past it."""
+    from kvtier.store.tiers.factory import TierOptions, make_tier
+
+    mib = 1 << 20
+    tier = make_tier("cpu", TierLayout((mib, mib), (64, 64)), TierOptions(pin_memory=False, fault_in=(8, 3)))
+    assert abs(tier.resident_bytes() - 11 * mib) <= 4 * PAGE
+    whole = make_tier("cpu", TierLayout((mib,), (16,)), TierOptions(pin_memory=False, fault_in=True))
+    assert abs(whole.resident_bytes() - 16 * mib) <= 4 * PAGE

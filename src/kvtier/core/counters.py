@@ -144,6 +144,11 @@ STORE = Registry("store", (
     Counter("rebuild_refused", "Disk entries refused at the index rebuild (a layout that no longer fits)."),
     Counter("placement_cold", "Entries the placement stored only in the tiers after the first."),
     Counter("placement_skipped", "Entries the placement did not store (no hit likely to read them)."),
+    Counter("share_resizes", "Pools the learned share resized (grown or shrunk; at a restart too)."),
+    Counter("share_evicted", "Entries dropped because the learned share shrank their pool."),
+    Counter("share_moved", "Payloads moved to a lower slot of a pool the learned share shrank."),
+    Counter("share_move_failed", "Moves that failed (source bad or write failed): the entry dropped."),
+    Counter("share_released_bytes", "Bytes of memory or disk given back past the ends of shrunk pools."),
     # per (tier, group)
     Counter("load_chunks", "Chunks loaded from a tier.", TIER_GROUP),
     Counter("load_misses", "Chunk reads a tier could not serve (missing or a bad payload).", TIER_GROUP),
@@ -244,6 +249,10 @@ VLLM = Registry("vllm", (
     Counter("disk_journal_bad_records", "Disk event journal records of the wrong field types, skipped "
             "at start."),
     Counter("layout_from_workers", "Index rebuilds from the workers' exact layout at start."),
+    Counter("share_resizes", "Times the learned share resized the index's pools (kvtier.share)."),
+    Counter("share_evicted", "Chunks dropped because the learned share shrank their pool.", GROUP),
+    Counter("share_moved", "Chunks the learned share moved to a lower slot of a shrunk pool (the "
+            "workers copy them: share_moves_applied).", GROUP),
     # workers (KvtierWorker)
     Counter("load_jobs", "Load jobs the workers finished."),
     Counter("load_jobs_failed", "Load jobs the workers failed (vLLM recomputes the request)."),
@@ -275,6 +284,12 @@ VLLM = Registry("vllm", (
             "stored: their cpu slot did not hold them, so no tier commits them.", GROUP),
     Counter("store_overwritten_{tier}", "Disk/Redis writes skipped because the cpu slot they were "
             "copied from was taken by another chunk first.", TIER_GROUP),
+    Counter("share_moves_applied", "Chunks a worker copied to the slot the learned share moved them "
+            "to.", GROUP),
+    Counter("share_move_failed", "Moves whose source slot did not hold the chunk: the new slot is "
+            "cleared, a load of it a counted miss (none expected).", GROUP),
+    Counter("share_released_bytes", "Bytes of cpu-tier memory a worker gave back past the end of a "
+            "pool the learned share shrank.", GROUP),
 ))
 
 REGISTRIES = (STORE, TIER, VLLM)

@@ -15,10 +15,11 @@ capacity is shared out among the cacheable groups by `share`:
   Kept for `kvtier replay`'s comparison; never a sensible choice for a store.
 - a dict {group name: fraction of the tier} (fractions > 0, summing to at most 1, every
   cacheable group named).
-- "learned": starts proportional; a `kvtier.index.share.LearnedShare` per tier then moves
+- "learned": starts proportional (or from `start`); a `kvtier.index.share.LearnedShare` per tier then moves
   bytes toward equal lifetimes of every group's warm entries (each group's bytes in proportion
   to the bytes it stored warm lately), through `resize`, called by `observe` once per request
-  (the caller drops the entries it evicts and copies the ones it moves).
+  (the caller drops the entries it evicts and copies the ones it moves). A pool never has
+  more than `max_slots(group, tier)` slots: what a slot tier is laid out for.
 Fixed-size slots per group make a slot a file offset and a slab view; one shared pool of
 variable-size entries would need a byte allocator (fragmentation) in every tier.
 
@@ -134,11 +135,17 @@ class Index:
         share: str | Mapping[str, float] = "proportional",
         *,
         anchored: bool = True,
+        start: str | Mapping[str, float] | None = None,
     ) -> None:
         """`anchored=False` turns the dead-first rule off: for plans whose groups' chunks span
         different tokens (vLLM's chunking of groups with different tokens per block), chunk
         hashes line up across groups only at common boundaries, so most chunks of a
-        small-block group would look dead to the anchor groups from the moment they commit."""
+        small-block group would look dead to the anchor groups from the moment they commit.
+        `start` (share="learned" only): the share rule the pools start from (default
+        "proportional"; the Store starts from its placement's fixed share)."""
+        if start is not None and share != "learned":
+            raise ConfigError(f"start={start!r} is the learned share's first split; give share='learned' "
+                              f"with it, not share={share!r}")
         self.plan = plan
         if not capacities:
             raise ConfigError("no tiers: give at least one tier capacity, e.g. {'cpu': 8 << 30}")
@@ -151,7 +158,8 @@ class Index:
         self._pools: dict[tuple[str, int], _Pool] = {}
         # per group index: that group's pools in tier order (empty for non-cacheable groups)
         self._by_group: list[list[_Pool]] = [[] for _ in plan.groups]
-        for (tier, g), slots in slot_counts(plan, capacities, share).items():
+        sizes = slot_counts(plan, capacities, start if start is not None else share)
+        for (tier, g), slots in sizes.items():
             pool = _Pool(tier, g, slots, plan.groups[g].chunk_bytes, factory(slots))
             self._pools[(tier, g)] = pool
             self._by_group[g].append(pool)
@@ -170,6 +178,7 @@ class Index:
         self.learners: tuple[LearnedShare, ...] = ()
         if share == "learned":
             self.learners = tuple(LearnedShare(self, tier) for tier in self.tiers)
+        self._learner_of = {learner.tier: learner for learner in self.learners}
 
     # -- queries -------------------------------------------------------------------------------
 
@@ -192,6 +201,13 @@ class Index:
     def slots(self, group: int, tier: str) -> int:
         """Number of slots of (tier, group)."""
         return self._pool(group, tier).num_slots
+
+    def max_slots(self, group: int, tier: str) -> int:
+        """The most slots (tier, group)'s pool may ever have: under a learned share the tier's
+        bytes less every other group's floor (`LearnedShare.max_slots`), else its slots. A slot
+        tier is laid out for this many, so a resize never moves a slab."""
+        learner = self._learner_of.get(tier)
+        return learner.max_slots(group) if learner is not None else self._pool(group, tier).num_slots
 
     def contains(self, chunk_hash: ChunkHash, group: int, tier: str | None = None) -> bool:
         """Committed and visible in `tier` (any tier when None)."""
@@ -263,6 +279,20 @@ class Index:
             for r in learner.observe():
                 evicted.extend(r.evicted)
                 moved.extend(r.moved)
+        return Resized(0, tuple(evicted), tuple(moved)) if evicted or moved else _NO_RESIZE
+
+    def fit(self, tier: str) -> Resized:
+        """After `rebuild` of `tier`, under a learned share: its pools back within the tier's
+        bytes (`LearnedShare.fit`: each keeps what it holds where the bytes allow). Returns, as
+        `observe` does, the entries to drop and the ones to move; nothing for other shares."""
+        learner = self._learner_of.get(tier)
+        if learner is None:
+            return _NO_RESIZE
+        evicted: list[Entry] = []
+        moved: list[Move] = []
+        for r in learner.fit():
+            evicted.extend(r.evicted)
+            moved.extend(r.moved)
         return Resized(0, tuple(evicted), tuple(moved)) if evicted or moved else _NO_RESIZE
 
     def resize(self, group: int, tier: str, slots: int) -> Resized:
@@ -552,6 +582,11 @@ class Index:
 
         Returns the entries refused (slot out of range or taken, key already held, unknown
         tier or group): the caller frees them in the tier.
+
+        Under a learned share a pool's slots moved while the tier ran, and a new index starts
+        from its first split: a slot is in range below `max_slots` (the tier's layout), the pool
+        grows to hold it, and the caller calls `fit(tier)` next to bring the pools back within
+        the tier's bytes (with the capacity unchanged every entry fits: only moves).
         """
         rejected: list[Entry] = []
         touched: set[_Pool] = set()
@@ -563,10 +598,13 @@ class Index:
                 continue
             if pool not in taken:
                 taken[pool] = {r.slot for r in pool.recs.values()}
-            if not (0 <= slot < pool.num_slots) or slot in taken[pool] or chunk_hash in pool.recs:
+            bound = pool.num_slots if tier not in self._learner_of else self.max_slots(group, tier)
+            if not (0 <= slot < bound) or slot in taken[pool] or chunk_hash in pool.recs:
                 rejected.append(Entry(chunk_hash, group, tier, slot))
                 continue
             taken[pool].add(slot)
+            if slot >= pool.num_slots:  # a learned pool held more before the restart: `fit` next
+                pool.num_slots = slot + 1
             pool.recs[chunk_hash] = _Rec(slot, 0, _COMMITTED)
             pool.policy.insert(chunk_hash)
             touched.add(pool)

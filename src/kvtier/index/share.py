@@ -13,7 +13,8 @@ hits land (`kvtier.index.placement`) a state group's share falls to what its end
 (docs/admission.md).
 
 No group goes below `floor` x its proportional bytes (and one chunk): a hit needs every group, so
-none may be starved, even one that stored nothing warm lately. Starts proportional.
+none may be starved, even one that stored nothing warm lately. Starts proportional, or from the
+split `Index(start=...)` gives (the Store: its placement's fixed share).
 
 Not ghost lists (the compute a group's recent evictions would have saved): a group's ghost hits
 are few and joint with the other groups' (a hit needs every group), so that share swung and lost
@@ -60,10 +61,47 @@ class LearnedShare:
         total = sum(self.chunk_bytes.values())
         self.pools = {g: index._pool(g, tier) for g in self.groups}
         self.floor_slots = {g: max(1, int(floor * self.capacity / total)) for g in self.groups}
+        # what a pool never goes below: its floor, or its start where that is lower (a pool below
+        # its floor is only ever grown), so `max_slots` holds for good
+        self._low = {g: min(self.floor_slots[g], self.pools[g].num_slots) for g in self.groups}
         self.rate = dict.fromkeys(self.groups, 0.0)  # warm bytes stored, fading
         self._seen = {g: self.pools[g].counts["warm_commits"] for g in self.groups}
         self.requests = 0
         self.moves = 0
+
+    def max_slots(self, group: int) -> int:
+        """The most slots `group`'s pool can ever get: the tier's bytes less every other group's
+        floor (or start, where lower), in this group's slots. A slot tier laid out for this many
+        (address space: a page is committed only once written) never has to be rebuilt when the
+        share moves."""
+        others = sum(self._low[h] * self.chunk_bytes[h] for h in self.groups if h != group)
+        return max(self.pools[group].num_slots, (self.capacity - others) // self.chunk_bytes[group])
+
+    def fit(self) -> list:
+        """After a rebuild (`Index.rebuild` accepts slots up to `max_slots`): every pool back
+        within the tier's bytes, keeping every entry that fits. Each pool gets at least what it
+        holds (and its floor); when that is more than the tier (a smaller tier than the run that
+        wrote it), the largest pools give up the excess (their policy's victims); bytes left
+        over go out as equal slot counts, as the proportional share starts. Before a restart
+        the pools held at most the tier's bytes, so with the same capacity nothing is lost.
+        Pools within the tier's bytes (nothing rebuilt past a pool's end) are left as they are."""
+        pools, cb, floor = self.pools, self.chunk_bytes, self.floor_slots
+        if sum(p.num_slots * cb[g] for g, p in pools.items()) <= self.capacity:
+            return []
+        want = {g: max(floor[g], pools[g].used) for g in self.groups}
+        excess = sum(want[g] * cb[g] for g in self.groups) - self.capacity
+        for g in sorted(self.groups, key=lambda g: -want[g] * cb[g]):
+            if excess <= 0:
+                break
+            cut = min(want[g] - floor[g], -(-excess // cb[g]))
+            want[g] -= cut
+            excess -= cut * cb[g]
+        if excess < 0:
+            more = -excess // sum(cb.values())
+            want = {g: w + more for g, w in want.items()}
+        out = [self.index.resize(g, self.tier, want[g]) for g in self.groups if want[g] < pools[g].num_slots]
+        out += [self.index.resize(g, self.tier, want[g]) for g in self.groups if want[g] > pools[g].num_slots]
+        return out
 
     def shares(self) -> dict[int, float]:
         """Each group's fraction of the tier's bytes now."""

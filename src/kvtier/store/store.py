@@ -28,8 +28,18 @@ local index lacks.
   A failed write (ENOSPC, read-only directory, server down) is a counted failure, never an
   exception: inference goes on.
 
+Share (`share="auto"`): with placement "hits" the learned share (`Index(share="learned")`):
+once per saved request `Index.observe` may resize the groups' pools toward equal lifetimes of
+their warm entries; the store frees what a shrink evicted, moves what it kept below the pool's
+new end (`SlotTier.move`, verified) and releases the slots past it (`SlotTier.release`), so what
+a tier commits stays within its bytes while its layout spans the most slots each group may get.
+A page-locked cpu tier keeps the fixed `placement_share` (docs/admission.md, "The learned share
+in the Store").
+
 Restart: a disk tier's slots are listed and fed to `Index.rebuild`, so a restarted process
-keeps its cache. One lock serializes the calls, I/O included (the index is not thread-safe):
+keeps its cache (under a learned share `Index.fit` then brings the pools, which restart at their
+first split, back within the tier's bytes, keeping every entry that fits). One lock serializes
+the calls, I/O included (the index is not thread-safe):
 the engines we serve call the store from one thread per process, and the single lock keeps
 promotion ordering simple.
 """
@@ -45,7 +55,7 @@ from dataclasses import dataclass
 import torch
 
 from kvtier.errors import ConfigError
-from kvtier.index.index import Index, Load
+from kvtier.index.index import Index, Load, Move, Resized
 from kvtier.index.placement import COLD, SKIP, WARM, HitsLand
 from kvtier.index.placement import placement_share as _placement_share
 from kvtier.core.keys import Namespace, chunk_hashes as _chunk_hashes
@@ -91,12 +101,18 @@ def make_placement(plan: Plan, placement: object) -> object | None:
     return placement
 
 
-def resolve_share(plan: Plan, share: str | Mapping[str, float], placement: object) -> str | Mapping[str, float]:
-    """share="auto": `placement_share(plan)` with a placement that stores only where hits land,
-    "proportional" with placement "every"."""
+def resolve_share(plan: Plan, share: str | Mapping[str, float], placement: object,
+                  pinned: bool = False) -> str | Mapping[str, float]:
+    """share="auto": "learned" (`kvtier.index.share.LearnedShare`) with a placement that stores
+    only where hits land, `placement_share(plan)` (the fixed half/half rule) there when the cpu
+    tier is page-locked (`pinned`: a learned share lays the tier out for the most slots each
+    group may get, and a page-locked slab is committed whole), "proportional" with placement
+    "every"."""
     if share != "auto":
         return share
-    return "proportional" if placement in (None, "every") else placement_share(plan)
+    if placement in (None, "every"):
+        return "proportional"
+    return placement_share(plan) if pinned else "learned"
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,7 +164,9 @@ class Store(TierIO):
         `admission`: how many leading chunks of a save are stored at all (kvtier.index.admission);
         `placement`: of those, per group, which are warm, cold or skipped ("hits", "every", or a
         HitsLand-like object); `share="auto"`: the share that goes with the placement
-        (`placement_share` with "hits", "proportional" with "every")."""
+        ("learned" with "hits": `kvtier.index.share.LearnedShare`, pools resized once per saved
+        request, but `placement_share`'s fixed one when the cpu tier is page-locked (`pin_memory`
+        True, or None where CUDA is present); "proportional" with "every")."""
         self.plan = plan
         self.namespace = namespace
         self.ns_id = namespace.id
@@ -171,11 +189,21 @@ class Store(TierIO):
         if admission is not None and not callable(getattr(admission, "admit", None)):
             raise ConfigError(f"admission {admission!r} has no admit(chunk_hashes) method; use kvtier.index.admission.make_admission")
         self.placement = make_placement(plan, placement)
-        if share == "learned":  # the learned share resizes pools; the Store does not move slots yet
-            raise ConfigError("share='learned' is replay's (kvtier replay --share learned); the Store takes "
-                              "'auto', 'proportional', 'equal' or NAME=FRACTION shares")
-        share = resolve_share(plan, share, self.placement)
-        self.index: Index | None = Index(plan, capacities, policy=policy, share=share) if capacities else None
+        pinned = "cpu" in capacities and (torch.cuda.is_available() if pin_memory is None else bool(pin_memory))
+        if share == "learned" and pinned:
+            raise ConfigError("share='learned' lays the cpu tier out for the most slots each group may get, "
+                              "and a page-locked slab is committed whole; pass pin_memory=False, or a fixed "
+                              "share ('auto' keeps the fixed one with a pinned cpu tier)")
+        if share == "auto" and pinned and self.placement is not None:
+            log.info("store: a page-locked cpu tier keeps the fixed share (placement_share), not the learned "
+                     "one: its slabs are committed whole, so the learned share's layout would lock more "
+                     "than cpu_bytes (pin_memory=False runs the learned share)")
+        share = resolve_share(plan, share, self.placement, pinned)
+        # the learned share starts from the placement's fixed split, as vLLM's manager does: a
+        # short run is no worse than that (from proportional it takes ~1,000 requests to catch up)
+        start = placement_share(plan) if share == "learned" and self.placement is not None else None
+        self.index: Index | None = (Index(plan, capacities, policy=policy, share=share, start=start)
+                                    if capacities else None)
         self.m = StoreMetrics()
         self.slot_tiers: dict[str, Tier] = {}
         for name in capacities:
@@ -198,9 +226,11 @@ class Store(TierIO):
 
     # -- construction helpers -------------------------------------------------------------
     def _layout(self, tier: str) -> TierLayout:
+        """Each group's most slots (`Index.max_slots`): a pool's slots, or under a learned share
+        the most it may get (address space; pages and blocks are committed where written)."""
         index = self.index
         assert index is not None
-        return tier_layout(self.plan, lambda g: index.slots(g, tier))  # tiers/factory.py
+        return tier_layout(self.plan, lambda g: index.max_slots(g, tier))  # tiers/factory.py
 
     def header(self, chunk_hash: bytes, group: int, chunk_index: int) -> ChunkHeader:
         """The header a (chunk, group) payload of this store carries (unsealed; payload.chunk_header)."""
@@ -229,7 +259,88 @@ class Store(TierIO):
             for g, slot in [*bad, *((e.group, e.slot) for e in refused)]:
                 tier.free(g, slot)
             count += len(entries) - len(refused)
+            if self.index.learners:
+                count -= self._fit(name)
         return count
+
+    def _fit(self, tier: str) -> int:
+        """A learned share's pools restart from their first split, the slots found are where the
+        last run's share put them: `Index.fit` keeps each entry the tier's bytes hold (with the
+        capacity unchanged, every one; moved down where a pool is smaller now), and the blocks
+        past every pool's end are given back before the store serves. Returns the entries dropped."""
+        index = self.index
+        assert index is not None
+        before = {(tier, gp.index): index.slots(gp.index, tier) for gp in self.plan.cacheable_groups}
+        dropped = self._apply_resize(index.fit(tier), before)
+        for (_, g), was in before.items():  # the pools that shrank were released just now
+            if index.slots(g, tier) >= was:
+                self._release(tier, g)
+        return dropped
+
+    # -- the learned share (share="learned") -------------------------------------------------
+    def _observe(self) -> None:
+        """One request was saved: let the learned share resize pools (`Index.observe`) and apply
+        it to the slot tiers: evicted entries freed, kept ones moved below a shrunk pool's end,
+        and the slots past that end released, so committed bytes stay within each tier's.
+
+        A move never races a load: every store call holds the store lock throughout, a load pins
+        its entries and unpins them before it lets go, and this runs under the lock after the
+        save's writes finished, so while pools resize no entry is pinned or reserved
+        (`Index.resize` would neither move nor evict one that were) and no reader is in a slot
+        whose bytes move or whose pages are released."""
+        index = self.index
+        if index is None or not index.learners:
+            return
+        before = {(t, gp.index): index.slots(gp.index, t) for t in self.slot_tiers
+                  for gp in self.plan.cacheable_groups}
+        self._apply_resize(index.observe(), before)
+
+    def _apply_resize(self, resized: Resized, before: dict[tuple[str, int], int]) -> int:
+        """Free what a resize evicted, move what it relocated, release the slots past the end of
+        each pool that shrank since `before`; returns the entries dropped (counted)."""
+        index = self.index
+        assert index is not None
+        for e in resized.evicted:
+            self.slot_tiers[e.tier].free(e.group, e.slot)
+        self.m.add("share_evicted", len(resized.evicted))
+        failed = 0
+        for mv in resized.moved:
+            if self._move(mv):
+                self.m.add("share_moved")
+            else:  # src held nothing valid, or the write failed: dst holds nothing either
+                index.remove(mv.chunk_hash, mv.group, mv.tier)
+                failed += 1
+        self.m.add("share_move_failed", failed)
+        for (t, g), was in before.items():
+            now = index.slots(g, t)
+            if now != was:
+                self.m.add("share_resizes")
+            if now < was:
+                self._release(t, g)
+        return len(resized.evicted) + failed
+
+    def _move(self, mv: Move) -> bool:
+        """Copy a moved entry's payload to its new slot (`SlotTier.move`, verified as a read is).
+        The index knows a chunk by its hash, not its position, so the chunk index of the header
+        expected at `from_slot` is taken from the header the tier holds there (`tier.header`);
+        the tier then checks that header (namespace, hash, group, span, size, dtype) and the
+        payload against the expected one, exactly as a load would."""
+        tier = self.slot_tiers[mv.tier]
+        try:
+            stored = tier.header(mv.group, mv.from_slot)  # type: ignore[attr-defined]
+            if stored is None:  # nothing there: the entry is dropped
+                tier.free(mv.group, mv.to_slot)
+                return False
+            expected = self.header(mv.chunk_hash, mv.group, stored.token_start // self.plan.chunk_tokens)  # type: ignore[arg-type]
+            return tier.move(mv.group, mv.from_slot, mv.to_slot, expected)  # type: ignore[attr-defined]
+        except OSError as exc:  # a tier failing under us: the entry is dropped, counted
+            log.warning("tier %s: move of group %d slot %d failed: %s", mv.tier, mv.group, mv.from_slot, exc)
+            return False
+
+    def _release(self, tier: str, group: int) -> None:
+        """Give back the memory or disk blocks of `group`'s slots past its pool's end."""
+        assert self.index is not None
+        self.m.add("share_released_bytes", self.slot_tiers[tier].release(group, self.index.slots(group, tier)))  # type: ignore[attr-defined]
 
     # -- lookup ---------------------------------------------------------------------------
     def lookup(self, chunk_hashes: Sequence[bytes], prompt_tokens: int) -> Hit:
@@ -464,6 +575,7 @@ class Store(TierIO):
                     (warm if where == WARM else cold).append((h, g, header, data))
             self.m.add("placement_cold", len(cold))
             stored = self._write(warm, cold=False) + self._write(cold, cold=True)
+            self._observe()  # once per saved request, after its writes
             return stored
 
     def _places(self, groups: list[int], request: Sequence[bytes], n: int) -> dict[int, Sequence[str]]:

@@ -14,7 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import logging
+
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingConnectorMetadata
 from vllm.v1.kv_offload.base import LoadStoreSpec, OffloadKey
 
 from kvtier.index.index import Index
@@ -28,6 +31,9 @@ from .placement import header_span
 # kept importable from here for code written against it before counters.py (worker.py, the
 # vLLM upstream tests); new code imports it from .counters
 from .counters import Metrics  # noqa: F401
+
+log = logging.getLogger("kvtier.vllm")
+_LOGGED: set[str] = set()  # the learned share's "why not" line, once per process
 
 # every per-key map of the scheduler side (the manager's key memo, promotion and Redis answers)
 # is cleared when it reaches this many entries, so none grows without bound
@@ -56,6 +62,39 @@ class KvtierLoadStoreSpec(LoadStoreSpec):
 
     def __repr__(self) -> str:
         return f"KvtierLoadStoreSpec({len(self.items)} chunks)"
+
+
+@dataclass(frozen=True, slots=True)
+class SlotMove:
+    """A share op (the learned share): the index moved chunk `chunk_hash` of `group` from slot
+    `src` to slot `dst` of `tier`; the worker copies the bytes (verified: src must hold it)."""
+
+    tier: str
+    group: int
+    chunk_hash: bytes
+    src: int
+    dst: int
+
+
+@dataclass(frozen=True, slots=True)
+class SlotRelease:
+    """A share op: `group`'s pool in `tier` shrank to `slots`; the worker gives back the memory of
+    its slots >= `slots` (after the moves before it in the same batch)."""
+
+    tier: str
+    group: int
+    slots: int
+
+
+@dataclass
+class KvtierConnectorMetadata(OffloadingConnectorMetadata):
+    """vLLM's per-step metadata plus the share ops the manager queued during that step's
+    scheduling (`KvtierConnector.build_connector_meta`): every worker applies them, in order,
+    before the step's transfers (`KvtierConnector.handle_preemptions`). `share_batch` numbers
+    the batches, so a worker applies each once."""
+
+    share_ops: tuple = ()
+    share_batch: int = 0
 
 
 @dataclass(frozen=True)
@@ -113,13 +152,45 @@ class SpecContext:
         """Whether the cacheable groups' chunks span different tokens (engine_plan)."""
         return len({s for s, gp in zip(self.span_tokens, self.plan.groups) if gp.cacheable}) > 1
 
+    @property
+    def learned(self) -> bool:
+        """Whether the index moves each tier's bytes between groups as traffic goes
+        (`kvtier.share` "learned" or "auto", where `learned_off_reason` is empty)."""
+        if self.config.share not in ("auto", "learned"):
+            return False
+        why = self.learned_off_reason()
+        if why:
+            line = f"kvtier: kvtier.share={self.config.share!r}: a fixed share, {why}"
+            if line not in _LOGGED:
+                _LOGGED.add(line)
+                (log.warning if self.config.share == "learned" else log.info)(line)
+        return not why
+
+    def learned_off_reason(self) -> str:
+        """Why the learned share does not apply to this engine ("" where it does). Both sides ask
+        the same config and platform, so they agree without a handshake. It needs slabs that are
+        address space, committed where written: the worker lays each group out for the most slots
+        it may get (`slot_counts`). A host region is fallocated whole (one exists only with a disk
+        or Redis tier), and page-locked slabs (a GPU) are committed whole: N x the tier."""
+        if self.config.tiers != ("cpu",):
+            return f"the learned share is applied only where the cpu tier is the only tier, not {','.join(self.config.tiers)}"
+        from vllm.platforms import current_platform
+
+        device = str(getattr(current_platform, "device_type", ""))
+        if device != "cpu":
+            return f"the learned share is applied only on a CPU engine (page-locked slabs are committed whole), not {device!r}"
+        if self.mixed_spans:
+            return "the groups' chunks span different tokens"
+        return ""
+
     def share(self) -> str | dict[str, float]:
-        """The share rule both sides size each tier's slots by. Where the groups' chunks span
+        """The share rule both sides size each tier's slots by (with the learned share: the one
+        its pools start from). Where the groups' chunks span
         different tokens, "proportional" shares each tier by bytes per token, so every group
         covers the same tokens (equal slots would give a 64-token group a quarter of a 256-token
         group's tokens)."""
         share: str | dict[str, float] = self.config.share
-        if share == "auto":  # the placement's; groups of mixed spans store every chunk (self.placement)
+        if share in ("auto", "learned"):  # the placement's; groups of mixed spans store every chunk (self.placement)
             share = "proportional" if self.placement in (None, "every") else vllm_placement_share(self.plan)
         if self.mixed_spans and share == "proportional":
             per_token = {gp.name: gp.chunk_bytes / span
@@ -136,14 +207,30 @@ class SpecContext:
 
     def new_index(self) -> Index:
         """The scheduler's index (`share()`); with mixed spans the dead-first rule is off (chunk
-        hashes line up across groups only at common boundaries)."""
+        hashes line up across groups only at common boundaries). With the learned share, its
+        pools start from the fixed rule (auto's: a short run is no worse than that) and one
+        `LearnedShare` per tier moves bytes from there (`Index.observe`, manager.py)."""
+        if self.learned:
+            return Index(self.plan, self.config.capacities, policy=self.config.policy, share="learned",
+                         start=self.share(), anchored=not self.mixed_spans)
         return Index(self.plan, self.config.capacities, policy=self.config.policy, share=self.share(),
                      anchored=not self.mixed_spans)
 
     def slot_counts(self) -> dict[tuple[str, int], int]:
-        """Slots per (tier, cacheable group), exactly those of `new_index()`'s pools, without
-        building an index (the worker sizes its slabs with them)."""
-        return slot_counts(self.plan, self.config.capacities, self.share())
+        """Slots per (tier, cacheable group) the worker lays each tier out for: those of
+        `new_index()`'s pools, or, with the learned share, the most a pool may ever get (address
+        space, committed where written; `max_slots`)."""
+        if not self.learned:
+            return slot_counts(self.plan, self.config.capacities, self.share())
+        index = self.new_index()
+        return {(tier, gp.index): index.max_slots(gp.index, tier)
+                for tier in index.tiers for gp in self.plan.cacheable_groups}
+
+    def start_slots(self, tier: str) -> tuple[int, ...]:
+        """Per plan group, the slots of `tier`'s pool when the index starts (0 for a group not
+        cached): under the learned share the worker faults in only these at start."""
+        index = self.new_index()
+        return tuple(index.slots(gp.index, tier) if gp.cacheable else 0 for gp in self.plan.groups)
 
     def tier_layout(self, tier: str):  # noqa: ANN201 - a TierLayout
         """The slots of `tier` per group, as the worker lays the tier out (and the scheduler's

@@ -15,7 +15,7 @@ vLLM's and are left to it.
 | `kvtier.directory` | existing directory: disk slabs and the metrics file | required with disk |
 | `kvtier.policy` | eviction policy (`lru`, `fifo`, `arc`, `s3fifo`) | `"lru"` |
 | `kvtier.placement` | `hits`: full-attention chunks every time, a state checkpoint or sliding window only where hits land (docs/admission.md), the rest to a later tier (disk, Redis) or not at all; `every`: every chunk to every tier | `"hits"` |
-| `kvtier.share` | how a tier's bytes are shared by groups (`auto`: the placement's, `proportional`, `equal`) | `"auto"` |
+| `kvtier.share` | how a tier's bytes are shared by groups (`auto`: `learned` where it applies, else the placement's fixed rule; `learned`: moved toward the groups' warm bytes as traffic goes, where the cpu tier is the only tier and the engine runs on CPU (docs/vllm.md, "The learned share"); `proportional`, `equal`) | `"auto"` |
 | `kvtier.chunk_tokens` | tokens per chunk (a multiple of vLLM's block size) | vLLM's blocks_per_chunk |
 | `kvtier.redis_bytes` | bytes of this namespace the index tracks in Redis (Redis's maxmemory is the real bound) | required with redis |
 | `kvtier.redis_url` | `redis://host:port/db`, `rediss://`, `redis+cluster://`, `redis+sentinel://`; never with a password in it, in the userinfo or the query (`?password=`): vLLM logs this config | required with redis |
@@ -44,7 +44,7 @@ KEYS = ("tiers", "cpu_bytes", "disk_bytes", "redis_bytes", "directory", "policy"
 IO_QUEUE_BYTES = 256 << 20  # disk/Redis writes waiting for the background lane, per worker
 PASSWORD_ENV = "KVTIER_REDIS_PASSWORD"
 PLACEMENTS = ("hits", "every")  # kvtier.store.store.PLACEMENTS (not imported: no torch here)
-SHARES = ("auto", "proportional", "equal")
+SHARES = ("auto", "learned", "proportional", "equal")
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +55,7 @@ class VllmTierConfig:
     capacities_bytes: tuple[tuple[str, int], ...]  # (tier, bytes), fastest first
     directory: str | None
     policy: str
-    share: str  # "auto": the placement's (kvtier.store.store.resolve_share)
+    share: str  # "auto": learned where it applies, else the placement's (SpecContext.share)
     chunk_tokens: int | None
     redis_url: str | None = None
     tenant: str = ""

@@ -30,7 +30,7 @@ from vllm.v1.outputs import KVConnectorOutput
 
 from kvtier.errors import ConfigError
 
-from .common import KvtierHandshake
+from .common import KvtierConnectorMetadata, KvtierHandshake
 from .compat import (engine_id_of, event_group_rules, event_lacks_group_rule, events_tracker, kv_cache_config_for_spec,
                      manager_lock, offloading_group_ids, worker_load_jobs, worker_transfer_meta)
 from .counters import Metrics
@@ -109,6 +109,40 @@ class KvtierConnector(OffloadingConnector):
         if early and publish_now(self, early):
             self._early = []  # else no publisher reached: with the next step's events
         return result
+
+    # -- the learned share's ops reach the workers (manager.py `_observe`) --------------------
+
+    def build_connector_meta(self, scheduler_output):  # noqa: ANN001, ANN201 - vLLM's types
+        """vLLM's metadata of the step, plus the share ops the manager queued while vLLM built it
+        (its finished requests' `on_request_finished`): every worker gets them with this step."""
+        meta = super().build_connector_meta(scheduler_output)
+        manager = getattr(self.connector_scheduler, "manager", None)
+        if not isinstance(manager, KvtierManager):
+            return meta
+        with manager_lock(manager):
+            batch, ops = manager.take_share_ops()
+        if not ops:
+            return meta
+        from dataclasses import fields
+
+        return KvtierConnectorMetadata(**{f.name: getattr(meta, f.name) for f in fields(meta)},
+                                       share_ops=ops, share_batch=batch)
+
+    def handle_preemptions(self, kv_connector_metadata) -> None:  # noqa: ANN001 - vLLM's type
+        """The step's share ops first: before vLLM submits the previous step's deferred stores
+        and this step's loads."""
+        self._apply_share_ops(kv_connector_metadata)
+        super().handle_preemptions(kv_connector_metadata)
+
+    def start_load_kv(self, forward_context, **kwargs) -> None:  # noqa: ANN001 - vLLM's type
+        self._apply_share_ops(self._get_connector_metadata())  # once: a no-op after handle_preemptions
+        super().start_load_kv(forward_context, **kwargs)
+
+    def _apply_share_ops(self, meta) -> None:  # noqa: ANN001 - vLLM's metadata
+        ops = getattr(meta, "share_ops", ())
+        worker = getattr(self.connector_worker, "worker", None)
+        if ops and worker is not None and hasattr(worker, "apply_share_ops"):
+            worker.apply_share_ops(meta.share_batch, ops)
 
     # -- the workers' layout reaches the scheduler -------------------------------------------
     # vLLM hands the scheduler one representative KV-cache spec per group (it flattens a group

@@ -63,7 +63,7 @@ from kvtier.index.placement import COLD, SKIP, HitsLand
 
 from .compat import offload_key_positions
 from .placement import lookup_window
-from .common import SPLIT_MEMO_KEYS, ChunkItem, KvtierLoadStoreSpec, SpecContext
+from .common import SPLIT_MEMO_KEYS, ChunkItem, KvtierLoadStoreSpec, SlotMove, SlotRelease, SpecContext
 from .counters import Metrics
 from .events import HeldKeys, KvEvents
 from .host_only import HostOnlyHits
@@ -288,6 +288,11 @@ class KvtierManager(OffloadingManager):
         # shared with other engines: a key this index lacks may still be in Redis
         self.redis_lookup = RedisLookup(ctx, metrics) if "redis" in ctx.config.tiers else None
         self._new_placement()
+        # the learned share's ops for the workers (moves, releases), in order, until the connector
+        # takes them into the step's metadata (`take_share_ops`); batches numbered from 1
+        self._share_ops: list[SlotMove | SlotRelease] = []
+        self._share_batch = 0
+        self._share_slots = self._pool_slots()
         self._reset_unflushed = False  # a reset whose in-flight jobs may still write (reset_cache)
         rebuild_from_disk(ctx, self.index, metrics)
         metrics.flush(force=True)
@@ -348,6 +353,53 @@ class KvtierManager(OffloadingManager):
         self.index.listener = self.events.on_index
         self.host_only.forget()  # pins of the old index
         self.held.clear(self.index)
+        # ops of the old index not taken yet: none of its chunks is referenced any more; the
+        # workers' slots are laid out as before (the new pools start where the old ones started)
+        self._share_ops = []
+        self._share_slots = self._pool_slots()
+
+    # -- the learned share (SpecContext.learned; docs/vllm.md, "The learned share") ------------
+
+    def _pool_slots(self) -> dict[tuple[str, int], int]:
+        return {(tier, gp.index): self.index.slots(gp.index, tier)
+                for tier in self.index.tiers for gp in self.ctx.plan.cacheable_groups}
+
+    def _observe(self) -> None:
+        """Once per finished request: the learned share may move bytes between the groups'
+        pools now and then (`Index.observe`). Its evictions are reported as evictions; the
+        workers copy its moves and then give back each shrunk pool's tail (`SlotRelease`), in
+        the order queued here. Pinned (a load in flight) and reserved (a store or promotion in
+        flight) entries are never moved, and keep their pool above their slot, so no op touches
+        a slot a job still uses."""
+        if not self.index.learners:
+            return
+        r = self.index.observe()
+        by_tier: dict[str, list[Entry]] = {}
+        for e in r.evicted:
+            by_tier.setdefault(e.tier, []).append(e)
+        for tier, entries in by_tier.items():
+            self.held.evicted_elsewhere(entries, tier)
+        for e in r.evicted:
+            self.metrics.add("share_evicted", group=e.group)
+        for m in r.moved:
+            self._share_ops.append(SlotMove(m.tier, m.group, m.chunk_hash, m.from_slot, m.to_slot))
+            self.metrics.add("share_moved", group=m.group)
+        now = self._pool_slots()
+        for (tier, g), slots in now.items():
+            if slots < self._share_slots[(tier, g)]:
+                self._share_ops.append(SlotRelease(tier, g, slots))
+        if now != self._share_slots:
+            self.metrics.add("share_resizes")
+        self._share_slots = now
+
+    def take_share_ops(self) -> tuple[int, tuple[SlotMove | SlotRelease, ...]]:
+        """(batch number, the ops queued since the last call) for the step's metadata
+        (KvtierConnector.build_connector_meta); (0, ()) when none."""
+        if not self._share_ops:
+            return 0, ()
+        ops, self._share_ops = tuple(self._share_ops), []
+        self._share_batch += 1
+        return self._share_batch, ops
 
     def _key(self, key: OffloadKey) -> tuple[bytes, int] | None:
         split = self._split.get(key)
@@ -635,6 +687,7 @@ class KvtierManager(OffloadingManager):
         self.promotions.request_finished(req_context.req_id)
         self.loads.finished(req_context.req_id)
         self._placed.pop(str(req_context.req_id), None)
+        self._observe()
 
     def load_failed(self, req_id: str) -> None:
         """The worker could not restore this request's load (a tier error, a corrupt payload):

@@ -37,9 +37,16 @@ def worker_tiers(ctx: SpecContext, pin: bool) -> dict[str, Tier]:
                 from vllm.v1.kv_offload.cpu.host_register import host_register, host_unregister
 
                 register = (host_register, host_unregister)
-            # private, unpinned slabs are faulted in at start (factory.py); a region is at creation
+            # private, unpinned slabs are faulted in at start (factory.py); a region is at creation.
+            # With the learned share each group is laid out for the most slots it may get (address
+            # space): only the starting pools' slots are faulted in (SpecContext.learned)
+            learned = ctx.learned
+            if learned and pin:  # the platform said CPU, the KV cache is on a GPU: pinned whole
+                log.warning("kvtier: the learned share on a GPU's KV cache pins every group's largest "
+                            "layout; set kvtier.share to \"proportional\" or \"equal\"")
             tiers[name] = make_tier("cpu", layout, TierOptions(
-                pin_memory=pin, host_register=register, region=host_region(layout, ctx), fault_in=True))
+                pin_memory=pin, host_register=register, region=None if learned else host_region(layout, ctx),
+                fault_in=ctx.start_slots(name) if learned else True))
         elif name == "disk":
             root = ctx.disk_root
             assert root is not None

@@ -66,7 +66,7 @@ from kvtier.store.lane import Lane
 from kvtier.store.tiers.base import Tier
 from kvtier.store.tiers.cpu import fence
 
-from .common import ChunkItem, KvtierLoadStoreSpec, SpecContext
+from .common import ChunkItem, KvtierLoadStoreSpec, SlotMove, SlotRelease, SpecContext
 from .copies import EXPEDITED, LOAD, STORE, HostCopies, layer_refs
 from .counters import Metrics
 from .placement import Misplaced, place
@@ -112,7 +112,49 @@ class KvtierWorker(OffloadingWorker):
         self.slow = SlowIO(ctx, self.tiers, metrics, self._pool, self.copies,
                            Lane("tier-io", ctx.config.io_queue_bytes) if slow else None)
         self._reading: set[int] = set()
+        self._share_batch = 0  # the last batch of share ops applied (apply_share_ops)
         self.metrics.flush(force=True)
+
+    # -- the learned share's ops (manager.py `_observe`) ---------------------------------------
+
+    def apply_share_ops(self, batch: int, ops: Sequence[SlotMove | SlotRelease]) -> None:
+        """The manager's moves and releases of one step, in order, before any transfer of this
+        step is submitted (KvtierConnector.handle_preemptions); each batch once. No job in flight
+        reads or writes a slot they touch: the index never moves a pinned or reserved entry, and
+        keeps a pool above every such slot."""
+        if batch <= self._share_batch:
+            return
+        self._share_batch = batch
+        cpu = self._cpu
+        for op in ops:
+            if cpu is None or op.tier != "cpu":  # only the cpu tier is learned (SpecContext.learned)
+                continue
+            if isinstance(op, SlotMove):
+                self._share_move(cpu, op)
+            else:
+                self._share_release(cpu, op)
+
+    def _share_move(self, cpu, op: SlotMove) -> None:  # noqa: ANN001 - the CpuTier
+        """Copy the chunk the index moved into its new slot; its old slot is freed. A source that
+        no longer holds that chunk (never filled, overwritten: not expected) clears the new slot,
+        so a load of it there is a counted miss, never another chunk's bytes."""
+        g = op.group
+        stored = cpu.header(g, op.src)
+        if stored is None or stored.chunk_hash != op.chunk_hash or stored.namespace_id != self.ctx.namespace.id:
+            cpu.free(g, op.dst)
+            self.metrics.add("share_move_failed", group=g)
+            return
+        ok = cpu.move(g, op.src, op.dst, stored)  # verified copy; src freed (both, if it fails)
+        if ok:
+            self.metrics.add("share_moves_applied", group=g)
+        else:  # the move freed both slots: a load of it is a counted miss
+            self.metrics.add("share_move_failed", group=g)
+
+    def _share_release(self, cpu, op: SlotRelease) -> None:  # noqa: ANN001 - the CpuTier
+        """Give back the memory of the group's slots from `op.slots` on (their headers cleared;
+        `CpuTier.release`: madvise DONTNEED)."""
+        n = cpu.release(op.group, op.slots)
+        self.metrics.add("share_released_bytes", int(n or 0), group=op.group)
 
     # -- OffloadingWorker ----------------------------------------------------------------------
 

@@ -40,7 +40,9 @@ class TierOptions:
     pin_memory: bool | None = None  # None: pinned where CUDA is present
     host_register: HostRegister | None = None  # page-lock by registering plain memory (vLLM's)
     region: HostRegion | None = None  # slabs and slot table in a file another process maps
-    fault_in: bool = False  # touch every page of private, unpinned slabs now
+    # touch every page of private, unpinned slabs now (True), or each group's first slots only (a
+    # tuple per group: a learned share's starting pools; the rest of its layout is address space)
+    fault_in: bool | tuple[int, ...] = False
     # disk
     root: str | os.PathLike[str] | None = None
     fsync: str = "never"
@@ -69,9 +71,9 @@ def make_tier(name: str, layout: TierLayout | None, options: TierOptions) -> Tie
         assert layout is not None
         tier = CpuTier(layout, pin_memory=options.pin_memory, host_register=options.host_register,
                        region=options.region)
-        if options.fault_in and options.region is None and not tier.pinned:
-            for slab in tier.slabs:
-                slab.zero_()
+        if options.fault_in is not False and options.region is None and not tier.pinned:
+            for g, slab in enumerate(tier.slabs):
+                slab[:slab.shape[0] if options.fault_in is True else options.fault_in[g]].zero_()
         return tier
     if name == "disk":
         from kvtier.store.tiers.disk import DiskTier

@@ -1,0 +1,208 @@
+"""The learned share (kvtier.share "learned", what "auto" is on a CPU engine whose only tier is cpu)
+through vLLM's real scheduler and both connector halves (vllm_engineless/harness.py), on vLLM 0.32
+and 0.33: 48 sessions of Mooncake's conversation trace (202 requests) through a Qwen3-Next-like
+engine with a cpu tier of 1.5 MiB, once with the fixed share (auto's rule before: half of the tier
+to the full-attention group) and once learned, every loaded position of every group checked.
+The learned share moves bytes between the groups' pools (the index relocates kept chunks, the
+workers copy them with the step's metadata and give the shrunk tails back), so the worker's cpu
+tier stays within the tier's bytes although each group is laid out for the most slots it may get.
+A third run skips the workers' copies: loads of moved chunks then fail (counted misses, vLLM
+recomputes), so the check that every load succeeded bites.
+
+Run as a script (the test does, once per vLLM version): `python test_vllm_learned_share.py JSON`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+VLLM033 = Path(os.environ.get("VLLM033", REPO / ".vllm033"))
+TRACE = REPO / "src" / "kvtier" / "data" / "mooncake_conversation_head.jsonl"
+SCENARIO = {"trace": str(TRACE), "sessions": 48,
+            "layers": ["full", {"kind": "state"}, {"kind": "state"}, {"kind": "state"}],
+            "extra": {"kvtier.cpu_bytes": "1536KiB", "kvtier.placement": "hits"}}
+MODES = ("fixed", "learned", "skip_moves")
+VERSIONS = ["0.32", "0.33"]
+PAGE = 4096
+
+
+# -- the driver (run in a subprocess per vLLM version) ---------------------------------------------
+
+def _disagreements(h) -> tuple[int, int]:  # noqa: ANN001 - the harness
+    """(entries the index holds in the cpu tier, those whose worker slot does not name them), once
+    the workers got every op queued: a move they skipped leaves the index pointing at a slot that
+    holds another chunk or none. (0, 0) while ops wait for the next step."""
+    manager = h.sched.connector.scheduler.manager
+    cpu = h.wconn.connector_worker.worker.tiers["cpu"]
+    held = disagree = 0
+    if manager._share_ops:  # queued for the next step's metadata: the workers have not seen them
+        return held, disagree
+    for (tier, g), pool in manager.index._pools.items():
+        for h_, rec in pool.recs.items() if tier == "cpu" else ():
+            if manager.index.contains(h_, g, "cpu"):  # committed and visible
+                held += 1
+                stored = cpu.header(g, rec.slot)
+                disagree += int(stored is None or stored.chunk_hash != h_)
+    return held, disagree
+
+
+def run_mode(sc: dict, mode: str) -> dict:
+    import harness
+    from kvtier.integrations.vllm import common
+    from kvtier.integrations.vllm import worker as worker_mod
+
+    saved = (common.SpecContext.learned_off_reason, worker_mod.KvtierWorker._share_move)
+    if mode == "fixed":  # the rule auto had before: the baseline in the same bytes
+        common.SpecContext.learned_off_reason = lambda self: "the test's fixed baseline"
+    if mode == "skip_moves":  # the promise bites: the index moved chunks the workers never copied
+        worker_mod.KvtierWorker._share_move = lambda self, cpu, op: None
+    try:
+        workload = harness.conversation_sessions(sc["trace"], int(sc["sessions"]))
+        h = harness.Harness(dict(sc, extra={**sc["extra"], "kvtier.share": "auto"}))
+        restored = checked = bad = hits = 0
+        disagree = 0  # summed after every request: a moved entry may be evicted soon after
+        for n, req in enumerate(workload):
+            prompt = harness.trace_prompt(req, h.bs)
+            assert harness._fresh_gpu_cache(h), "vLLM refused reset_prefix_cache"
+            r = harness._load_and_check(h, f"r{n}", prompt)
+            assert r["external_tokens"] >= 0, r
+            restored += r["external_tokens"]
+            hits += int(r["external_tokens"] > 0)
+            checked += r["checked"]
+            bad += r["mismatches"]
+            for _ in harness._steps(10.0):
+                if not h.sched.requests:
+                    break
+                h.step()
+            h.drain()
+            disagree += _disagreements(h)[1]
+        manager = h.sched.connector.scheduler.manager
+        worker = h.wconn.connector_worker.worker
+        cpu = worker.tiers["cpu"]
+        stats = manager.index.stats()["tiers"]["cpu"]
+        # every chunk the index holds in the cpu tier, where the worker's slot names it: a move the
+        # worker did not copy leaves the index pointing at a slot holding something else
+        held = _disagreements(h)[0]
+        return {"requests": len(workload), "restored_tokens": restored, "hit_requests": hits,
+                "checked": checked, "mismatches": bad, "failed": sorted(h.failed),
+                "learned": bool(manager.index.learners),
+                "slots": {name: g["slots"] for name, g in stats["groups"].items()},
+                "layout_slots": list(cpu.layout.num_slots), "capacity": stats["capacity_bytes"],
+                "groups": len(stats["groups"]), "resident_bytes": cpu.resident_bytes(),
+                "held": held, "disagree": disagree,
+                "manager": {k: v for k, v in manager.metrics.counts.items() if k.startswith("share_")},
+                "worker": {k: v for k, v in worker.metrics.counts.items()
+                           if k.startswith(("share_", "load_miss", "load_jobs"))}}
+    finally:
+        common.SpecContext.learned_off_reason, worker_mod.KvtierWorker._share_move = saved
+
+
+def main() -> None:
+    import traceback
+
+    sys.path.insert(0, str(HERE / "vllm_engineless"))
+    import vllm
+
+    sc = json.loads(sys.argv[1])
+    out: dict = {"vllm_version": vllm.__version__}
+    for mode in sc.get("modes", MODES):
+        try:
+            out[mode] = run_mode(sc, mode)
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            out[mode] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+# -- the test ------------------------------------------------------------------------------------
+
+def _start(version: str) -> tuple:
+    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1", VLLM_LOGGING_LEVEL="WARNING",
+               TOKENIZERS_PARALLELISM="false")
+    if version == "0.33":
+        if not (VLLM033 / "vllm" / "__init__.py").is_file():
+            pytest.fail(f"vLLM 0.33's Python code is not in {VLLM033}; run `bash scripts/setup-vllm033.sh`")
+        env["PYTHONPATH"] = os.pathsep.join([str(VLLM033), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen([sys.executable, __file__, json.dumps(SCENARIO)], env=env, stdout=out,
+                            stderr=err, text=True)
+    return proc, out, err
+
+
+_STARTED: dict[str, tuple] = {}
+_CACHE: dict[str, dict] = {}
+
+
+@pytest.fixture(params=VERSIONS, scope="module")
+def results(request: pytest.FixtureRequest) -> dict:
+    if request.param not in _CACHE:
+        for v in VERSIONS:  # both at once
+            if v not in _CACHE and v not in _STARTED:
+                _STARTED[v] = _start(v)
+        proc, out, err = _STARTED.pop(request.param)
+        try:
+            proc.wait(timeout=1500)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+        line = next((x for x in stdout.splitlines() if x.startswith("RESULT ")), None)
+        assert line is not None, f"driver failed (rc {proc.returncode}):\n{stderr[-4000:]}"
+        r = json.loads(line[len("RESULT "):])
+        assert r["vllm_version"].startswith(request.param), r["vllm_version"]
+        _CACHE[request.param] = r
+    return _CACHE[request.param]
+
+
+def _ok(results: dict, mode: str) -> dict:
+    r = results[mode]
+    assert "error" not in r, f"{mode}: {r.get('error')}\n{r.get('traceback', '')}"
+    assert r["requests"] == 202, r
+    return r
+
+
+def test_the_learned_share_restores_at_least_the_fixed_share_in_the_same_bytes(results: dict) -> None:
+    fixed, learned = _ok(results, "fixed"), _ok(results, "learned")
+    print(json.dumps({"vllm": results["vllm_version"], "fixed": fixed, "learned": learned}))
+    assert not fixed["learned"] and learned["learned"], (fixed, learned)
+    for r in (fixed, learned):
+        assert r["checked"] > 1000 and r["mismatches"] == 0 and r["failed"] == [], r
+    assert learned["manager"].get("share_resizes", 0) > 0, learned
+    assert learned["restored_tokens"] >= fixed["restored_tokens"] > 0, (fixed, learned)
+
+
+def test_the_workers_apply_every_move_and_stay_within_the_tiers_bytes(results: dict) -> None:
+    learned = _ok(results, "learned")
+    moved = learned["manager"].get("share_moved", 0)
+    assert moved > 0 and learned["worker"].get("share_moves_applied", 0) == moved, learned
+    assert learned["worker"].get("share_move_failed", 0) == 0, learned
+    assert learned["held"] > 0 and learned["disagree"] == 0, learned
+    # each group laid out for the most slots it may get, more than the tier in all...
+    assert sum(learned["layout_slots"]) > sum(learned["slots"].values()), learned
+    # ...but only what the pools hold is in memory: the tier's bytes and a page per group
+    assert learned["resident_bytes"] <= learned["capacity"] + PAGE * learned["groups"], learned
+
+
+def test_loads_of_moved_chunks_fail_when_the_workers_skip_the_moves(results: dict) -> None:
+    """The bite: the index moved chunks the workers never copied, so it points at slots that do not
+    hold them; a load of one misses (the header check: counted, vLLM recomputes), never restores
+    another chunk's bytes. (Whether this workload loads a moved chunk at all differs by version:
+    on 0.32 one request does and is recomputed, on 0.33 none.)"""
+    skipped = _ok(results, "skip_moves")
+    assert skipped["mismatches"] == 0, skipped
+    assert skipped["disagree"] > 0, skipped
+    assert len(skipped["failed"]) == skipped["worker"].get("load_miss_cpu", 0), skipped
+
+
+if __name__ == "__main__":
+    main()
