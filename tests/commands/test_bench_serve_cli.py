@@ -220,10 +220,11 @@ def _reps(ratios: list[list[float]]) -> list[list[tuple[float, float]]]:
 def test_compare_is_a_z_test_on_the_paired_estimates(tmp_path: Path, capsys) -> None:
     import math
 
-    # two prompts, three repeats: ratios 2 and 4 with per-pair noise x e^(+-0.1, 0); geomean sqrt(8)
+    # two prompts, three repeats: ratios 2 and 4 with per-pair noise x e^(+-0.1, 0), opposite for
+    # the two prompts (no shift of a whole repeat); geomean sqrt(8)
     noise = (math.exp(0.1), 1.0, math.exp(-0.1))
-    one = _old_run(tmp_path, "1.json", _reps([[2 * e, 4 * e] for e in noise]), b_tps=[0.95, 1.0, 1.05])
-    two = _old_run(tmp_path, "2.json", _reps([[2 * e * 1.05, 4 * e * 1.05] for e in noise]))
+    one = _old_run(tmp_path, "1.json", _reps([[2 * e, 4 / e] for e in noise]), b_tps=[0.95, 1.0, 1.05])
+    two = _old_run(tmp_path, "2.json", _reps([[2 * e * 1.05, 4 / e * 1.05] for e in noise]))
     est = bs.estimates(json.loads(one.read_text())["workloads"])["ttft_speedup"]
     # residuals +-0.1 and 0 per prompt: sd^2 = 4 x 0.01 / (2 x 2), se = sd / sqrt(6)
     assert est["estimate"] == pytest.approx(math.sqrt(8)) and est["se_log"] == pytest.approx(0.1 / math.sqrt(6))
@@ -233,7 +234,7 @@ def test_compare_is_a_z_test_on_the_paired_estimates(tmp_path: Path, capsys) -> 
     assert f"run 1 vs 2: 0.952x, z {z:+.2f}: agree" in out  # |z| = 0.85
     assert "no_reuse_throughput_ratio" in out and "  run 2: not in this file" in out
     assert "t over 3 repeats (not paired per request)" in out
-    far = _old_run(tmp_path, "3.json", _reps([[2 * e * 1.3, 4 * e * 1.3] for e in noise]))  # z = -4.5
+    far = _old_run(tmp_path, "3.json", _reps([[2 * e * 1.3, 4 / e * 1.3] for e in noise]))  # z = -4.5
     assert main(["bench", "serve", "--compare", str(one), str(far), "--json"]) == 1
     res = json.loads(capsys.readouterr().out)
     fig = res["figures"]["ttft_speedup"]

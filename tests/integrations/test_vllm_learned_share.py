@@ -92,12 +92,23 @@ def run_mode(sc: dict, mode: str) -> dict:
         # every chunk the index holds in the cpu tier, where the worker's slot names it: a move the
         # worker did not copy leaves the index pointing at a slot holding something else
         held = _disagreements(h)[0]
+        resident = cpu.resident_bytes()
+        # a reset starts the pools at the first split again: every pool's pages past it go back
+        from kvtier.store.tiers.cpu import resident_in
+
+        manager.reset_cache()
+        h.drain()
+        start = {g: manager.index.slots(g, "cpu") for g in range(len(cpu.slabs)) if cpu.layout.num_slots[g]}
+        past_start = {g: resident_in(cpu.slabs[g].data_ptr() + n * cpu.layout.slot_bytes[g],
+                                     (cpu.layout.num_slots[g] - n) * cpu.layout.slot_bytes[g])
+                      for g, n in start.items()}
         return {"requests": len(workload), "restored_tokens": restored, "hit_requests": hits,
+                "past_start_after_reset": past_start,
                 "checked": checked, "mismatches": bad, "failed": sorted(h.failed),
                 "learned": bool(manager.index.learners),
                 "slots": {name: g["slots"] for name, g in stats["groups"].items()},
                 "layout_slots": list(cpu.layout.num_slots), "capacity": stats["capacity_bytes"],
-                "groups": len(stats["groups"]), "resident_bytes": cpu.resident_bytes(),
+                "groups": len(stats["groups"]), "resident_bytes": resident,
                 "held": held, "disagree": disagree,
                 "manager": {k: v for k, v in manager.metrics.counts.items() if k.startswith("share_")},
                 "worker": {k: v for k, v in worker.metrics.counts.items()
@@ -191,6 +202,9 @@ def test_the_workers_apply_every_move_and_stay_within_the_tiers_bytes(results: d
     assert sum(learned["layout_slots"]) > sum(learned["slots"].values()), learned
     # ...but only what the pools hold is in memory: the tier's bytes and a page per group
     assert learned["resident_bytes"] <= learned["capacity"] + PAGE * learned["groups"], learned
+    # after a reset (pools back at the first split) no group keeps pages past its pool: a page at
+    # most, the one a kept slot ends in
+    assert all(b <= PAGE for b in learned["past_start_after_reset"].values()), learned
 
 
 def test_loads_of_moved_chunks_fail_when_the_workers_skip_the_moves(results: dict) -> None:

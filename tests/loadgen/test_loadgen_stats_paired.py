@@ -17,8 +17,9 @@ def _pairs(ratios: list[list[float]], den: float = 0.25) -> tuple[list[list[floa
 
 def test_paired_geomean_with_an_interval_from_per_prompt_residuals() -> None:
     d = 0.1
-    # prompts of ratio 2 and 4, each at e^(+d) in one repeat and e^(-d) in the other
-    num, den = _pairs([[2 * math.exp(d), 4 * math.exp(d)], [2 * math.exp(-d), 4 * math.exp(-d)]])
+    # prompts of ratio 2 and 4, each at e^(+d) in one repeat and e^(-d) in the other, in opposite
+    # directions (no shift of a whole repeat: the repeats' means are equal)
+    num, den = _pairs([[2 * math.exp(d), 4 * math.exp(-d)], [2 * math.exp(-d), 4 * math.exp(d)]])
     e = paired(num, den)
     assert e is not None
     assert e["estimate"] == pytest.approx(math.sqrt(8))  # geomean of 2 and 4
@@ -26,14 +27,27 @@ def test_paired_geomean_with_an_interval_from_per_prompt_residuals() -> None:
     sd = math.sqrt(4 * d * d / 2)
     assert e["sd_log"] == pytest.approx(sd) and e["df"] == 2 and e["pairs"] == 4 and e["repeats"] == 2
     assert e["se_log"] == pytest.approx(sd / 2)
-    assert e["low"] == pytest.approx(math.sqrt(8) * math.exp(-Z95 * sd / 2))
-    assert e["high"] == pytest.approx(math.sqrt(8) * math.exp(Z95 * sd / 2))
-    assert e["margin"] == pytest.approx(math.expm1(Z95 * sd / 2))
-    assert e["values"] == pytest.approx([math.sqrt(8) * math.exp(d), math.sqrt(8) * math.exp(-d)])  # per repeat
+    t = t975(2)
+    assert e["low"] == pytest.approx(math.sqrt(8) * math.exp(-t * sd / 2))
+    assert e["high"] == pytest.approx(math.sqrt(8) * math.exp(t * sd / 2))
+    assert e["margin"] == pytest.approx(math.expm1(t * sd / 2))
+    assert e["values"] == pytest.approx([math.sqrt(8), math.sqrt(8)])  # per repeat
     assert e["method"] == "paired, stratified by prompt"
     # the prompts' own levels are the design, not noise: 2 and 40 instead of 2 and 4, same interval
-    wide = paired(*_pairs([[2 * math.exp(d), 40 * math.exp(d)], [2 * math.exp(-d), 40 * math.exp(-d)]]))
+    wide = paired(*_pairs([[2 * math.exp(d), 40 * math.exp(-d)], [2 * math.exp(-d), 40 * math.exp(d)]]))
     assert wide is not None and wide["se_log"] == pytest.approx(e["se_log"])
+
+
+def test_a_shift_of_whole_repeats_widens_the_paired_interval() -> None:
+    """Every pair of repeat 1 at e^(+d), of repeat 2 at e^(-d): a shift shared by the repeat, which
+    the per-prompt residuals alone would count as N independent draws. The spread of the repeats'
+    means is used instead, with R - 1 degrees of freedom."""
+    d = 0.1
+    e = paired(*_pairs([[2 * math.exp(d), 4 * math.exp(d)], [2 * math.exp(-d), 4 * math.exp(-d)]]))
+    assert e is not None and e["estimate"] == pytest.approx(math.sqrt(8))
+    # repeat means +d and -d: sd sqrt(2 d^2 / 1), se = sd / sqrt(2) = d, against stratified d / sqrt(2)
+    assert e["se_log"] == pytest.approx(d) and e["df"] == 1 and e["method"].startswith("paired, between repeats")
+    assert e["high"] == pytest.approx(math.sqrt(8) * math.exp(t975(1) * d))
 
 
 def test_paired_with_one_repeat_falls_back_to_the_plain_per_pair_error() -> None:
@@ -92,6 +106,10 @@ def test_agree_is_a_z_test_on_the_log_difference() -> None:
     assert agree(a, b(0.25, 0.12))["z"] == pytest.approx(-0.25 / 0.13) and agree(a, b(0.25, 0.12))["agree"] is True
     assert agree(a, {"estimate": 2.0, "se_log": None})["agree"] is None and agree(a, None)["agree"] is None
     exact = {"estimate": 2.0, "se_log": 0.0}
-    assert agree(exact, exact) == {"z": 0.0, "agree": True, "ratio": 1.0}
+    assert agree(exact, exact) == {"z": 0.0, "agree": True, "ratio": 1.0, "crit": Z95}
+    # with degrees of freedom on both sides, t at the smaller: 2 repeats' SE is itself uncertain
+    few = {"estimate": 2.0, "se_log": se, "df": 2}
+    assert agree(few, {**b(3 * s), "df": 50})["agree"] is True  # |z| = 3 < t(2) = 4.30
+    assert agree(few, {**b(4.4 * s), "df": 50})["agree"] is False and agree(few, few)["crit"] == pytest.approx(t975(2))
     assert agree(exact, {"estimate": 2.1, "se_log": 0.0})["agree"] is False
     assert agree(exact, {"estimate": 2.1, "se_log": 0.0})["z"] is None

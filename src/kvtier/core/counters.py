@@ -148,6 +148,8 @@ STORE = Registry("store", (
     Counter("share_evicted", "Entries dropped because the learned share shrank their pool."),
     Counter("share_moved", "Payloads moved to a lower slot of a pool the learned share shrank."),
     Counter("share_move_failed", "Moves that failed (source bad or write failed): the entry dropped."),
+    Counter("share_dropped", "Disk entries a resize relocated, dropped rather than moved while serving "
+            "(a move is I/O inside a save)."),
     Counter("share_released_bytes", "Bytes of memory or disk given back past the ends of shrunk pools."),
     # per (tier, group)
     Counter("load_chunks", "Chunks loaded from a tier.", TIER_GROUP),

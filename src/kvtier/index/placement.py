@@ -16,14 +16,18 @@ Bounded: the tree (<= `tree_nodes` x ~120 bytes) and ENDS counters.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from kvtier.core.plan import Plan
 from kvtier.errors import ConfigError
 from kvtier.index.branches import ENDS, NODE_BYTES, BranchTree
+from kvtier.index.pool import slot_counts
 
 ChunkHash = bytes | int
 WARM, COLD, SKIP = "warm", "cold", "skip"
+
+
+PLACED_KINDS = ("sliding", "chunked", "state")  # the groups the Store and replay place (vLLM: state only)
 
 
 def placement_share(plan: Plan, placed_kinds: Sequence[str]) -> str | dict[str, float]:
@@ -46,7 +50,7 @@ def placement_share(plan: Plan, placed_kinds: Sequence[str]) -> str | dict[str, 
     for side, part in ((anchors, rest - placed_part), (placed, placed_part)):
         side_bytes = sum(gp.chunk_bytes for gp in side)
         out.update({gp.name: part * gp.chunk_bytes / side_bytes for gp in side})
-    return {name: f * (1 - 1e-9) for name, f in out.items()}  # fractions must sum to at most 1
+    return out  # sums to 1 up to float error, which slot_counts allows (no slot lost to rounding)
 
 
 class HitsLand:
@@ -153,3 +157,19 @@ class HitsLand:
     @staticmethod
     def max_memory_bytes(tree_nodes: int) -> int:
         return NODE_BYTES * tree_nodes + 8 * ENDS
+
+
+def learned_start(plan: Plan, share: object, placement: object,
+                  capacities: Mapping[str, int]) -> str | dict[str, float] | None:
+    """Where a learned share's pools start (`Index(start=)`), in the Store and in replay alike: the
+    fixed split of the placed groups (`placement_share`) under a placement, so a short run is no
+    worse than that split (docs/admission.md); proportional (None) without a placement, or where a
+    tier is too small for the split to give every group a chunk."""
+    if share != "learned" or placement is None:
+        return None
+    split = placement_share(plan, PLACED_KINDS)
+    try:
+        slot_counts(plan, capacities, split)
+    except ConfigError:
+        return None
+    return split

@@ -138,7 +138,7 @@ def paired(num: Sequence[Sequence[float | None]], den: Sequence[Sequence[float |
     """The geometric mean of per-pair ratios num/den with a 95% interval: `num[r][i]` and
     `den[r][i]` are one prompt (position i) sent to both servers in repeat r (each repeat sends
     the same shapes in the same order, tokens of its own). Every pair gives log(num/den); the
-    estimate is exp of their mean, the interval exp(mean -+ 1.96 x se).
+    estimate is exp of their mean, the interval exp(mean -+ t x se).
 
     The standard error is stratified by prompt: each log ratio less its prompt's mean over the
     repeats, pooled into one sd with N(R-1) degrees of freedom, se = sd / sqrt(R x N)
@@ -168,7 +168,16 @@ def paired(num: Sequence[Sequence[float | None]], den: Sequence[Sequence[float |
         prompt_mean = [math.fsum(L[r][i] for r in range(R)) / R for i in range(N)]  # type: ignore[misc]
         df = N * (R - 1)
         sd = math.sqrt(math.fsum((L[r][i] - prompt_mean[i]) ** 2 for r in range(R) for i in range(N)) / df)  # type: ignore[operator]
-        method = "paired, stratified by prompt"
+        # a shift shared by a whole repeat is not per-pair noise: the spread of the repeats' means
+        # bounds the SE from below (R - 1 degrees of freedom), whichever is larger is used
+        rep = [math.fsum(row) / N for row in L]  # type: ignore[arg-type]
+        se_rep = math.sqrt(math.fsum((m - mean) ** 2 for m in rep) / (R - 1) / R)
+        if se_rep > sd / math.sqrt(R * N):
+            return _estimate(mean, se_rep, t975(R - 1), pairs=R * N, repeats=R, df=R - 1, sd_log=sd,
+                             method="paired, between repeats (the repeats' means spread more than "
+                                    "per-pair noise predicts)", values=per_repeat)
+        return _estimate(mean, sd / math.sqrt(R * N), t975(df), pairs=R * N, repeats=R, df=df, sd_log=sd,
+                         method="paired, stratified by prompt", values=per_repeat)
     elif N > 1:
         df = N - 1
         sd = math.sqrt(math.fsum((v - mean) ** 2 for v in flat) / df)
@@ -200,8 +209,9 @@ def over_repeats(values: Sequence[float | None]) -> dict[str, object] | None:
 
 
 def agree(a: dict[str, object] | None, b: dict[str, object] | None) -> dict[str, object]:
-    """Whether two runs' estimates of one figure agree: a z-test on the log difference,
-    |log a - log b| <= 1.96 x sqrt(se_a^2 + se_b^2). `z` is the difference over that combined
+    """Whether two runs' estimates of one figure agree: a test on the log difference,
+    |log a - log b| <= t x sqrt(se_a^2 + se_b^2), t at the smaller of the two degrees of freedom
+    (1.96 where either lacks them). `z` is the difference over that combined
     standard error (None where it is 0 and the figures differ); `agree` None where a side lacks
     the estimate or its standard error."""
     if not a or not b or a.get("se_log") is None or b.get("se_log") is None:
@@ -209,7 +219,9 @@ def agree(a: dict[str, object] | None, b: dict[str, object] | None) -> dict[str,
     d = math.log(a["estimate"]) - math.log(b["estimate"])  # type: ignore[arg-type]
     s = math.sqrt(a["se_log"] ** 2 + b["se_log"] ** 2)  # type: ignore[operator]
     z = d / s if s > 0 else (0.0 if d == 0 else None)
-    return {"z": z, "agree": abs(d) <= Z95 * s + 1e-12, "ratio": math.exp(d)}
+    dfs = [int(x["df"]) for x in (a, b) if isinstance(x.get("df"), int) and x["df"] >= 1]  # type: ignore[arg-type]
+    crit = t975(min(dfs)) if len(dfs) == 2 else Z95  # an SE from few repeats is itself uncertain
+    return {"z": z, "agree": abs(d) <= crit * s + 1e-12, "ratio": math.exp(d), "crit": crit}
 
 
 def sum_counts(items: Sequence[object]) -> object:

@@ -35,6 +35,7 @@ from typing import Protocol
 from kvtier.core.cost import ComputeModel, Term
 from kvtier.errors import ConfigError
 from kvtier.index.index import ChunkHash, Index
+from kvtier.index.placement import learned_start
 from kvtier.core.plan import Plan
 from kvtier.index.policies import POLICIES, EvictionPolicy
 from kvtier.replay.oracle import NEVER, Belady, next_uses
@@ -181,7 +182,8 @@ def replay(
         assert isinstance(policy, str)
         index, tuner = _worth_index(policy, plan, capacities, share, cost, placement, tail_endpoints)
     else:
-        index = Index(plan, capacities, policy=policy, share=share)
+        index = Index(plan, capacities, policy=policy, share=share,
+                      start=learned_start(plan, share, placement, capacities))
     if setup is not None:
         setup(index)
     adm = admission if admission is not None else _NoAdmission()
@@ -346,7 +348,8 @@ def _worth_index(name: str, plan: Plan, capacities: Mapping[str, int],
 
     opts = worth_options(name)
     weight = WorthWeight(opts.get("w", 0.0))
-    index = Index(plan, capacities, policy=lambda slots: WorthLRU(slots, weight), share=share)
+    index = Index(plan, capacities, policy=lambda slots: WorthLRU(slots, weight), share=share,
+                  start=learned_start(plan, share, placement, capacities))
     tree = getattr(placement, "tree", None)
     depth = tree.depth if tree is not None else (lambda key: 0)
     for gp in plan.cacheable_groups:

@@ -57,6 +57,7 @@ import torch
 from kvtier.errors import ConfigError
 from kvtier.index.index import Index, Load, Move, Resized
 from kvtier.index.placement import COLD, SKIP, WARM, HitsLand
+from kvtier.index.placement import PLACED_KINDS, learned_start
 from kvtier.index.placement import placement_share as _placement_share
 from kvtier.core.keys import Namespace, chunk_hashes as _chunk_hashes
 from kvtier.store.metrics import StoreMetrics, metrics_dict, register_prometheus, tier_counters
@@ -76,7 +77,6 @@ PLACEMENTS = ("hits", "every")
 
 
 # the Store places every kind but full/MLA (sliding windows, chunked-local spans, state checkpoints)
-PLACED_KINDS = ("sliding", "chunked", "state")
 
 
 def placement_share(plan: Plan) -> str | dict[str, float]:
@@ -201,7 +201,7 @@ class Store(TierIO):
         share = resolve_share(plan, share, self.placement, pinned)
         # the learned share starts from the placement's fixed split, as vLLM's manager does: a
         # short run is no worse than that (from proportional it takes ~1,000 requests to catch up)
-        start = placement_share(plan) if share == "learned" and self.placement is not None else None
+        start = learned_start(plan, share, self.placement, capacities)
         self.index: Index | None = (Index(plan, capacities, policy=policy, share=share, start=start)
                                     if capacities else None)
         self.m = StoreMetrics()
@@ -293,11 +293,14 @@ class Store(TierIO):
             return
         before = {(t, gp.index): index.slots(gp.index, t) for t in self.slot_tiers
                   for gp in self.plan.cacheable_groups}
-        self._apply_resize(index.observe(), before)
+        self._apply_resize(index.observe(), before, io_moves=False)
 
-    def _apply_resize(self, resized: Resized, before: dict[tuple[str, int], int]) -> int:
+    def _apply_resize(self, resized: Resized, before: dict[tuple[str, int], int], io_moves: bool = True) -> int:
         """Free what a resize evicted, move what it relocated, release the slots past the end of
-        each pool that shrank since `before`; returns the entries dropped (counted)."""
+        each pool that shrank since `before`; returns the entries dropped (counted).
+        `io_moves=False` (a resize while serving): an entry relocated in a tier other than cpu is
+        dropped, not moved: a disk move is a read and a write, and one resize may relocate 1/32
+        of the tier inside a save; at a restart (`_fit`) they are moved."""
         index = self.index
         assert index is not None
         for e in resized.evicted:
@@ -305,6 +308,13 @@ class Store(TierIO):
         self.m.add("share_evicted", len(resized.evicted))
         failed = 0
         for mv in resized.moved:
+            if not io_moves and mv.tier != "cpu":
+                tier = self.slot_tiers[mv.tier]
+                tier.free(mv.group, mv.from_slot)
+                tier.free(mv.group, mv.to_slot)
+                index.remove(mv.chunk_hash, mv.group, mv.tier)
+                self.m.add("share_dropped")
+                continue
             if self._move(mv):
                 self.m.add("share_moved")
             else:  # src held nothing valid, or the write failed: dst holds nothing either

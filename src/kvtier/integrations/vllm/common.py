@@ -135,6 +135,9 @@ class SpecContext:
     # its KV-cache specs: extra_retained_tokens of its sliding specs, its EAGLE/MTP drafter groups
     retained_tokens: int = 0
     draft_groups: frozenset[int] = frozenset()  # plan group indices
+    # KvtierConnector runs this spec (it hands over vLLM's KV-cache config): it carries the learned
+    # share's slot moves to the workers; vLLM's stock OffloadingConnector does not
+    kvtier_connector: bool = False
 
     def rank_namespace_ids(self) -> list[str]:
         """The namespaces whose shards one chunk of this scheduler stands for, its own first:
@@ -172,6 +175,9 @@ class SpecContext:
         address space, committed where written: the worker lays each group out for the most slots
         it may get (`slot_counts`). A host region is fallocated whole (one exists only with a disk
         or Redis tier), and page-locked slabs (a GPU) are committed whole: N x the tier."""
+        if not self.kvtier_connector:
+            return ("the learned share needs kv_connector \"KvtierConnector\" (vLLM's OffloadingConnector "
+                    "does not carry its slot moves to the workers)")
         if self.config.tiers != ("cpu",):
             return f"the learned share is applied only where the cpu tier is the only tier, not {','.join(self.config.tiers)}"
         from vllm.platforms import current_platform

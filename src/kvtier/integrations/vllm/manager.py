@@ -353,10 +353,12 @@ class KvtierManager(OffloadingManager):
         self.index.listener = self.events.on_index
         self.host_only.forget()  # pins of the old index
         self.held.clear(self.index)
-        # ops of the old index not taken yet: none of its chunks is referenced any more; the
-        # workers' slots are laid out as before (the new pools start where the old ones started)
-        self._share_ops = []
+        # ops of the old index not taken yet are moot (none of its chunks is referenced any more);
+        # the new pools start at the first split, so every pool's tail past it is given back: a
+        # pool the old share had grown would otherwise keep its pages while another grows again
         self._share_slots = self._pool_slots()
+        self._share_ops = [SlotRelease(tier, g, slots) for (tier, g), slots in self._share_slots.items()
+                           if self.index.learners]
 
     # -- the learned share (SpecContext.learned; docs/vllm.md, "The learned share") ------------
 

@@ -97,7 +97,8 @@ class KvtierOffloadingSpec(OffloadingSpec):
         if off_reason:
             log.warning("kvtier: offloading is off for this engine: %s", off_reason)
         self._parts = dict(geometry=geometry, kv_dtype=kv_dtype, config=tier_config, groups=groups,
-                           bpc=bpc, off_reason=off_reason, retained=retained, drafts=drafts)
+                           bpc=bpc, off_reason=off_reason, retained=retained, drafts=drafts,
+                           handed=kvc is not None)
         self.ctx = self._context(page_bytes)
         self._manager: OffloadingManager | None = None
         self._worker: OffloadingWorker | None = None
@@ -119,7 +120,8 @@ class KvtierOffloadingSpec(OffloadingSpec):
                            group_of={g.group_id: i for i, g in enumerate(p["groups"])},
                            blocks_per_chunk=p["bpc"], span_tokens=spans, off_reason=p["off_reason"],
                            page_bytes=page_bytes, one_scheduler=rank == 0,
-                           retained_tokens=p["retained"], draft_groups=p["drafts"])
+                           retained_tokens=p["retained"], draft_groups=p["drafts"],
+                           kvtier_connector=p["handed"])
 
     def workers_context(self, page_bytes: tuple[int, ...], fingerprint: str = "",
                         kv_dtype: str = "") -> SpecContext | None:

@@ -83,7 +83,7 @@ HostRegister = tuple[Callable[[int, int], bool], Callable[[int], None]]  # (regi
 def _pageable(shape: tuple[int, int]) -> torch.Tensor:
     """An unpinned slab: a private anonymous mapping (the tensor holds it), not malloc's memory,
     which may be pages touched before; untouched, so it commits no memory until written."""
-    mm = mmap.mmap(-1, shape[0] * shape[1], flags=mmap.MAP_PRIVATE)
+    mm = mmap.mmap(-1, shape[0] * shape[1], flags=mmap.MAP_PRIVATE | getattr(mmap, "MAP_NORESERVE", 0))
     return torch.frombuffer(mm, dtype=torch.uint8).view(shape)
 
 
