@@ -15,7 +15,8 @@ capacity is shared out among the cacheable groups by `share`:
   Kept for `kvtier replay`'s comparison; never a sensible choice for a store.
 - a dict {group name: fraction of the tier} (fractions > 0, summing to at most 1, every
   cacheable group named).
-- "learned": starts proportional (or from `start`); a `kvtier.index.share.LearnedShare` per tier then moves
+- "learned": starts proportional, or from `start` (the Store and replay: the placement's fixed
+  split, `index.placement.learned_start`; vLLM's manager: its own, `vllm_placement_share`); a `kvtier.index.share.LearnedShare` per tier then moves
   bytes toward equal lifetimes of every group's warm entries (each group's bytes in proportion
   to the bytes it stored warm lately), through `resize`, called by `observe` once per request
   (the caller drops the entries it evicts and copies the ones it moves). A pool never has
