@@ -206,8 +206,9 @@ def compare(paths: list[str], as_json: bool) -> int:
 
 def compare_text(paths: list[str], result: dict[str, dict], targets: list[dict]) -> list[str]:  # type: ignore[type-arg]
     lines = [f"run {i + 1}: {p}" for i, p in enumerate(paths)]
-    lines.append("two runs agree on a figure when |log a - log b| <= 1.96 x sqrt(se_a^2 + se_b^2) "
-                 "(z = the difference over that standard error); intervals 95%")
+    lines.append("two runs agree on a figure when |log a - log b| <= t x sqrt(se_a^2 + se_b^2), t at the "
+                 "smaller of their degrees of freedom (1.96 without; z = the difference over that "
+                 "standard error); intervals 95%")
     for k, v in result.items():
         lines.append(f"{k}: {ESTIMATED.get(k, k)}")
         for i, e in enumerate(v["estimates"]):
