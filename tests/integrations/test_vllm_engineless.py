@@ -755,6 +755,6 @@ def test_the_default_placement_restores_more_than_every_chunk_in_the_same_bytes(
     every, hits = every_and_hits(results, "multi_turn_state")
     r = results["multi_turn_state"]
     assert every["slots"] == {"vllm0_full": 48, "vllm1_state": 48, "vllm2_state": 48, "vllm3_state": 48}, every
-    assert hits["slots"] == {"vllm0_full": 95, "vllm1_state": 31, "vllm2_state": 31, "vllm3_state": 31}, hits
+    assert hits["slots"] == {"vllm0_full": 96, "vllm1_state": 32, "vllm2_state": 32, "vllm3_state": 32}, hits
     assert hits["restored_tokens"] >= 1.5 * every["restored_tokens"] > 0, r
     assert every["skipped"] == every["cold"] == 0, every

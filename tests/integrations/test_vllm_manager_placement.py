@@ -72,7 +72,7 @@ def test_every_stores_what_vllm_offers_and_keeps_equal_slots(tmp_path: Path) -> 
     assert _store(m, rc, keys[0] + keys[1]) == keys[0] + keys[1]
     assert m.index.slots(0, "cpu") == m.index.slots(1, "cpu") == 64
     hits = _manager(tmp_path, cpu=64 * ROW)  # share "auto": half of the tier to the attention group
-    assert hits.index.slots(0, "cpu") == int(64 * ROW * 0.5 * (1 - 1e-9)) // PLAN.groups[0].chunk_bytes
+    assert hits.index.slots(0, "cpu") == 64 * ROW // 2 // PLAN.groups[0].chunk_bytes  # exactly half
 
 
 def test_a_follow_up_turn_keeps_the_checkpoint_its_next_turn_hits(tmp_path: Path) -> None:
