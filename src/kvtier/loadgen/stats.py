@@ -145,11 +145,10 @@ def paired(num: Sequence[Sequence[float | None]], den: Sequence[Sequence[float |
     (notes/41-serve-analysis.md, section 2). The plain per-pair SE (sd of all R x N log ratios)
     is not equivalent here: a trace workload's prompts differ by design (a first turn's ratio is
     about 1, a later turn's 1.4-5.8), the same in every run, and the plain SE counts that design
-    as noise. Over the four runs of 2026-12-06 it gave (a) and (c) intervals about twice as wide
-    (±13-16% against ±6-9%); for (b), whose prompts are alike, both agree (±6-11%). The
-    stratified noise is what moves a run: per repeat it predicts sd 0.064 of the log geomean,
-    0.068 observed. With one repeat there is nothing to stratify over: the plain per-pair SE
-    (wider; `method` says which). A position missing or not positive in any repeat is left out
+    as noise (measured widths: docs/changelog.md). A shift shared by a whole repeat is not
+    per-pair noise, so the se never goes below the spread of the repeats' means (t at R - 1).
+    With one repeat there is nothing to stratify over: the plain per-pair SE (wider; `method`
+    says which). A position missing or not positive in any repeat is left out
     of every repeat. None without a pair."""
     R = len(num)
     if R == 0 or len(den) != R:

@@ -200,7 +200,7 @@ class Store(TierIO):
                      "than cpu_bytes (pin_memory=False runs the learned share)")
         share = resolve_share(plan, share, self.placement, pinned)
         # the learned share starts from the placement's fixed split, as vLLM's manager does: a
-        # short run is no worse than that (from proportional it takes ~1,000 requests to catch up)
+        # short run is no worse than that (from proportional it must first move the bytes)
         start = learned_start(plan, share, self.placement, capacities)
         self.index: Index | None = (Index(plan, capacities, policy=policy, share=share, start=start)
                                     if capacities else None)
