@@ -328,3 +328,28 @@ def test_engine_groups_follow_vllms_grouping_of_layer_types(tmp_path: Path) -> N
     (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 30}))
     assert bs.engine_groups(str(tmp_path)) == 1  # one kind: one group, one request's blocks as before
     assert bs.engine_groups(str(tmp_path / "missing")) == 1
+
+
+def test_each_repeat_says_where_the_cpu_went_and_a_missed_no_reuse_target_quotes_it() -> None:
+    """cpu_use: per server the seconds between two readings, the machine's busy/idle/steal, and
+    `others` = busy seconds no bench process used; add_cpu sums repeats; the no-reuse cause quotes
+    kvtier's server against the one without it, steal and other work (where the time went)."""
+    before = ({"without": 10.0, "with_cpu": 12.0}, {"busy": 100.0, "idle": 50.0, "steal": 1.0}, 3.0)
+    after = ({"without": 40.0, "with_cpu": 48.0}, {"busy": 180.0, "idle": 60.0, "steal": 11.0}, 5.0)
+    one = bs.cpu_use(after, before)
+    assert one == {"servers": {"without": 30.0, "with_cpu": 36.0}, "bench": 2.0,
+                   "machine": {"busy": 80.0, "idle": 10.0, "steal": 10.0}, "others": 12.0}
+    both = bs.add_cpu([one, one])
+    assert both["servers"] == {"without": 60.0, "with_cpu": 72.0} and both["others"] == 24.0
+    assert both["machine"] == {"busy": 160.0, "idle": 20.0, "steal": 20.0} and both["bench"] == 4.0
+    assert bs.cpu_text(both, "with_cpu") == ("CPU seconds: kvtier's server 72.0, without 60.0 (1.20x); "
+                                             "machine busy 80%, steal 10.0%, other work 24.0 s")
+    w = {"b": {"ratios_with_over_without": {"ttft_p50_s": 1.02, "itl_p50_s": 1.15},
+               "cpu_s": {"all_repeats": both, "repeats": [one, one]}}}
+    why = bs.cause_of("no_reuse_throughput_ratio", w, None)
+    assert why is not None and why["cpu_s"] == both
+    assert why["text"].endswith("inter-token p50 1.150; CPU seconds: kvtier's server 72.0, without 60.0 "
+                                "(1.20x); machine busy 80%, steal 10.0%, other work 24.0 s")
+    assert bs.cpu_text({}, "with_cpu") is None  # an old run's JSON: no line, no guess
+    assert "CPU seconds" not in bs.cause_of("no_reuse_throughput_ratio", {"b": {"ratios_with_over_without": {
+        "ttft_p50_s": 1.0, "itl_p50_s": 1.0}}}, None)["text"]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.loadgen.servers import Process, ServerFailed, free_port, group_alive
+from kvtier.loadgen.servers import Process, ServerFailed, free_port, group_alive, group_cpu_s, machine_cpu_s
 
 
 def test_stop_reaches_every_process_of_the_group(tmp_path: Path) -> None:
@@ -160,3 +160,26 @@ def test_the_bench_serve_redis_takes_no_command_without_its_password(tmp_path: P
             assert proxy.stats().forwarded_bytes > 64  # the tier's traffic went through it
     finally:
         assert proc.stop(grace_s=10)
+
+
+def test_a_groups_cpu_seconds_are_its_own_and_the_machines_only_grow(tmp_path: Path) -> None:
+    """group_cpu_s counts the CPU a server's group burns (not the machine's, not an idle group's);
+    machine_cpu_s's busy, idle and steal never go back."""
+    m0 = machine_cpu_s()
+    idle = Process("sleep", ["sleep", "30"], dict(os.environ), tmp_path / "idle.log")
+    burn = Process("burn", [sys.executable, "-c", "import time\nt = time.process_time()\n"
+                            "while time.process_time() - t < 0.6: pass\ntime.sleep(30)"],
+                   dict(os.environ), tmp_path / "burn.log")
+    try:
+        deadline = time.monotonic() + 20
+        while group_cpu_s(burn.pgid) < 0.6 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert 0.6 <= group_cpu_s(burn.pgid) < 5.0
+        assert group_cpu_s(idle.pgid) < 0.2
+    finally:
+        burn.stop()
+        idle.stop()
+    m1 = machine_cpu_s()
+    assert set(m0) == set(m1) == {"busy", "idle", "steal"}
+    assert all(m1[k] >= m0[k] for k in m0) and m1["busy"] - m0["busy"] >= 0.5
+    assert group_cpu_s(burn.pgid) == 0.0  # gone: nothing left to count

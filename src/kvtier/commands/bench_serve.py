@@ -466,6 +466,8 @@ def bench(a: argparse.Namespace) -> dict[str, object]:
             before = {k: read_metrics(dirs[k]) for k in knames}
             engine_before = {n: prefix_cache_tokens(eps[n].base_url) for n in names}
             sent_before = proxy.stats() if proxy is not None and w == "c" else None
+            cpu_before = ({n: sv.group_cpu_s(p.pgid) for n, p in procs.items()}, sv.machine_cpu_s(),
+                          time.process_time())
             t1 = time.monotonic()
             waited: list[float] = []
             sent: dict[str, list[float]] = {}
@@ -495,7 +497,10 @@ def bench(a: argparse.Namespace) -> dict[str, object]:
                     res["later_turns"] = later_turns(turns[w, r], samples["without"], samples[k])
                 res["kvtier_server"] = k
                 per[k] = res
-            common: dict[str, object] = {"seconds": round(time.monotonic() - t1, 1), "waited": waited}
+            common: dict[str, object] = {
+                "seconds": round(time.monotonic() - t1, 1), "waited": waited,
+                "cpu_s": cpu_use(({n: sv.group_cpu_s(p.pgid) for n, p in procs.items()}, sv.machine_cpu_s(),
+                                  time.process_time()), cpu_before)}
             if sent_before is not None and proxy is not None:
                 s2 = proxy.stats()
                 common["proxy"] = {"delay_ms": a.delay_ms, "connections": s2.connections - sent_before.connections,
@@ -540,6 +545,9 @@ def summarize(w: str, runs: list[dict], samples: list[dict[str, list]], turns: l
         "seconds": round(sum(run["seconds"] for run in runs), 1),
         "quiet_wait_s": {"median": round(statistics.median(waited), 3) if waited else 0.0,
                          "max": round(max(waited, default=0.0), 3)}}
+    if all("cpu_s" in run for run in runs):
+        common["cpu_s"] = {"all_repeats": add_cpu([run["cpu_s"] for run in runs]),
+                           "repeats": [run["cpu_s"] for run in runs]}
     if any("proxy" in run for run in runs):
         from kvtier.loadgen.stats import sum_counts
 
@@ -558,6 +566,51 @@ def summarize(w: str, runs: list[dict], samples: list[dict[str, list]], turns: l
                                                 for run in runs]}
     return {"placements": {PLACEMENT_OF[k]: v for k, v in per.items()}, "cpu_bytes": a.hybrid_cpu_bytes, **common,
             "repeats": [{PLACEMENT_OF[k]: v for k, v in run["per_server"].items()} for run in runs]}
+
+
+Cpu = tuple[dict[str, float], dict[str, float], float]  # per server group, the machine's, this process's
+
+
+def cpu_use(after: Cpu, before: Cpu) -> dict[str, object]:
+    """CPU seconds between two readings: per server process group (`servers`), this process
+    (`bench`: the client and the proxy), the machine's `busy`, `idle` and `steal`, and `others`:
+    busy seconds no process of the bench used (another job on the machine, or the kernel's own
+    work). Where a figure moved, these say whether a server did more work or the machine had less
+    to give."""
+    servers = {n: round(v - before[0].get(n, 0.0), 3) for n, v in after[0].items()}
+    machine = {k: round(v - before[1].get(k, 0.0), 3) for k, v in after[1].items()}
+    bench = round(after[2] - before[2], 3)
+    out: dict[str, object] = {"servers": servers, "bench": bench, "machine": machine}
+    if "busy" in machine:
+        out["others"] = round(machine["busy"] - sum(servers.values()) - bench, 3)
+    return out
+
+
+def add_cpu(reps: list[dict]) -> dict[str, object]:  # type: ignore[type-arg]
+    """`cpu_use` readings of several repeats, summed field by field."""
+    out: dict[str, object] = {"servers": {}, "bench": 0.0, "machine": {}}
+    for r in reps:
+        for key in ("servers", "machine"):
+            d = out[key]
+            for n, v in (r.get(key) or {}).items():
+                d[n] = round(d.get(n, 0.0) + v, 3)  # type: ignore[union-attr, attr-defined]
+        out["bench"] = round(out["bench"] + r.get("bench", 0.0), 3)  # type: ignore[operator]
+        if "others" in r:
+            out["others"] = round(out.get("others", 0.0) + r["others"], 3)  # type: ignore[operator]
+    return out
+
+
+def cpu_text(cpu: dict, server: str) -> str | None:  # type: ignore[type-arg]
+    """One line on where a workload's CPU went: kvtier's server against the one without it, and
+    how much of the machine's time the hypervisor took (steal) or other work used."""
+    servers, m = cpu.get("servers") or {}, cpu.get("machine") or {}
+    wo, wi = servers.get("without"), servers.get(server)
+    total = sum(m.get(k, 0.0) for k in ("busy", "idle", "steal"))
+    if wo is None or wi is None or wo <= 0 or total <= 0:
+        return None
+    return (f"CPU seconds: kvtier's server {wi:.1f}, without {wo:.1f} ({wi / wo:.2f}x); machine busy "
+            f"{m.get('busy', 0.0) / total:.0%}, steal {m.get('steal', 0.0) / total:.1%}, other work "
+            f"{cpu.get('others', 0.0):.1f} s")
 
 
 def pooled(reps: list[dict], without: list, with_kv: list, groups: int, chunk_tokens: int,  # type: ignore[type-arg]
@@ -804,7 +857,9 @@ def cause_of(figure: str, w: dict[str, dict], ideal: float | None) -> dict[str, 
     T the TTFT sum without kvtier over N requests; c = the inter-token p50 gives the highest
     such cap (a larger c lowers it). notes/41-serve-analysis.md, section 5.
     no_reuse_throughput_ratio: (b)'s TTFT p50 and inter-token p50, with / without: where the
-    time went (prefill or decoding)."""
+    time went (prefill or decoding); and (b)'s CPU seconds: kvtier's server against the one without
+    it (its stores' extra work shares the cores with decoding), the hypervisor's steal and other
+    work on the machine (less machine to go round, not more work)."""
     from kvtier.loadgen.stats import ratio
 
     if figure == "ttft_speedup":
@@ -832,8 +887,12 @@ def cause_of(figure: str, w: dict[str, dict], ideal: float | None) -> dict[str, 
         ttft, itl = r.get("ttft_p50_s"), r.get("itl_p50_s")
         if ttft is None or itl is None:
             return None
-        return {"ttft_p50_ratio": ttft, "itl_p50_ratio": itl,
-                "text": f"(b), with / without, all repeats' requests: TTFT p50 {ttft:.3f}, inter-token p50 {itl:.3f}"}
+        b = w.get("b") or {}
+        cpu = (b.get("cpu_s") or {}).get("all_repeats") or {}
+        line = cpu_text(cpu, KVTIER_SERVERS["b"][0])
+        return {"ttft_p50_ratio": ttft, "itl_p50_ratio": itl, **({"cpu_s": cpu} if cpu else {}),
+                "text": f"(b), with / without, all repeats' requests: TTFT p50 {ttft:.3f}, inter-token p50 {itl:.3f}"
+                        + (f"; {line}" if line else "")}
     return None
 
 
@@ -995,6 +1054,9 @@ def human(r: dict) -> str:  # type: ignore[type-arg]
             lines.append(f"  turns after the first ({lt['requests']}): TTFT p50 {num(lt['ttft_p50_s_without'])} s "
                          f"without, {num(lt['ttft_p50_s_with'])} s with: "
                          f"{num(lt['ttft_p50_speedup'], 1, '{:.2f}')}x")
+        line = cpu_text((res.get("cpu_s") or {}).get("all_repeats") or {}, KVTIER_SERVERS[w][0])
+        if line:
+            lines.append(f"  {line}")
         if "proxy" in res:
             p = res["proxy"]
             lines.append(f"  proxy: {p['forwarded_chunks']} chunks, {p['forwarded_bytes']} bytes, "

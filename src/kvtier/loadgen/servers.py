@@ -100,6 +100,34 @@ def group_alive(pgid: int) -> list[int]:
     return out
 
 
+def group_cpu_s(pgid: int) -> float:
+    """CPU seconds (user + system) the live processes of group `pgid` have used, with their reaped
+    children's: one server's own work, told apart from the machine's (0.0 where /proc is absent)."""
+    ticks = 0
+    for pid in group_alive(pgid) if Path("/proc").is_dir() else []:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        ticks += sum(int(x) for x in fields[11:15])  # utime, stime, cutime, cstime
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def machine_cpu_s() -> dict[str, float]:
+    """The machine's CPU seconds so far, all cores together (/proc/stat): `busy` (user, nice,
+    system, irq, softirq), `idle` (idle, iowait) and `steal` (a hypervisor running another guest
+    on this guest's cores: the machine got slower, not the code). Empty where /proc/stat is absent."""
+    try:
+        head = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+    except OSError:
+        return {}
+    user, nice, system, idle, iowait, irq, softirq, steal = (int(x) for x in head[1:9])
+    tick = os.sysconf("SC_CLK_TCK")
+    return {"busy": (user + nice + system + irq + softirq) / tick, "idle": (idle + iowait) / tick,
+            "steal": steal / tick}
+
+
 class Process:
     """A command in its own process group, output to `log_path`."""
 
