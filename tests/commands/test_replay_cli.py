@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+import kvtier
 from kvtier.cli import main
 
 GEOM = {"name": "toy", "tokens_per_hash": 16, "groups": [
@@ -53,9 +55,12 @@ def test_table_and_compare_accounting(files, capsys):
     assert rc == 0
     assert "MIN" in out and "row-per-key" in out and "learned" in out  # the default share
     # 50% of 4 unique chunks of both groups = 2 rows: per-group gets 2 slots per group (the
-    # learned share starts proportional), row-per-key 1 slot per group
+    # learned share starts proportional), row-per-key 1 slot per group. The default evicts by
+    # worth (a sliding group placed where hits land); the layout-blind row-per-key row by recency
     lines = [ln for ln in out.splitlines() if " lru " in f" {ln} "]
-    assert len(lines) == 2
+    assert len(lines) == 1 and "row-per-key" in lines[0]
+    worth = [ln for ln in out.splitlines() if "worth(w=0, tuned)" in ln]
+    assert len(worth) == 1 and "learned" in worth[0]
 
 
 def test_sweep_plot_writes_png(files, tmp_path, capsys):
@@ -170,3 +175,28 @@ def test_default_is_hits_land_with_the_learned_share(files, capsys):
     assert old["share"] == "proportional" and old["share_final"] is None
     assert old["hit_chunks"] == default["hit_chunks"] == 5
 
+
+
+def _rows(argv, capsys):
+    assert main(["replay", *argv, "--json"]) == 0
+    return [r for r in json.loads(capsys.readouterr().out)["policies"] if r["policy"] != "min"]
+
+
+def test_the_default_policy_is_tuned_worth_on_a_hybrid_and_lru_on_one_group(tmp_path, capsys):
+    """No --policy: `kvtier.index.tuning.default_policy`, the Store's and vLLM's "auto": on a
+    hybrid geometry under placement hits the same row as --policy worth (tuned), with
+    --placement every or one full-attention group the same row as --policy lru."""
+    trace = tmp_path / "conv.jsonl"
+    head = (Path(kvtier.__file__).parent / "data" / "mooncake_conversation_head.jsonl").read_text()
+    trace.write_text("".join(head.splitlines(keepends=True)[:400]))
+    same = ("hit_chunks", "hit_tokens", "written_bytes", "evictions", "flops_saved", "share_final")
+    for geom, placement, policy, label in (("gemma-3-27b", [], "worth", "worth(w=0, tuned)"),
+                                           ("gemma-3-27b", ["--placement", "every"], "lru", "lru"),
+                                           ("llama-3-8b", [], "lru", "lru")):
+        base = [str(trace), "--geometry", geom, "--tier", "cpu=5%", *placement]
+        default, explicit = _rows(base, capsys), _rows([*base, "--policy", policy], capsys)
+        assert len(default) == len(explicit) == 1
+        assert default[0]["policy"] == explicit[0]["policy"] == label, (geom, placement)
+        assert default[0]["hit_chunks"] > 0
+        for k in same:
+            assert default[0][k] == explicit[0][k], (geom, placement, k)

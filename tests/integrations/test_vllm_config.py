@@ -52,11 +52,11 @@ def test_tenant_salts_the_namespace() -> None:
         parse_config({"kvtier.cpu_bytes": 4096, "kvtier.tenant": 3})
 
 
-def test_defaults_are_one_cpu_tier_lru() -> None:
+def test_defaults_are_one_cpu_tier_auto_policy() -> None:
     cfg = parse_config({"kvtier.cpu_bytes": 4096})
     assert cfg.tiers == ("cpu",)
     assert cfg.capacities == {"cpu": 4096}
-    assert (cfg.directory, cfg.policy, cfg.share, cfg.chunk_tokens) == (None, "lru", "auto", None)
+    assert (cfg.directory, cfg.policy, cfg.share, cfg.chunk_tokens) == (None, "auto", "auto", None)  # auto: worth where it applies (kvtier.index.tuning)
     assert cfg.placement == "hits"  # store where hits land (docs/admission.md); "every" opts out
     assert parse_config({"kvtier.cpu_bytes": 4096, "kvtier.placement": "every"}).placement == "every"
     with pytest.raises(ConfigError, match=r"kvtier.placement='sometimes' is unknown; use \"hits\""):

@@ -54,7 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="eviction policy (repeat): lru, fifo, arc, s3fifo; worth (LRU + the compute an "
                         "entry saves, weight tuned online; worth:w=W fixes it; docs/admission.md); or marconi "
                         "(the Marconi baseline, MLSys'25: its admission and eviction, alpha tuned "
-                        "online; marconi:alpha=A fixes alpha; docs/replay.md)")
+                        "online; marconi:alpha=A fixes alpha; docs/replay.md). Default: worth where "
+                        "placement hits places a group that is not full/MLA attention, else lru "
+                        "(kvtier.index.tuning.default_policy, the Store's and vLLM's too)")
     p.add_argument("--admission", action="append", metavar="A",
                    help="admission policy (repeat): all (default), nth[:N], tinylfu, prefix, adaptive; "
                         "oracle[:D] is an offline bound (store only chunks used again [within D "
@@ -159,10 +161,12 @@ def run(args: argparse.Namespace) -> int:
     else:
         plan = make_plan(geometry, chunk_tokens=chunk_tokens)
     placement = args.placement or ("every" if args.tail_endpoints else "hits")
-    policies = args.policy or ["lru"]
+    from kvtier.index.tuning import default_policy
+
+    policies = args.policy or [default_policy(plan, placement)]  # "auto": worth where it applies
     for pol in policies:
         if pol.partition(":")[0] == "worth":
-            from kvtier.replay.worth import worth_options
+            from kvtier.index.tuning import worth_options
 
             worth_options(pol)  # bad options fail before any replay
         elif pol.partition(":")[0] == "marconi":

@@ -151,6 +151,12 @@ STORE = Registry("store", (
     Counter("share_dropped", "Disk entries a resize relocated, dropped rather than moved while serving "
             "(a move is I/O inside a save)."),
     Counter("share_released_bytes", "Bytes of memory or disk given back past the ends of shrunk pools."),
+    Counter("worth_tunings", "Tunings of the worth weight adopted (policy worth: shadow replays of "
+            "recent saves, kvtier.index.tuning)."),
+    Counter("worth_tunings_skipped", "Tunings of the worth weight skipped because the last one was "
+            "still running."),
+    Counter("worth_tunings_failed", "Tunings of the worth weight that failed (the shadow process died "
+            "or answered garbage): the weight was kept."),
     # per (tier, group)
     Counter("load_chunks", "Chunks loaded from a tier.", TIER_GROUP),
     Counter("load_misses", "Chunk reads a tier could not serve (missing or a bad payload).", TIER_GROUP),
@@ -253,6 +259,12 @@ VLLM = Registry("vllm", (
     Counter("layout_from_workers", "Index rebuilds from the workers' exact layout at start."),
     Counter("share_resizes", "Times the learned share resized the index's pools (kvtier.share)."),
     Counter("share_evicted", "Chunks dropped because the learned share shrank their pool.", GROUP),
+    Counter("worth_tunings", "Tunings of the worth weight adopted (policy worth: shadow replays of "
+            "recent requests, kvtier.index.tuning)."),
+    Counter("worth_tunings_skipped", "Tunings of the worth weight skipped because the last one was "
+            "still running."),
+    Counter("worth_tunings_failed", "Tunings of the worth weight that failed (the shadow process died "
+            "or answered garbage): the weight was kept."),
     Counter("share_moved", "Chunks the learned share moved to a lower slot of a shrunk pool (the "
             "workers copy them: share_moves_applied).", GROUP),
     # workers (KvtierWorker)

@@ -14,7 +14,7 @@ they serve:
 + w x z x slots, z = log2(worth / mean worth of new entries), clipped to [-4, 4]: a worth twice
 the mean buys w more turnovers of the pool. The victim is the lowest priority. **w = 0 is LRU**,
 exactly (priority = last use); `WorthWeight` holds w for every pool of an index, so a tuner
-(`kvtier.replay.worth`) changes it for all at once. The dead-first, cold-first and orphan rules
+(`kvtier.index.tuning`) changes it for all at once. The dead-first, cold-first and orphan rules
 of `kvtier.index.index` stay in front of the policy.
 
 Memory: per resident entry a heap item, a (priority, clock) pair and a sightings count (the heap

@@ -36,6 +36,7 @@ from kvtier.core.cost import ComputeModel, Term
 from kvtier.errors import ConfigError
 from kvtier.index.index import ChunkHash, Index
 from kvtier.index.placement import learned_start
+from kvtier.index.tuning import tail_chunks, worth_index, worth_options
 from kvtier.core.plan import Plan
 from kvtier.index.policies import POLICIES, EvictionPolicy
 from kvtier.replay.oracle import NEVER, Belady, next_uses
@@ -298,7 +299,7 @@ def replay(
         if learned:
             index.observe()  # a resize's evictions are dropped, its moves cost no bytes here
         if tuner is not None:
-            tuner.observe(req, tuner.started or any(
+            tuner.observe(req.chunks, req.prompt_tokens, req.input_tokens, tuner.started or any(
                 index.counters(gp.index, first)["evictions"] for gp in cacheable))
         if observe is not None:
             observe(r, index)
@@ -340,60 +341,14 @@ def replay(
 def _worth_index(name: str, plan: Plan, capacities: Mapping[str, int],
                  share: str | Mapping[str, float], cost: CostModel, placement: Placement | None,
                  tail_endpoints: int | None):
-    """An Index whose pools evict by worth (`kvtier.index.worth`), and its tuner (None when the
-    name fixes w): the shadow replays of the tuner use a fresh placement of the same rule."""
-    from kvtier.index.placement import HitsLand
-    from kvtier.index.worth import WorthLRU, WorthWeight, worth_value
-    from kvtier.replay.worth import WorthTuner, worth_options
-
+    """`kvtier.index.tuning.worth_index` (the rule the Store and vLLM's manager run), its shadows
+    inline; the tuner is None when the name fixes w."""
     opts = worth_options(name)
-    weight = WorthWeight(opts.get("w", 0.0))
-    index = Index(plan, capacities, policy=lambda slots: WorthLRU(slots, weight), share=share,
-                  start=learned_start(plan, share, placement, capacities))
-    tree = getattr(placement, "tree", None)
-    depth = tree.depth if tree is not None else (lambda key: 0)
-    for gp in plan.cacheable_groups:
-        value = worth_value(gp.kind, cost.model.flops, plan.chunk_tokens, depth)
-        for tier in capacities:
-            index.policy_of(gp.index, tier).value = value  # type: ignore[attr-defined]
-    if "w" in opts:
-        return index, None
-    if placement is None:
-        fresh: Callable[[], Placement | None] = lambda: None  # noqa: E731
-    elif isinstance(placement, HitsLand):
-        nodes = placement.tree.max_nodes
-        fresh = lambda: HitsLand(plan, tree_nodes=nodes)  # noqa: E731
-    else:
-        raise ConfigError(f"policy {name!r}: tuning w needs placement 'hits' or 'every', not "
-                          f"{getattr(placement, 'name', placement)!r}; give worth:w=W")
-
-    def score(window: Trace, w: float) -> float:
-        return replay(plan, window, capacities, f"worth:w={w:g}", share=share, cost=cost,
-                      tail_endpoints=tail_endpoints, placement=fresh()).flops_saved
-
     kw = {k: int(v) for k, v in opts.items() if k in ("max_chunks", "period")}
-    return index, WorthTuner(weight, score, next(iter(capacities)), **kw)
-
-
-def tail_chunks(plan: Plan, group: int, num_chunks: int, endpoints: int) -> list[int]:
-    """What a non-anchor group must hold so hits can end at the prompt's last `endpoints` chunk
-    boundaries: the union of `plan.chunks_for_hit` over T = j*C, j = n-endpoints+1 .. n.
-
-    Why: a sliding window or a state checkpoint serves only hits that end near it, and follow-up
-    requests (the next turn of a chat) hit at the end of an earlier prompt, so a sliding group's
-    early chunks and a state group's early checkpoints are bytes few hits read. With
-    endpoints=2 a Mooncake next turn (which repeats all but the last, partial block) still hits.
-    The replay stores these warm; the group's other chunks are stored *cold* (evicted before
-    any warm entry, never refreshed by a save), so they cost nothing while there is room and
-    still serve a prompt that branches in the middle of a cached one.
-    """
-    if endpoints <= 0:
-        raise ConfigError(f"tail endpoints {endpoints} must be a positive number of chunk boundaries")
-    c = plan.chunk_tokens
-    out: set[int] = set()
-    for j in range(max(1, num_chunks - endpoints + 1), num_chunks + 1):
-        out.update(plan.chunks_for_hit(group, j * c))
-    return sorted(out)
+    w = opts.get("w")
+    return worth_index(plan, capacities, share=share, placement=placement, cost=cost.model,
+                       tail_endpoints=tail_endpoints, w=None if w is None else float(w),
+                       runner="inline", **kw)
 
 
 def admission_horizon(plan: Plan, tier: str, capacity: int, share: str | Mapping[str, float]) -> int:

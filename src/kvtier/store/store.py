@@ -36,6 +36,11 @@ a tier commits stays within its bytes while its layout spans the most slots each
 A page-locked cpu tier keeps the fixed `placement_share` (docs/admission.md, "The learned share
 in the Store").
 
+Eviction (`policy="auto"`, `kvtier.index.tuning.default_policy`): by worth (recency plus the
+compute an entry saves) where placement "hits" places a group that is not full/MLA, its weight
+tuned from recent saves by shadow replays in a child process (`self.tuner`, closed with the
+store); LRU elsewhere. docs/store.md, "Eviction".
+
 Restart: a disk tier's slots are listed and fed to `Index.rebuild`, so a restarted process
 keeps its cache (under a learned share `Index.fit` then brings the pools, which restart at their
 first split, back within the tier's bytes, keeping every entry that fits). One lock serializes
@@ -59,6 +64,8 @@ from kvtier.index.index import Index, Load, Move, Resized
 from kvtier.index.placement import COLD, SKIP, WARM, HitsLand
 from kvtier.index.placement import PLACED_KINDS, learned_start
 from kvtier.index.placement import placement_share as _placement_share
+from kvtier.index.policies import POLICIES
+from kvtier.index.tuning import WorthTuner, default_policy, worth_index, worth_options
 from kvtier.core.keys import Namespace, chunk_hashes as _chunk_hashes
 from kvtier.store.metrics import StoreMetrics, metrics_dict, register_prometheus, tier_counters
 from kvtier.store.integrity import load_secret
@@ -148,7 +155,7 @@ class Store(TierIO):
         disk_dir: str | os.PathLike[str] | None = None,
         disk_bytes: int | None = None,
         shared: Sequence[Tier] = (),
-        policy: str = "lru",
+        policy: str = "auto",
         share: str | Mapping[str, float] = "auto",
         admission: object | str | None = None,
         placement: object | str = "hits",
@@ -166,7 +173,10 @@ class Store(TierIO):
         HitsLand-like object); `share="auto"`: the share that goes with the placement
         ("learned" with "hits": `kvtier.index.share.LearnedShare`, pools resized once per saved
         request, but `placement_share`'s fixed one when the cpu tier is page-locked (`pin_memory`
-        True, or None where CUDA is present); "proportional" with "every")."""
+        True, or None where CUDA is present); "proportional" with "every").
+        `policy`: eviction within a pool; "auto" (`kvtier.index.tuning.default_policy`): "worth"
+        under placement "hits" with a group that is not full/MLA, else "lru"; "worth" tunes its
+        weight in a child process (`self.tuner`), "worth:w=W" fixes it; or lru, fifo, arc, s3fifo."""
         self.plan = plan
         self.namespace = namespace
         self.ns_id = namespace.id
@@ -202,8 +212,10 @@ class Store(TierIO):
         # the learned share starts from the placement's fixed split, as vLLM's manager does: a
         # short run is no worse than that (from proportional it must first move the bytes)
         start = learned_start(plan, share, self.placement, capacities)
-        self.index: Index | None = (Index(plan, capacities, policy=policy, share=share, start=start)
-                                    if capacities else None)
+        self.tuner: WorthTuner | None = None  # policy worth, tuned: its weight is tuner.weight.w
+        self.index: Index | None = None
+        if capacities:
+            self.index, self.tuner = self._new_index(policy, capacities, share, start)
         self.m = StoreMetrics()
         self.slot_tiers: dict[str, Tier] = {}
         for name in capacities:
@@ -225,6 +237,21 @@ class Store(TierIO):
         self.rebuilt = self._rebuild()
 
     # -- construction helpers -------------------------------------------------------------
+    def _new_index(self, policy: object, capacities: dict[str, int], share: str | Mapping[str, float],
+                   start: str | Mapping[str, float] | None) -> tuple[Index, WorthTuner | None]:
+        """The index under `policy` ("auto" resolved by the placement), and worth's tuner."""
+        name = default_policy(self.plan, self.placement) if policy == "auto" else policy
+        if isinstance(name, str) and name.partition(":")[0] == "worth":
+            opts = worth_options(name)  # bad options: ConfigError naming them
+            w = opts.get("w")
+            return worth_index(self.plan, capacities, share=share, placement=self.placement, start=start,
+                               w=None if w is None else float(w), runner="process",
+                               **{k: int(v) for k, v in opts.items() if k in ("max_chunks", "period")})
+        if isinstance(name, str) and name not in POLICIES:
+            raise ConfigError(f"unknown eviction policy {policy!r}; use one of: auto, worth, worth:w=W, "
+                              f"{', '.join(POLICIES)}")
+        return Index(self.plan, capacities, policy=name, share=share, start=start), None  # type: ignore[arg-type]
+
     def _layout(self, tier: str) -> TierLayout:
         """Each group's most slots (`Index.max_slots`): a pool's slots, or under a learned share
         the most it may get (address space; pages and blocks are committed where written)."""
@@ -294,6 +321,24 @@ class Store(TierIO):
         before = {(t, gp.index): index.slots(gp.index, t) for t in self.slot_tiers
                   for gp in self.plan.cacheable_groups}
         self._apply_resize(index.observe(), before, io_moves=False)
+
+    def _tune(self, chunks: Sequence[bytes], num_tokens: int) -> None:
+        """One request was saved: the worth tuner remembers it (and tunes every period of chunks
+        after the first eviction in the first tier; `kvtier.index.tuning`)."""
+        tuner, index = self.tuner, self.index
+        if tuner is None or index is None:
+            return
+        first = index.tiers[0]
+        evicted = tuner.started or any(index.counters(gp.index, first)["evictions"]
+                                       for gp in self.plan.cacheable_groups)
+        tuner.observe(chunks, num_tokens, num_tokens, evicted)
+        self._count_tunings()
+
+    def _count_tunings(self) -> None:
+        """Bring the store's worth_tunings* counters up to the tuner's."""
+        assert self.tuner is not None
+        for name, value in self.tuner.counts().items():
+            self.m.add(name, value - self.m.totals[name])
 
     def _apply_resize(self, resized: Resized, before: dict[tuple[str, int], int], io_moves: bool = True) -> int:
         """Free what a resize evicted, move what it relocated, release the slots past the end of
@@ -586,6 +631,7 @@ class Store(TierIO):
             self.m.add("placement_cold", len(cold))
             stored = self._write(warm, cold=False) + self._write(cold, cold=True)
             self._observe()  # once per saved request, after its writes
+            self._tune(chunk_hashes[:whole], num_tokens)
             return stored
 
     def _places(self, groups: list[int], request: Sequence[bytes], n: int) -> dict[int, Sequence[str]]:
@@ -647,6 +693,9 @@ class Store(TierIO):
     # -- metrics and lifecycle ------------------------------------------------------------
     def metrics(self) -> dict[str, object]:
         with self._lock:
+            if self.tuner is not None:
+                self.tuner.poll()  # a tuning finished since the last save counts now
+                self._count_tunings()
             ev: dict[tuple[str, int], int] = {}
             if self.index is not None:
                 for name in self.slot_tiers:
@@ -668,6 +717,8 @@ class Store(TierIO):
         with self._lock:
             for t in (*self.slot_tiers.values(), *self.shared):
                 t.close()
+            if self.tuner is not None:
+                self.tuner.close()  # stops its child process
 
     def __enter__(self) -> Store:
         return self

@@ -33,7 +33,7 @@ from .placement import header_span
 from .counters import Metrics  # noqa: F401
 
 log = logging.getLogger("kvtier.vllm")
-_LOGGED: set[str] = set()  # the learned share's "why not" line, once per process
+_LOGGED: set[str] = set()  # the learned share's and worth's "why not" lines, once per process
 
 # every per-key map of the scheduler side (the manager's key memo, promotion and Redis answers)
 # is cleared when it reaches this many entries, so none grows without bound
@@ -211,16 +211,51 @@ class SpecContext:
         placement's endpoints are chunk indices of one chunk size (kvtier.index.placement)."""
         return "every" if self.mixed_spans else self.config.placement
 
+    @property
+    def policy(self) -> str:
+        """`kvtier.policy` resolved: "auto" is worth where placement "hits" places a cacheable
+        group other than full/MLA (`kvtier.index.tuning.default_policy`), else lru. Worth with
+        mixed spans is lru: an entry's depth and the tuner's shadows count chunks of one size."""
+        from kvtier.index.tuning import default_policy
+
+        name = self.config.policy
+        if name == "auto":
+            name = default_policy(self.plan, self.placement)
+        if name.partition(":")[0] == "worth" and self.mixed_spans:
+            line = f"kvtier: kvtier.policy={self.config.policy!r}: lru, the groups' chunks span different tokens"
+            if line not in _LOGGED:
+                _LOGGED.add(line)
+                log.warning(line)
+            return "lru"
+        return name
+
     def new_index(self) -> Index:
-        """The scheduler's index (`share()`); with mixed spans the dead-first rule is off (chunk
-        hashes line up across groups only at common boundaries). With the learned share, its
-        pools start from the fixed rule (auto's: a short run is no worse than that) and one
-        `LearnedShare` per tier moves bytes from there (`Index.observe`, manager.py)."""
-        if self.learned:
-            return Index(self.plan, self.config.capacities, policy=self.config.policy, share="learned",
-                         start=self.share(), anchored=not self.mixed_spans)
-        return Index(self.plan, self.config.capacities, policy=self.config.policy, share=self.share(),
-                     anchored=not self.mixed_spans)
+        """The scheduler's index, with worth's weight fixed at its start (`new_tuned_index`):
+        the same pools and slots, for whoever sizes or lays out a tier."""
+        return self.new_tuned_index(None, tune=False)[0]
+
+    def new_tuned_index(self, placement: object | None, *, tune: bool = True):  # noqa: ANN201 - (Index, WorthTuner | None)
+        """The scheduler's index (`share()`, `policy`) and, under worth with w not fixed, its
+        tuner (`kvtier.index.tuning.worth_index`, shadows in a child process; `placement`: the
+        manager's HitsLand, whose prefix tree gives an entry's depth and the shadows' rule).
+        With mixed spans the dead-first rule is off (chunk hashes line up across groups only at
+        common boundaries). With the learned share, its pools start from the fixed rule (auto's:
+        a short run is no worse than that) and one `LearnedShare` per tier moves bytes from there
+        (`Index.observe`, manager.py)."""
+        learned = self.learned
+        share = "learned" if learned else self.share()
+        start = self.share() if learned else None
+        policy = self.policy
+        if policy.partition(":")[0] != "worth":
+            return Index(self.plan, self.config.capacities, policy=policy, share=share, start=start,
+                         anchored=not self.mixed_spans), None
+        from kvtier.index.tuning import worth_index, worth_options
+
+        opts = worth_options(policy)
+        w = opts.get("w", None if tune else 0.0)
+        sizes = {k: int(v) for k, v in opts.items() if k in ("max_chunks", "period")}
+        return worth_index(self.plan, self.config.capacities, share=share, placement=placement, w=w,
+                           runner="process", start=start, anchored=not self.mixed_spans, **sizes)
 
     def slot_counts(self) -> dict[tuple[str, int], int]:
         """Slots per (tier, cacheable group) the worker lays each tier out for: those of

@@ -13,7 +13,7 @@ vLLM's and are left to it.
 | `kvtier.cpu_bytes` | host-memory tier capacity (int bytes or `"4GiB"`, `"512MiB"`) | required with cpu |
 | `kvtier.disk_bytes` | disk tier capacity | required with disk |
 | `kvtier.directory` | existing directory: disk slabs and the metrics file | required with disk |
-| `kvtier.policy` | eviction policy (`lru`, `fifo`, `arc`, `s3fifo`) | `"lru"` |
+| `kvtier.policy` | eviction policy: `auto` (`worth` where placement `hits` places a cacheable group other than full/MLA, else `lru`), `worth` (LRU plus the compute an entry saves, its weight tuned online; `worth:w=W` fixes it), `lru`, `fifo`, `arc`, `s3fifo` | `"auto"` |
 | `kvtier.placement` | `hits`: full-attention chunks every time, a state checkpoint or sliding window only where hits land (docs/admission.md), the rest to a later tier (disk, Redis) or not at all; `every`: every chunk to every tier | `"hits"` |
 | `kvtier.share` | how a tier's bytes are shared by groups (`auto`: `learned` where it applies, else the placement's fixed rule; `learned`: moved toward the groups' warm bytes as traffic goes, where the cpu tier is the only tier and the engine runs on CPU (docs/vllm.md, "The learned share"); `proportional`, `equal`) | `"auto"` |
 | `kvtier.chunk_tokens` | tokens per chunk (a multiple of vLLM's block size) | vLLM's blocks_per_chunk |
@@ -45,6 +45,7 @@ IO_QUEUE_BYTES = 256 << 20  # disk/Redis writes waiting for the background lane,
 PASSWORD_ENV = "KVTIER_REDIS_PASSWORD"
 PLACEMENTS = ("hits", "every")  # kvtier.store.store.PLACEMENTS (not imported: no torch here)
 SHARES = ("auto", "learned", "proportional", "equal")
+WORTH_OPTIONS = ("w", "max_chunks", "period")  # kvtier.policy "worth:w=W,max_chunks=N,period=N"
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +55,7 @@ class VllmTierConfig:
     tiers: tuple[str, ...]
     capacities_bytes: tuple[tuple[str, int], ...]  # (tier, bytes), fastest first
     directory: str | None
-    policy: str
+    policy: str  # "auto": worth where it applies, else lru (SpecContext.policy)
     share: str  # "auto": learned where it applies, else the placement's (SpecContext.share)
     chunk_tokens: int | None
     redis_url: str | None = None
@@ -172,11 +173,7 @@ def parse_config(extra_config: Mapping[str, object]) -> VllmTierConfig:
             )
     elif "disk" in tiers:
         raise ConfigError("kvtier.directory is missing: the disk tier needs an existing directory")
-    policy = ours.get("policy", "lru")
-    from kvtier.index.policies import POLICIES  # control plane, no torch
-
-    if not isinstance(policy, str) or policy not in POLICIES:
-        raise ConfigError(f"kvtier.policy={policy!r} is unknown; use one of: {', '.join(POLICIES)}")
+    policy = _policy(ours.get("policy", "auto"))
     share = ours.get("share", "auto")
     if share not in SHARES:
         raise ConfigError(f"kvtier.share={share!r} is unknown; use one of: {', '.join(SHARES)}")
@@ -268,6 +265,24 @@ def redis_password(config: VllmTierConfig) -> str | None:
     if config.redis_password_file is not None:
         return _private_file(config.redis_password_file, "kvtier.redis_password_file").decode()
     return os.environ.get(PASSWORD_ENV) or None
+
+
+def _policy(value: object) -> str:
+    """`kvtier.policy`, checked: "auto", a POLICIES name, or "worth" with its options (resolved
+    against the plan by SpecContext.policy: auto needs the groups and the placement)."""
+    from kvtier.index.policies import POLICIES, policy_options  # control plane, no torch
+
+    names = ("auto", *POLICIES, "worth", "worth:w=W")
+    if not isinstance(value, str) or (value not in POLICIES and value != "auto"
+                                      and value.partition(":")[0] != "worth"):
+        raise ConfigError(f"kvtier.policy={value!r} is unknown; use one of: {', '.join(names)}")
+    if value.partition(":")[0] == "worth":
+        try:
+            policy_options(value, "worth", WORTH_OPTIONS, "w", "worth takes w=W (fixed, no tuning), "
+                           "max_chunks=N, period=N")
+        except ConfigError as exc:
+            raise ConfigError(f"kvtier.{exc}") from None
+    return value
 
 
 def _tiers(value: object) -> tuple[str, ...]:

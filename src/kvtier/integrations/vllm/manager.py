@@ -60,6 +60,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.index.index import Entry, Index
 from kvtier.index.placement import COLD, SKIP, HitsLand
+from kvtier.index.tuning import WorthTuner
 
 from .compat import offload_key_positions
 from .placement import lookup_window
@@ -273,7 +274,11 @@ class KvtierManager(OffloadingManager):
         self.ctx = ctx
         self.spec = spec
         self.metrics = metrics
-        self.index: Index = ctx.new_index()
+        self._new_placement()
+        # the worth weight's tuner (policy worth, w not fixed; else None) and its counts exported
+        self.tuner: WorthTuner | None = None
+        self._tuner_counts: dict[str, int] = {}
+        self.index: Index = self._tuned_index()
         # memo of key -> (chunk hash, group); bounded (recomputing is one blake2b call)
         self._split: dict[OffloadKey, tuple[bytes, int] | None] = {}
         self._pending: dict[OffloadKey, list[tuple[str, int]]] = {}  # places reserved by a store in flight
@@ -287,7 +292,6 @@ class KvtierManager(OffloadingManager):
         self.host_only = HostOnlyHits(metrics)  # host-only loads: the hits this step pinned
         # shared with other engines: a key this index lacks may still be in Redis
         self.redis_lookup = RedisLookup(ctx, metrics) if "redis" in ctx.config.tiers else None
-        self._new_placement()
         # the learned share's ops for the workers (moves, releases), in order, until the connector
         # takes them into the step's metadata (`take_share_ops`); batches numbered from 1
         self._share_ops: list[SlotMove | SlotRelease] = []
@@ -316,8 +320,8 @@ class KvtierManager(OffloadingManager):
         if self._pending or self.loads.busy() or self.promotions.busy():
             raise RuntimeError("kvtier: the workers' layout arrived after transfers began")
         self.ctx = ctx
+        self._new_placement()  # first: the new index's worth reads its prefix tree
         self._new_index()
-        self._new_placement()
         self.promotions.relayout(ctx, self.index)
         self._split.clear()
         if self.redis_lookup is not None:
@@ -349,7 +353,7 @@ class KvtierManager(OffloadingManager):
         """An empty index for `self.ctx` (a reset, the workers' layout): every chunk announced in
         a KV event is announced removed, and nothing kept about the old index's chunks."""
         self.events.reset(self.held.key_of)
-        self.index = self.ctx.new_index()
+        self.index = self._tuned_index()
         self.index.listener = self.events.on_index
         self.host_only.forget()  # pins of the old index
         self.held.clear(self.index)
@@ -359,6 +363,51 @@ class KvtierManager(OffloadingManager):
         self._share_slots = self._pool_slots()
         self._share_ops = [SlotRelease(tier, g, slots) for (tier, g), slots in self._share_slots.items()
                            if self.index.learners]
+
+    def _tuned_index(self) -> Index:
+        """A fresh index for `self.ctx` and the placement's prefix tree, and its worth tuner in
+        place of the old one (closed: a new index starts from w = 0, LRU, as at start)."""
+        self._close_tuner()
+        index, self.tuner = self.ctx.new_tuned_index(self.placement)
+        self._tuner_counts = {}
+        return index
+
+    # -- eviction by worth (SpecContext.policy; docs/vllm.md, "Eviction by worth") -------------
+
+    def _tune(self, rc: ReqContext) -> None:
+        """Once per finished request: its chunks to the worth tuner, which hands a tuning to its
+        child process every `period` chunks once the first tier has evicted (never waits). The
+        index only: worth picks victims, the workers never hear of it."""
+        if self.tuner is None:
+            return
+        positions = offload_key_positions(rc)
+        chunks = self._request_chunks(positions) if isinstance(positions, dict) else []
+        # ReqContext carries no prompt length: the hit rule's P as if the prompt ran one token past
+        # the request's last whole chunk (every chunk vLLM hashed, its output's too, may be hit)
+        tokens = len(chunks) * self.ctx.span(self.ctx.plan.cacheable_groups[0].index)
+        first = self.index.tiers[0]
+        evicted = self.tuner.started or any(self.index.counters(gp.index, first)["evictions"]
+                                            for gp in self.ctx.plan.cacheable_groups)
+        self.tuner.observe(chunks, tokens + 1, tokens, evicted)
+        self._export_tunings()
+
+    def _export_tunings(self) -> None:
+        """The tuner's counts since the last call, into the metrics (`worth_tunings`, ...)."""
+        if self.tuner is None:
+            return
+        now = self.tuner.counts()
+        for name, n in now.items():
+            if n > self._tuner_counts.get(name, 0):
+                self.metrics.add(name, n - self._tuner_counts.get(name, 0))
+        self._tuner_counts = now
+
+    def _close_tuner(self) -> None:
+        """Adopt a tuning that finished, count it, stop the child (an unfinished one is dropped)."""
+        if self.tuner is not None:
+            self.tuner.poll()
+            self._export_tunings()
+            self.tuner.close()
+            self.tuner = None
 
     # -- the learned share (SpecContext.learned; docs/vllm.md, "The learned share") ------------
 
@@ -622,16 +671,7 @@ class KvtierManager(OffloadingManager):
         memo = self._placed.get(req_id)
         if memo is not None and memo[0] == len(positions):
             return memo[1]
-        ref = self.ctx.plan.cacheable_groups[0].index  # every group's chunk i has the same hash
-        span = self.ctx.span(ref)
-        by_index: dict[int, bytes] = {}
-        for key, end in positions.items():
-            split = self._key(key)
-            if split is not None and split[1] == ref and end % span == 0:
-                by_index[end // span - 1] = split[0]
-        chunks: list[bytes] = []
-        while len(chunks) in by_index:
-            chunks.append(by_index[len(chunks)])
+        chunks = self._request_chunks(positions)
         # learned from once per request: its decode growth (a later call, more chunks) only
         # inserted, else every step would count the request's own prefix as reused
         learned = memo is not None and memo[2]
@@ -645,6 +685,21 @@ class KvtierManager(OffloadingManager):
         self._placed.pop(req_id, None)
         self._placed[req_id] = (len(positions), places, learned or bool(places))
         return places
+
+    def _request_chunks(self, positions: dict) -> list[bytes]:
+        """A request's chunk hashes in prefix order, from vLLM's positions of its keys (the first
+        cacheable group's: every group's chunk i has the same hash), up to the first one missing."""
+        ref = self.ctx.plan.cacheable_groups[0].index
+        span = self.ctx.span(ref)
+        by_index: dict[int, bytes] = {}
+        for key, end in positions.items():
+            split = self._key(key)
+            if split is not None and split[1] == ref and end % span == 0:
+                by_index[end // span - 1] = split[0]
+        chunks: list[bytes] = []
+        while len(chunks) in by_index:
+            chunks.append(by_index[len(chunks)])
+        return chunks
 
     def _windows(self) -> dict[int, tuple[int, int]]:
         """Per windowed cacheable group, the chunks before and after a hit's end that vLLM's
@@ -690,6 +745,7 @@ class KvtierManager(OffloadingManager):
         self.loads.finished(req_context.req_id)
         self._placed.pop(str(req_context.req_id), None)
         self._observe()
+        self._tune(req_context)
 
     def load_failed(self, req_id: str) -> None:
         """The worker could not restore this request's load (a tier error, a corrupt payload):
@@ -752,6 +808,7 @@ class KvtierManager(OffloadingManager):
 
     def shutdown(self) -> None:
         self.promotions.close()
+        self._close_tuner()
         self.metrics.flush(force=True)
         if self.redis_lookup is not None:
             self.redis_lookup.close()
