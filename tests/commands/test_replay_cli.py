@@ -200,3 +200,29 @@ def test_the_default_policy_is_tuned_worth_on_a_hybrid_and_lru_on_one_group(tmp_
         assert default[0]["hit_chunks"] > 0
         for k in same:
             assert default[0][k] == explicit[0][k], (geom, placement, k)
+
+
+def test_the_default_tunes_w_on_a_hybrid_once_the_run_is_long_enough(tmp_path, capsys, monkeypatch):
+    """No --policy on a hybrid: replay's tuner does tune (here every 256 chunks after the first
+    eviction instead of 32768, so a short trace is long enough), scoring its shadows inline."""
+    import kvtier.replay.run as run
+
+    tuners = []
+    real = run.worth_index
+
+    def short_period(*args, **kw):
+        kw["period"] = 256
+        index, tuner = real(*args, **kw)
+        tuners.append(tuner)
+        return index, tuner
+
+    monkeypatch.setattr(run, "worth_index", short_period)
+    trace = tmp_path / "conv.jsonl"
+    head = (Path(kvtier.__file__).parent / "data" / "mooncake_conversation_head.jsonl").read_text()
+    trace.write_text("".join(head.splitlines(keepends=True)[:300]))
+    rows = _rows([str(trace), "--geometry", "gemma-3-27b", "--tier", "cpu=5%"], capsys)
+    assert len(rows) == 1 and rows[0]["policy"].endswith(", tuned)")
+    assert len(tuners) == 1 and tuners[0].runner == "inline" and tuners[0].shadow.cold_in_first
+    counts = tuners[0].counts()
+    assert counts["worth_tunings"] >= 1 and counts["worth_tunings_failed"] == 0, counts
+    assert len(tuners[0].tunings) == counts["worth_tunings"]

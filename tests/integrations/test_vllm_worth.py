@@ -4,7 +4,8 @@ Mooncake's conversation trace through a Qwen3-Next-like engine (one full-attenti
 state groups, align mode, placement "hits") with a fixed cpu tier, every loaded position of every
 group checked. Three runs in the same bytes: `kvtier.policy: lru`, the default ("auto", which is
 worth with its tuner for this model), and worth with a short tuning period, so the tuner's child
-process scores windows during the run. A one-group model and placement "every" resolve "auto" to lru.
+process scores windows during the run; after each worth run, vLLM's connector reset (the tuner and
+its w stay). A one-group model and placement "every" resolve "auto" to lru.
 
 Run as a script (the test does, once per vLLM version): `python test_vllm_worth.py JSON`.
 """
@@ -84,18 +85,18 @@ def run_mode(sc: dict, policy: str | None) -> dict:
             deadline = time.monotonic() + 30
             while tuner.busy and time.monotonic() < deadline:
                 time.sleep(0.005)
+            assert not tuner.busy, f"request {n}: a tuning still ran after 30s (the run would not repeat)"
             weights.add(tuner.weight.w)
     tuner = manager.tuner
     pid = tuner.pid if tuner is not None else None
     evictions = sum(manager.index.counters(gp.index, "cpu")["evictions"] for gp in manager.ctx.plan.cacheable_groups)
+    out["reset"] = _reset(h, manager) if tuner is not None else None
     h.sched.shutdown()  # vLLM's path: scheduler -> connector -> manager.shutdown
     child_alive = None
-    if pid is not None:
-        try:
-            os.kill(pid, 0)
-            child_alive = True
-        except ProcessLookupError:
-            child_alive = False
+    if pid is not None:  # shutdown never waits for the child: the tuner's thread reaps it soon after
+        deadline = time.monotonic() + 10
+        while (child_alive := _alive(pid)) and time.monotonic() < deadline:
+            time.sleep(0.01)
     counts = manager.metrics.counts
     out.update({"requests": len(workload), "restored_tokens": restored, "hit_requests": hits,
                 "checked": checked, "mismatches": bad, "failed": sorted(h.failed), "evictions": evictions,
@@ -103,6 +104,29 @@ def run_mode(sc: dict, policy: str | None) -> dict:
                 "tuner_after_shutdown": manager.tuner is not None,
                 "worth": {k: v for k, v in counts.items() if k.startswith("worth_")}})
     return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _reset(h, manager) -> dict:  # noqa: ANN001 - harness.Harness, KvtierManager
+    """vLLM's connector reset after the run: what the tuner kept (its weight, its child) and
+    whether the new index's pools evict by that same weight."""
+    tuner, w, pid = manager.tuner, manager.tuner.weight.w, manager.tuner.pid
+    assert h.sched.reset_connector_cache(), "vLLM refused reset_connector_cache"
+    after = manager.tuner
+    index = manager.index
+    shared = after is not None and all(index.policy_of(g, t).weight is after.weight for (t, g) in index._pools)
+    alive = pid is not None and _alive(pid)
+    return {"same_tuner": after is tuner, "w_before": w, "w_after": after.weight.w if after else None,
+            "pid_before": pid, "pid_after": after.pid if after else None, "alive": alive,
+            "pools_share_w": shared, "window_after": len(after.window) if after else None,
+            "resets": manager.metrics.counts.get("resets", 0)}
 
 
 def main() -> None:
@@ -215,29 +239,47 @@ def test_auto_is_worth_where_a_placed_group_differs_in_worth_else_lru(results: d
         assert (r["policy"], r["pools"], r["tuner"]) == ("lru", ["lru"], False), (name, r)
 
 
-def test_the_default_restores_at_least_lru_in_the_same_bytes(results: dict) -> None:
+def test_the_default_is_worth_and_evicts_as_lru_while_w_is_0(results: dict) -> None:
+    """The default ("auto": worth, tuned every 32768 chunks) never tunes within this run, so its
+    weight stays 0, where worth is LRU exactly: the same restored tokens, hits and evictions in
+    the same bytes. What tuning gains is the tuned run's (next test)."""
     auto, lru = _run(results, "auto"), _run(results, "lru")
     print(json.dumps({"vllm": results["vllm_version"], "lru": lru, "auto": auto,
                       "tuned": results.get("run_tuned")}))
     assert lru["evictions"] > 0, lru  # the tier is too small for the run: the policy picks victims
-    assert auto["restored_tokens"] >= lru["restored_tokens"] > 0, (lru, auto)
+    assert auto["resolved"] == "worth" and auto["worth"].get("worth_tunings", 0) == 0, auto
+    assert auto["weights"] == [0.0], auto
+    same = ("restored_tokens", "hit_requests", "checked", "evictions")
+    assert {k: auto[k] for k in same} == {k: lru[k] for k in same}, (lru, auto)
+    assert lru["restored_tokens"] > 0, lru
 
 
 def test_the_tuner_scores_windows_in_a_child_that_is_gone_after_shutdown(results: dict) -> None:
+    """A short period: the child scores windows during the run (each waited for, and the run
+    checks none was still in flight after its wait, so the run repeats), w moves off 0 and the
+    same bytes restore more than LRU; shutdown stops the child and nothing tuned is left."""
     tuned = _run(results, "tuned")
     assert tuned["resolved"] == f"worth:period={PERIOD}" and tuned["tuner"], tuned
     assert tuned["evictions"] > 0, tuned
     assert tuned["worth"].get("worth_tunings", 0) >= 2, tuned  # counted by the manager's metrics
     assert tuned["worth"].get("worth_tunings_failed", 0) == 0, tuned
+    assert tuned["worth"].get("worth_tunings_skipped", 0) == 0, tuned  # each tuning waited for
     assert tuned["child_pid"] is not None and tuned["child_alive"] is False, tuned
     assert not tuned["tuner_after_shutdown"], tuned
-    # tuned on this workload (each tuning waited for, so the run is repeatable): w moved off 0 and
-    # the same bytes restored at least what LRU restores
     assert max(tuned["weights"]) > 0, tuned
-    assert tuned["restored_tokens"] >= _run(results, "lru")["restored_tokens"], tuned
-    # the default's period is longer than this run: no tuning, so its weight stays 0 (LRU)
-    auto = _run(results, "auto")
-    assert auto["worth"].get("worth_tunings", 0) == 0 and auto["weights"] == [0.0], auto
+    assert tuned["restored_tokens"] > _run(results, "lru")["restored_tokens"], tuned
+
+
+def test_a_reset_keeps_the_learned_weight_and_the_child(results: dict) -> None:
+    """vLLM's reset_cache after the tuned run: the tuner, its w and its child stay (w is what the
+    traffic taught, not what the dropped index held), the new index's pools evict by that same
+    weight, and only the tuner's window is cleared."""
+    r = _run(results, "tuned")["reset"]
+    assert r is not None and r["resets"] == 1, r
+    assert r["same_tuner"] and r["w_before"] > 0 and r["w_after"] == r["w_before"], r
+    assert r["pools_share_w"], r
+    assert r["pid_before"] is not None and r["pid_after"] == r["pid_before"] and r["alive"], r
+    assert r["window_after"] == 0, r
 
 
 if __name__ == "__main__":

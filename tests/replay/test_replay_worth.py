@@ -15,7 +15,7 @@ from kvtier.index.placement import HitsLand
 from kvtier.index.worth import WorthWeight
 from kvtier.replay.run import replay
 from kvtier.replay.trace import Request, load_trace
-from kvtier.replay.worth import GRID, WorthTuner, worth_options
+from kvtier.replay.worth import GRID, REQUEST_BYTES, WorthTuner, worth_options
 
 
 def hybrid():
@@ -45,9 +45,9 @@ def conversations(tmp_path, n=400, seed=5):
 
 
 def test_tuner_window_is_bounded_in_bytes():
-    # stated bound: (8 + 64) bytes x max_chunks + 8 x (1 + candidates)
+    # stated bound: (8 + REQUEST_BYTES) bytes x max_chunks + 8 x (1 + candidates)
     tuner = WorthTuner(WorthWeight(), lambda t, w: 0.0, "cpu", max_chunks=1000, period=10**9)
-    assert WorthTuner.max_memory_bytes(1000) == 72 * 1000 + 8 * (1 + len(GRID))
+    assert WorthTuner.max_memory_bytes(1000) == (8 + REQUEST_BYTES) * 1000 + 8 * (1 + len(GRID))
     rng = random.Random(1)
     for i in range(5000):
         tuner.observe(Request(i, tuple(range(rng.randrange(1, 300))), 512, 512), True)

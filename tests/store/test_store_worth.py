@@ -72,8 +72,10 @@ def test_tuned_worth_restores_at_least_lru_in_the_same_bytes() -> None:
 
 
 def test_saves_hand_tunings_over_and_close_stops_the_child() -> None:
-    """Free running, as in production: tunings due while one runs are skipped and counted, the
-    counters reach the store's metrics, every loaded byte checks, and close() stops the child."""
+    """Free running, as in production: the tunings' counters reach the store's metrics, every
+    loaded byte checks, and close() stops the child without waiting for it (its thread reaps it
+    soon after). How many tunings were due while one ran depends on timing: skipping is tested
+    deterministically in tests/index/test_worth_tuning.py."""
     prompts = conversation(1500)
     unique = len({tuple(p[: (k + 1) * C]) for p in prompts for k in range(len(p) // C)})
     s = Store(PLAN, NS, cpu_bytes=unique * ROW // 100, pin_memory=False)
@@ -84,12 +86,24 @@ def test_saves_hand_tunings_over_and_close_stops_the_child() -> None:
     m = s.metrics()
     counts = {k: m[k] for k in ("worth_tunings", "worth_tunings_skipped", "worth_tunings_failed")}
     pid, w = s.tuner.pid, s.tuner.weight.w
+    t0 = time.monotonic()
     s.close()
-    print(r, counts, s.tuner.tunings)
+    closing_s = time.monotonic() - t0
+    print(r, counts, s.tuner.tunings, closing_s)
     assert r["checked"] > 1000 and r["mismatches"] == 0, r
     assert counts == s.tuner.counts() and counts["worth_tunings_failed"] == 0
-    assert counts["worth_tunings"] >= 1 and counts["worth_tunings_skipped"] >= 1, counts
+    assert counts["worth_tunings"] >= 1, counts
     assert w in GRID and w == s.tuner.tunings[-1]
-    assert pid is not None and s.tuner.pid is None
-    with pytest.raises(ProcessLookupError):
-        os.kill(pid, 0)  # the store's close stopped and reaped its child
+    assert pid is not None and closing_s < 1.0, closing_s  # the child's exit is not waited for
+    end = time.monotonic() + 10
+    while s.tuner.pid is not None or _alive(pid):
+        assert time.monotonic() < end, "the store's close never stopped its child"
+        time.sleep(0.01)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # a reaped child is gone; an unreaped one would still answer
+    except ProcessLookupError:
+        return False
+    return True

@@ -153,8 +153,8 @@ STORE = Registry("store", (
     Counter("share_released_bytes", "Bytes of memory or disk given back past the ends of shrunk pools."),
     Counter("worth_tunings", "Tunings of the worth weight adopted (policy worth: shadow replays of "
             "recent saves, kvtier.index.tuning)."),
-    Counter("worth_tunings_skipped", "Tunings of the worth weight skipped because the last one was "
-            "still running."),
+    Counter("worth_tunings_skipped", "Tunings of the worth weight skipped: the last one was still "
+            "running, or the window evicted nothing in its shadow (every weight scores alike)."),
     Counter("worth_tunings_failed", "Tunings of the worth weight that failed (the shadow process died "
             "or answered garbage): the weight was kept."),
     # per (tier, group)
@@ -261,8 +261,8 @@ VLLM = Registry("vllm", (
     Counter("share_evicted", "Chunks dropped because the learned share shrank their pool.", GROUP),
     Counter("worth_tunings", "Tunings of the worth weight adopted (policy worth: shadow replays of "
             "recent requests, kvtier.index.tuning)."),
-    Counter("worth_tunings_skipped", "Tunings of the worth weight skipped because the last one was "
-            "still running."),
+    Counter("worth_tunings_skipped", "Tunings of the worth weight skipped: the last one was still "
+            "running, or the window evicted nothing in its shadow (every weight scores alike)."),
     Counter("worth_tunings_failed", "Tunings of the worth weight that failed (the shadow process died "
             "or answered garbage): the weight was kept."),
     Counter("share_moved", "Chunks the learned share moved to a lower slot of a shrunk pool (the "

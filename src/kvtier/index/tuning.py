@@ -3,7 +3,8 @@
 `worth_index(...)` builds an Index whose pools evict by worth (`kvtier.index.worth.WorthLRU`)
 and, unless w is given, a `WorthTuner` that sets w from recent traffic. `default_policy(...)` is
 what policy "auto" means everywhere: worth where placement "hits" places a group that is not an
-anchor (only there do entries of one pool differ in the compute they save), LRU elsewhere.
+anchor beside an anchor (only there do entries of one pool differ in the compute they save), LRU
+elsewhere.
 
 The tuner keeps a window of the most recent requests (chunk hashes in prefix order, at most
 `max_chunks` chunks in all). From the first eviction in the first tier on, every `period` chunks
@@ -13,43 +14,33 @@ rule with that w fixed (`shadow_flops`, the loop of `kvtier.replay.run.replay` f
 no admission; index/ may not import replay/, a test checks the two agree). It adopts the weight
 whose shadows saved the most prefill FLOPs, summed over the tunings with older ones fading by
 `FADE` (one window is noisy); a tie keeps the smaller weight, so where worth does not pay w stays
-0, which is LRU. It learns from the past only.
+0, which is LRU. It learns from the past only. A window whose shadow under the first weight
+evicts nothing scores every weight alike: the other shadows are not run, and the tuning is
+counted skipped.
 
 Where the shadows run (`runner`): "inline" scores in `observe` (replay, tests); "process" (the
-product's) in a child process `python -m kvtier.index.tuning`, started at the first tuning.
-Not multiprocessing: vLLM's engine core may run in a daemonic multiprocessing process, which may
-have no multiprocessing children. One daemon thread of the tuner writes the job and reads the
-answer, length-prefixed pickles over the child's pipes (both ends are this module: no foreign
-data is unpickled), so `observe` only hands a job over; a tuning due while one is in flight is
-skipped and counted, and a finished one is adopted at the next `observe` or `poll`. A child that
-dies, answers garbage or takes longer than `timeout_s` is a counted failure: w is kept and the
-next tuning starts a new child. The child lowers its own CPU priority: serving comes first.
+product's) in a child process (`python -m kvtier.index.tuning`, run by `kvtier.index.tuning_child`,
+started at the first tuning). Each
+window request is one bytes object (a small header and its hashes joined), so `observe` packs one
+request and `tune` only hands the window over (a tuple of references to its requests): the
+pickling runs on the tuner's thread, the renumbering and the shadows in the child (or in the
+inline scorer), never on the caller's thread.
 
 Memory (`memory_bytes`, bounded by `max_memory_bytes`): `hash_bytes` per chunk held (the Store's
-and vLLM's hashes are bytes of up to 32) + 64 bytes per request record (at most `max_chunks`: a
-request has at least one chunk; empty ones are not kept) + w and one fading score per candidate.
-A tuning adds, while it runs, the window as integer ids (8 bytes a chunk) and, in the child, the
-shadow indexes of one window; the last `KEPT_TUNINGS` adopted weights are kept in `tunings`.
+and vLLM's hashes are bytes of up to 32; replay's integer ids are packed in 8) + `REQUEST_BYTES`
+per request (at most `max_chunks`: a request has at least one chunk; empty ones are not kept)
++ w and one fading score per candidate. A tuning adds, while it runs, a copy of the window on its
+way to the child, which holds it as integer ids and the shadow indexes of one window; the last
+`KEPT_TUNINGS` adopted weights are kept in `tunings`.
 """
 
 from __future__ import annotations
 
-import logging
-import math
-import os
-import pickle
-import queue
-import signal
-import site
-import subprocess
-import sys
-import threading
-import time
+import struct
 import weakref
 from collections import deque
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import IO
 
 from kvtier.core.cost import ComputeModel, compute_model
 from kvtier.core.plan import Plan
@@ -59,26 +50,28 @@ from kvtier.index.placement import HitsLand, learned_start
 from kvtier.index.policies import policy_options
 from kvtier.index.worth import WorthLRU, WorthWeight, worth_value
 
-log = logging.getLogger("kvtier.index.tuning")
-
 GRID = (0.0, 1.0, 2.0, 4.0)
 FADE = 0.5  # each tuning, the candidates' past scores count half
-REQUEST_BYTES = 64  # a request record: token counts, the tuple header
+# a window request beyond its hashes: the bytes object's own header (33), the record header
+# (HEAD, 18), the allocator's rounding to 16 and the window's pointer to it (8)
+REQUEST_BYTES = 80
 KEPT_TUNINGS = 64  # adopted weights kept in `tunings` (the count is in `counts()`)
 RUNNERS = ("inline", "process")
 ANCHORS = ("full", "mla")
+HEAD = struct.Struct("<QQH")  # a packed request: prompt tokens, input tokens, bytes per hash
 _LEARNED = object()  # worth_index's default start: `learned_start`, as the Store and replay start
-_MAX_MESSAGE = 1 << 31  # a length prefix above this is garbage, not a job or an answer
 
-Req = tuple[tuple[int, ...], int, int]  # a window request: chunk ids, prompt tokens, input tokens
+Req = tuple[tuple[int, ...], int, int]  # a renumbered request: chunk ids, prompt tokens, input tokens
+Record = bytes | tuple[tuple[Hashable, ...], int, int]  # a window request: packed, or kept as given
 
 
 def default_policy(plan: Plan, placement: object) -> str:
     """Policy "auto": "worth" under placement "hits" (the name or a HitsLand) on a plan with a
-    cacheable group that is not an anchor; "lru" elsewhere (one group, or every chunk warm)."""
+    cacheable anchor (full/MLA) group and a cacheable group that is not one; "lru" elsewhere (one
+    group, no anchor, or every chunk warm): as `placement_share`, worth pays only beside anchors."""
     hits = isinstance(placement, HitsLand) or (isinstance(placement, str) and placement == "hits")
-    placed = any(gp.kind not in ANCHORS for gp in plan.cacheable_groups)
-    return "worth" if hits and placed else "lru"
+    kinds = [gp.kind in ANCHORS for gp in plan.cacheable_groups]
+    return "worth" if hits and any(kinds) and not all(kinds) else "lru"
 
 
 def worth_options(name: str) -> dict[str, float | int]:
@@ -90,7 +83,9 @@ def worth_options(name: str) -> dict[str, float | int]:
 @dataclass(frozen=True, slots=True)
 class Shadow:
     """What a shadow replay needs besides the window and w (it travels to the child with each
-    job, so it pickles): the placement as HitsLand's parameters (None: every chunk warm)."""
+    job, so it pickles): the placement as HitsLand's parameters (None: every chunk warm).
+    `cold_in_first`: with one tier, a cold chunk goes into it as a first victim (replay's rule)
+    or is not stored (the Store's and vLLM's): the shadow stores as its caller does."""
 
     plan: Plan
     capacities: Mapping[str, int]
@@ -100,18 +95,63 @@ class Shadow:
     tail_endpoints: int | None
     compute: ComputeModel
     anchored: bool = True
+    cold_in_first: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class Job:
-    """One tuning: the window scored under every weight of the grid."""
+    """One tuning: the window (as the tuner holds it) scored under every weight of the grid."""
 
     shadow: Shadow
     grid: tuple[float, ...]
-    window: tuple[Req, ...]
+    window: tuple[Record, ...]
 
-    def scores(self) -> list[float]:
-        return [shadow_flops(self.shadow, self.window, w) for w in self.grid]
+    def scores(self) -> list[float] | None:
+        """FLOPs saved per weight; None where the first weight's shadow evicts nothing (every
+        weight would score the same: the tuning is skipped)."""
+        window = renumber(self.window)
+        first, evicted = _shadow(self.shadow, window, self.grid[0])
+        if not evicted:
+            return None
+        return [first, *(shadow_flops(self.shadow, window, w) for w in self.grid[1:])]
+
+
+def pack(chunk_hashes: Sequence[Hashable], prompt_tokens: int, input_tokens: int) -> Record:
+    """One window request as one bytes object: HEAD and the hashes joined, when they are bytes of
+    one length (the Store's, vLLM's) or integers (replay's, 8 bytes each); else kept as given."""
+    try:
+        first = chunk_hashes[0]
+        if isinstance(first, bytes):
+            size = len(first)
+            if 0 < size < 1 << 16 and all(len(h) == size for h in chunk_hashes):  # type: ignore[arg-type]
+                return HEAD.pack(prompt_tokens, input_tokens, size) + b"".join(chunk_hashes)  # type: ignore[arg-type]
+        elif isinstance(first, int):
+            return HEAD.pack(prompt_tokens, input_tokens, 8) + struct.pack(f"<{len(chunk_hashes)}q", *chunk_hashes)
+    except (struct.error, TypeError):
+        pass
+    return tuple(chunk_hashes), prompt_tokens, input_tokens
+
+
+def chunk_count(record: Record) -> int:
+    if isinstance(record, bytes):
+        return (len(record) - HEAD.size) // HEAD.unpack_from(record)[2]
+    return len(record[0])  # type: ignore[index]
+
+
+def renumber(window: Sequence[Record]) -> tuple[Req, ...]:
+    """The window with its hashes renumbered 0, 1, ... in order of first sight (a dict built for
+    this tuning only): the shadows' keys, whatever the hashes were."""
+    ids: dict[Hashable, int] = {}
+    out = []
+    for rec in window:
+        if isinstance(rec, bytes):
+            p, i, size = HEAD.unpack_from(rec)
+            chunks = tuple(ids.setdefault(rec[o:o + size], len(ids)) for o in range(HEAD.size, len(rec), size))
+        else:
+            hashes, p, i = rec  # type: ignore[misc]
+            chunks = tuple(ids.setdefault(h, len(ids)) for h in hashes)
+        out.append((chunks, p, i))
+    return tuple(out)
 
 
 def _build(plan: Plan, capacities: Mapping[str, int], share: str | Mapping[str, float],
@@ -133,11 +173,13 @@ def worth_index(plan: Plan, capacities: Mapping[str, int], *, share: str | Mappi
                 placement: object, cost: object | None = None, tail_endpoints: int | None = None,
                 w: float | None = None, runner: str = "process", max_chunks: int = 32768,
                 period: int = 32768, start: object = _LEARNED, anchored: bool = True,
-                grid: Sequence[float] = GRID) -> tuple[Index, WorthTuner | None]:
+                grid: Sequence[float] = GRID, cold_in_first: bool = False) -> tuple[Index, WorthTuner | None]:
     """An Index whose pools evict by worth and its tuner (None when `w` fixes the weight).
     `cost`: a ComputeModel, or replay's CostModel (its `.model`); default: the plan geometry's
     estimate. `start`: the learned share's first split (default `learned_start`, as the Store and
-    replay start); the shadows use the same one, and a fresh placement of the same rule."""
+    replay start); the shadows use the same one, and a fresh placement of the same rule.
+    `cold_in_first`: with one tier, whether the caller stores cold chunks in it as first victims
+    (replay) or skips them (the Store and vLLM's manager: the default), so the shadows do the same."""
     compute = _compute(plan, cost)
     if start is _LEARNED:
         start = learned_start(plan, share, placement, capacities)
@@ -154,7 +196,7 @@ def worth_index(plan: Plan, capacities: Mapping[str, int], *, share: str | Mappi
                           f"{getattr(placement, 'name', placement)!r}; give a fixed weight (worth:w=W)")
     shadow = Shadow(plan, dict(capacities), share if isinstance(share, str) else dict(share),
                     start if start is None or isinstance(start, str) else dict(start),  # type: ignore[arg-type]
-                    rule, tail_endpoints, compute, anchored)
+                    rule, tail_endpoints, compute, anchored, cold_in_first)
     return index, WorthTuner(shadow, weight, runner=runner, max_chunks=max_chunks, period=period, grid=grid)
 
 
@@ -191,6 +233,11 @@ def tail_chunks(plan: Plan, group: int, num_chunks: int, endpoints: int) -> list
 def shadow_flops(shadow: Shadow, window: Sequence[Req], w: float) -> float:
     """Prefill FLOPs the window's hits save in a fresh index with w fixed: `replay`'s loop
     (lookup, promotion, write-through save by placement, learned share) without its accounting."""
+    return _shadow(shadow, window, w)[0]
+
+
+def _shadow(shadow: Shadow, window: Sequence[Req], w: float) -> tuple[float, bool]:
+    """`shadow_flops` and whether any pool evicted (w only ever picks victims)."""
     plan, caps = shadow.plan, dict(shadow.capacities)
     rule = shadow.placement
     placement = None if rule is None else HitsLand(plan, tree_nodes=rule[0], ratio=rule[1],
@@ -222,8 +269,9 @@ def shadow_flops(shadow: Shadow, window: Sequence[Req], w: float) -> float:
         elif len(tiers) > 1:  # cold: the tiers after the first
             for tier in tiers[1:]:
                 index.put(h, g, tier)
-        else:  # one tier: into it as a first victim
+        elif shadow.cold_in_first:  # one tier: into it as a first victim (replay)
             index.put(h, g, first, cold=True)
+        # else one tier: not stored (the Store and vLLM)
 
     flops_of: dict[int, float] = {}
     saved = 0.0
@@ -266,7 +314,11 @@ def shadow_flops(shadow: Shadow, window: Sequence[Req], w: float) -> float:
                         save(chunks[i], g)
         if learned:
             index.observe()
-    return saved
+    evicted = any(index.counters(gp.index, t)["evictions"] or index.counters(gp.index, t)["dead_evictions"]
+                  for gp in plan.cacheable_groups for t in tiers)
+    return saved, evicted
+
+
 
 
 class WorthTuner:
@@ -287,16 +339,16 @@ class WorthTuner:
         self.runner = runner
         self.max_chunks, self.period, self.grid = max_chunks, period, tuple(sorted(grid))
         self.hash_bytes = hash_bytes
-        self.window: deque[tuple[tuple[Hashable, ...], int, int]] = deque()
+        self.window: deque[Record] = deque()
         self.chunks = 0  # chunks in the window
         self.since = 0  # chunks requested since the last tuning (or the first eviction)
         self.started = False
         self.tunings: list[float] = []  # the weight adopted at each tuning (the last KEPT_TUNINGS)
         self.totals = [0.0] * len(self.grid)  # each candidate's fading sum of window scores
         self._counts = dict.fromkeys(("worth_tunings", "worth_tunings_skipped", "worth_tunings_failed"), 0)
-        self._child: _Child | None = None
+        self._child: Child | None = None
         if runner == "process":
-            self._child = _Child(timeout_s)
+            self._child = Child(timeout_s)
             self._finalizer = weakref.finalize(self, self._child.close)
 
     def observe(self, chunk_hashes: Sequence[Hashable], prompt_tokens: int, input_tokens: int,
@@ -304,41 +356,53 @@ class WorthTuner:
         """After each request: remember it; tune when a period of chunks has gone by since the
         first eviction (`evicted`: the first tier has evicted something)."""
         self.poll()
-        chunks = tuple(chunk_hashes)
-        self._add(chunks, prompt_tokens, input_tokens)
+        n = self._add(chunk_hashes, prompt_tokens, input_tokens)
         if not self.started:
             self.started = bool(evicted)
             return
-        self.since += len(chunks)
+        self.since += n
         if self.since >= self.period:
             self.since = 0
             self.tune()
 
-    def _add(self, chunks: tuple[Hashable, ...], prompt_tokens: int, input_tokens: int) -> None:
-        """Remember one request (the oldest leave while the window holds too many chunks)."""
-        n = len(chunks)
-        if n == 0 or n > self.max_chunks:
-            return
-        self.window.append((chunks, prompt_tokens, input_tokens))
+    def _add(self, chunk_hashes: Sequence[Hashable], prompt_tokens: int, input_tokens: int) -> int:
+        """Remember one request, its first `max_chunks` chunks (the oldest requests leave while
+        the window holds too many chunks); returns its chunk count."""
+        n = len(chunk_hashes)
+        if n == 0:
+            return 0
+        if n > self.max_chunks:
+            chunk_hashes, n = chunk_hashes[:self.max_chunks], self.max_chunks
+        self.window.append(pack(chunk_hashes, prompt_tokens, input_tokens))
         self.chunks += n
         while self.chunks > self.max_chunks:
-            self.chunks -= len(self.window.popleft()[0])
+            self.chunks -= chunk_count(self.window.popleft())
+        return n
+
+    def reset(self) -> None:
+        """Forget the window and the first eviction (a new, empty index: vLLM's reset_cache); w,
+        the candidates' scores and the child stay."""
+        self.window.clear()
+        self.chunks = self.since = 0
+        self.started = False
 
     def tune(self) -> None:
-        """Score the window under every weight: inline, now; in the child, handed over (skipped
-        and counted while one is in flight)."""
+        """Score the window under every weight: inline, now; in the child, handed over as it is
+        (skipped and counted while one is in flight)."""
+        window = tuple(self.window)
+        if not window:
+            return
         if self._child is not None:
-            if self._child.busy or not self._child.submit(Job(self.shadow, self.grid, self._ids())):  # type: ignore[arg-type]
+            if self._child.busy or not self._child.submit((self.shadow, self.grid, window)):  # type: ignore[arg-type]
                 self._counts["worth_tunings_skipped"] += 1
             return
-        self._adopt(self._scores(self._ids()))
+        scores = self._scores(window)
+        if scores is None:
+            self._counts["worth_tunings_skipped"] += 1
+        else:
+            self._adopt(scores)
 
-    def _ids(self) -> tuple[Req, ...]:
-        """The window with its hashes renumbered 0, 1, ... (a dict built for this tuning only)."""
-        ids: dict[Hashable, int] = {}
-        return tuple((tuple(ids.setdefault(h, len(ids)) for h in chunks), p, i) for chunks, p, i in self.window)
-
-    def _scores(self, window: tuple[Req, ...]) -> list[float]:
+    def _scores(self, window: tuple[Record, ...]) -> list[float] | None:
         assert self.shadow is not None, "a tuner without a shadow scores with its own _scores"
         return Job(self.shadow, self.grid, window).scores()
 
@@ -358,10 +422,12 @@ class WorthTuner:
         if done is None:
             return
         ok, scores = done
-        if ok:
-            self._adopt(scores)
-        else:
+        if not ok:
             self._counts["worth_tunings_failed"] += 1
+        elif scores is None:
+            self._counts["worth_tunings_skipped"] += 1
+        else:
+            self._adopt(scores)
 
     @property
     def busy(self) -> bool:
@@ -377,9 +443,10 @@ class WorthTuner:
         return dict(self._counts)
 
     def close(self) -> None:
-        """Stop the child (an unfinished tuning is dropped). Idempotent."""
-        if self._child is not None:
-            self._child.close()
+        """Stop the child without waiting for it (its thread reaps it); a tuning in flight is
+        counted failed. Idempotent."""
+        if self._child is not None and self._child.close():
+            self._counts["worth_tunings_failed"] += 1
 
     @property
     def memory_bytes(self) -> int:
@@ -390,196 +457,18 @@ class WorthTuner:
         return (hash_bytes + REQUEST_BYTES) * max_chunks + 8 * (1 + candidates)
 
 
-class _Child:
-    """The process runner: one child process, fed by one daemon thread (module docstring)."""
-
-    def __init__(self, timeout_s: float) -> None:
-        self.timeout_s = timeout_s
-        self._lock = threading.Lock()
-        self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._since: float | None = None  # when the job in flight was handed over
-        self._done: tuple[bool, list[float]] | None = None
-        self._closed = False
-
-    @property
-    def busy(self) -> bool:
-        return self._since is not None
-
-    @property
-    def pid(self) -> int | None:
-        proc = self._proc
-        return proc.pid if proc is not None and proc.poll() is None else None
-
-    def submit(self, job: Job) -> bool:
-        with self._lock:
-            if self._since is not None or self._closed:
-                return False
-            self._since = time.monotonic()
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="kvtier-worth-tuner", daemon=True)
-                self._thread.start()
-        self._jobs.put(job)
-        return True
-
-    def take(self) -> tuple[bool, list[float]] | None:
-        """The finished job's (ok, scores), once; kills a child past its time (read as a failure)."""
-        with self._lock:
-            done, self._done = self._done, None
-            now = time.monotonic()
-            late = done is None and self._since is not None and now - self._since > self.timeout_s
-            proc = self._proc if late else None
-            if late:
-                self._since = now  # killed once; the thread reads the end of its pipe
-        if proc is not None:
-            log.warning("worth tuner: the shadow process took over %gs; stopped", self.timeout_s)
-            proc.kill()
-        return done
-
-    def _loop(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            done = self._run(job)
-            with self._lock:
-                self._done, self._since = done, None
-
-    def _run(self, job: Job) -> tuple[bool, list[float]]:
-        try:
-            proc = self._start()
-            assert proc.stdin is not None and proc.stdout is not None
-            _send(proc.stdin, pickle.dumps(job, protocol=pickle.HIGHEST_PROTOCOL))
-            reply = _recv(proc.stdout)
-            if reply is None:
-                raise EOFError(f"the shadow process exited ({proc.poll()})")
-            if isinstance(reply, tuple) and len(reply) == 2 and reply[0] == "error":
-                raise RuntimeError(f"the shadow failed: {reply[1]}")
-            if not (isinstance(reply, tuple) and len(reply) == 2 and reply[0] == "ok"
-                    and isinstance(reply[1], list) and len(reply[1]) == len(job.grid)
-                    and all(isinstance(s, float) and math.isfinite(s) for s in reply[1])):
-                raise ValueError(f"the shadow process answered {type(reply).__name__}, not scores")
-            return True, reply[1]
-        except Exception as exc:  # any failure of the child or its pipes: a failed tuning, w kept
-            log.warning("worth tuner: tuning failed, w kept: %s", exc)
-            self._stop()
-            return False, []
-
-    def _start(self) -> subprocess.Popen[bytes]:
-        proc = self._proc
-        if proc is not None and proc.poll() is None:
-            return proc
-        self._stop()
-        proc = subprocess.Popen([sys.executable, "-m", "kvtier.index.tuning"], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, env=_child_env())
-        with self._lock:
-            closed = self._closed
-            if not closed:
-                self._proc = proc
-        if closed:
-            _reap(proc)
-            raise RuntimeError("the tuner is closed")
-        return proc
-
-    def _stop(self) -> None:
-        with self._lock:
-            proc, self._proc = self._proc, None
-        if proc is not None:
-            _reap(proc)
-
-    def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            proc, busy = self._proc, self._since is not None
-        self._jobs.put(None)
-        if proc is None:
-            return
-        if busy:  # a job in flight: the thread may be inside a write or read of the pipes
-            proc.kill()
-            return
-        with self._lock:
-            self._proc = None
-        try:
-            assert proc.stdin is not None
-            proc.stdin.close()  # the child's loop reads EOF and exits
-            proc.wait(timeout=2)
-        except (OSError, subprocess.TimeoutExpired):
-            pass
-        _reap(proc)
+from kvtier.index.tuning_child import Child  # noqa: E402 - it imports nothing of this module at import
 
 
-def _reap(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.kill()
-    proc.wait()
-    for stream in (proc.stdin, proc.stdout):
-        try:
-            if stream is not None:
-                stream.close()
-        except OSError:
-            pass
-
-
-def _child_env() -> dict[str, str]:
-    """The parent's environment, with the parent's kvtier first on the path unless it was
-    installed into site-packages: the child runs the code its parent runs."""
-    env = dict(os.environ)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # holds kvtier/
-    sites = {os.path.abspath(p) for p in [*getattr(site, "getsitepackages", list)(),
-                                           getattr(site, "getusersitepackages", str)()] if p}
-    if root not in sites:
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, (root, env.get("PYTHONPATH"))))
-    return env
-
-
-def _send(stream: IO[bytes], data: bytes) -> None:
-    stream.write(len(data).to_bytes(8, "big") + data)
-    stream.flush()
-
-
-def _recv(stream: IO[bytes]) -> object | None:
-    """One length-prefixed pickle; None at a clean end of stream."""
-    head = stream.read(8)
-    if not head:
-        return None
-    if len(head) < 8:
-        raise EOFError("the stream ended inside a length prefix")
-    n = int.from_bytes(head, "big")
-    if n > _MAX_MESSAGE:
-        raise ValueError(f"a message of {n} bytes: not one of ours")
-    data = stream.read(n)
-    if len(data) < n:
-        raise EOFError("the stream ended inside a message")
-    return pickle.loads(data)  # noqa: S301 - written by this module at the other end of the pipe
-
-
-def _serve() -> None:
-    """The child's loop: read a job, answer its scores, until the parent closes the pipe."""
-    out = os.fdopen(os.dup(1), "wb")
-    os.dup2(2, 1)  # a stray print goes to stderr, never into the answers
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the parent's; its closed pipe ends us
-    try:
-        os.nice(5)
-    except OSError:
-        pass
-    inp = sys.stdin.buffer
-    while True:
-        job = _recv(inp)
-        if job is None:
-            return
-        try:
-            if not isinstance(job, Job):
-                raise TypeError(f"a {type(job).__name__}, not a Job")
-            reply: tuple[str, object] = ("ok", job.scores())
-        except Exception as exc:  # the parent counts it failed and keeps w
-            reply = ("error", f"{type(exc).__name__}: {exc}")
-        _send(out, pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
+def _score(shadow: Shadow, grid: tuple[float, ...], window: tuple[Record, ...]) -> list[float] | None:
+    """The child's scorer (`tuning_child.serve`)."""
+    return Job(shadow, grid, window).scores()
 
 
 if __name__ == "__main__":
-    from kvtier.index.tuning import _serve as serve  # the module itself, so a Job unpickles as its Job
+    import sys
 
-    serve()
+    from kvtier.index.tuning import _score as score  # the module itself, so a Shadow unpickles as its Shadow
+    from kvtier.index.tuning_child import serve
+
+    serve(int(sys.argv[1]), score, idle="--normal" not in sys.argv[2:])

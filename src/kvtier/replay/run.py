@@ -342,13 +342,14 @@ def _worth_index(name: str, plan: Plan, capacities: Mapping[str, int],
                  share: str | Mapping[str, float], cost: CostModel, placement: Placement | None,
                  tail_endpoints: int | None):
     """`kvtier.index.tuning.worth_index` (the rule the Store and vLLM's manager run), its shadows
-    inline; the tuner is None when the name fixes w."""
+    inline and storing cold chunks into a lone tier as this loop does; the tuner is None when the
+    name fixes w."""
     opts = worth_options(name)
     kw = {k: int(v) for k, v in opts.items() if k in ("max_chunks", "period")}
     w = opts.get("w")
     return worth_index(plan, capacities, share=share, placement=placement, cost=cost.model,
                        tail_endpoints=tail_endpoints, w=None if w is None else float(w),
-                       runner="inline", **kw)
+                       runner="inline", cold_in_first=True, **kw)
 
 
 def admission_horizon(plan: Plan, tier: str, capacity: int, share: str | Mapping[str, float]) -> int:

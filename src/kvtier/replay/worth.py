@@ -4,14 +4,14 @@ The rule is `kvtier.index.tuning.WorthTuner` (replay, the Store and vLLM's manag
 `kvtier replay --policy worth` through `kvtier.index.tuning.worth_index`). This view takes
 `kvtier.replay.trace.Request`s and scores a window with `score(trace, w)` instead of the shadow
 replay, for experiments and tests of the adoption rule; its window holds replay's integer ids
-(8 bytes a chunk).
+(packed, 8 bytes a chunk).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from kvtier.index.tuning import FADE, GRID, REQUEST_BYTES, Req, worth_options
+from kvtier.index.tuning import FADE, GRID, REQUEST_BYTES, Record, renumber, worth_options
 from kvtier.index.tuning import WorthTuner as _Tuner
 from kvtier.index.worth import WorthWeight
 from kvtier.replay.trace import Request, Trace
@@ -37,8 +37,8 @@ class WorthTuner(_Tuner):
     def observe(self, req: Request, evicted: bool) -> None:  # type: ignore[override]
         super().observe(req.chunks, req.prompt_tokens, req.input_tokens, evicted)
 
-    def _scores(self, window: tuple[Req, ...]) -> list[float]:
-        reqs = tuple(Request(float(t), chunks, p, i) for t, (chunks, p, i) in enumerate(window))
+    def _scores(self, window: tuple[Record, ...]) -> list[float]:
+        reqs = tuple(Request(float(t), chunks, p, i) for t, (chunks, p, i) in enumerate(renumber(window)))
         trace = Trace("worth-window", reqs, len({h for q in reqs for h in q.chunks}),
                       sum(len(q.chunks) for q in reqs), sum(q.input_tokens for q in reqs))
         return [self.score(trace, w) for w in self.grid]

@@ -38,8 +38,8 @@ in the Store").
 
 Eviction (`policy="auto"`, `kvtier.index.tuning.default_policy`): by worth (recency plus the
 compute an entry saves) where placement "hits" places a group that is not full/MLA, its weight
-tuned from recent saves by shadow replays in a child process (`self.tuner`, closed with the
-store); LRU elsewhere. docs/store.md, "Eviction".
+tuned from recent saves by shadow replays in a child process (`self.tuner`, stopped by `close`
+without waiting for it); LRU elsewhere. docs/store.md, "Eviction".
 
 Restart: a disk tier's slots are listed and fed to `Index.rebuild`, so a restarted process
 keeps its cache (under a learned share `Index.fit` then brings the pools, which restart at their
@@ -244,6 +244,8 @@ class Store(TierIO):
         if isinstance(name, str) and name.partition(":")[0] == "worth":
             opts = worth_options(name)  # bad options: ConfigError naming them
             w = opts.get("w")
+            # cold_in_first left False: with one tier a cold chunk is not stored (`save`), so the
+            # tuner's shadows do not store it either
             return worth_index(self.plan, capacities, share=share, placement=self.placement, start=start,
                                w=None if w is None else float(w), runner="process",
                                **{k: int(v) for k, v in opts.items() if k in ("max_chunks", "period")})
@@ -718,7 +720,7 @@ class Store(TierIO):
             for t in (*self.slot_tiers.values(), *self.shared):
                 t.close()
             if self.tuner is not None:
-                self.tuner.close()  # stops its child process
+                self.tuner.close()  # never waits: its thread stops the child (a tuning in flight: failed)
 
     def __enter__(self) -> Store:
         return self

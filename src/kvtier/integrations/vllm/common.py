@@ -254,6 +254,7 @@ class SpecContext:
         opts = worth_options(policy)
         w = opts.get("w", None if tune else 0.0)
         sizes = {k: int(v) for k, v in opts.items() if k in ("max_chunks", "period")}
+        # cold_in_first left False: with one tier the manager stores no cold chunk (`_place`)
         return worth_index(self.plan, self.config.capacities, share=share, placement=placement, w=w,
                            runner="process", start=start, anchored=not self.mixed_spans, **sizes)
 

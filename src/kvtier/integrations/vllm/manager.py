@@ -77,6 +77,8 @@ _HIT_SOURCE = {"cpu": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
 PLACED_REQUESTS = 4096  # requests whose placement is kept (finished ones are dropped at once)
 Chunk = tuple[bytes, int]  # (chunk hash, plan group)
 Todo = list[tuple[Hashable, Chunk]]  # (engine key, chunk), in call order
+# a request's placement memo: its keys' count, the answer per group, learned from yet, its chunks
+Placed = tuple[int, dict[int, tuple[str, ...]], bool, list[bytes]]
 
 
 # -- The store plan: which tiers take a prepare_store call's new chunks ------------------------
@@ -302,12 +304,13 @@ class KvtierManager(OffloadingManager):
         metrics.flush(force=True)
 
     def _new_placement(self) -> None:
-        """The placement rule for `self.ctx` (None: every chunk), and per request its chunks'
-        count and the answer per group (learned once per request and chunk count)."""
+        """The placement rule for `self.ctx` (None: every chunk), and per request (`Placed`) its
+        keys' count, the answer per group (learned once per request and chunk count) and its
+        chunks (the worth tuner takes them at finish)."""
         from kvtier.store.store import make_placement
 
         self.placement = make_placement(self.ctx.plan, self.ctx.placement)
-        self._placed: dict[str, tuple[int, dict[int, tuple[str, ...]], bool]] = {}  # + learned from yet
+        self._placed: dict[str, Placed] = {}
 
     def adopt_worker_layout(self, page_bytes: tuple[int, ...], fingerprint: str = "", kv_dtype: str = "") -> bool:
         """The workers' exact bytes per block and namespace (KvtierConnector's handshake, before
@@ -365,23 +368,40 @@ class KvtierManager(OffloadingManager):
                            if self.index.learners]
 
     def _tuned_index(self) -> Index:
-        """A fresh index for `self.ctx` and the placement's prefix tree, and its worth tuner in
-        place of the old one (closed: a new index starts from w = 0, LRU, as at start)."""
-        self._close_tuner()
-        index, self.tuner = self.ctx.new_tuned_index(self.placement)
-        self._tuner_counts = {}
+        """A fresh index for `self.ctx` and the placement's prefix tree. A running tuner (a
+        reset, the workers' layout) is kept: the new pools share its weight, it scores with the
+        new context's shadow, and only its window and start signal are cleared (`reset`): w is
+        what traffic taught, not what the old index held, and its child is stopped at shutdown."""
+        index, tuner = self.ctx.new_tuned_index(self.placement)
+        old = self.tuner
+        if old is None or tuner is None:  # the first index (or no tuning under this context)
+            self._close_tuner()
+            self.tuner, self._tuner_counts = tuner, {}
+            return index
+        for tier in index.tiers:
+            for gp in self.ctx.plan.cacheable_groups:
+                index.policy_of(gp.index, tier).weight = old.weight  # type: ignore[attr-defined]
+        old.shadow = tuner.shadow  # this context's plan and slots; a job in flight keeps its own
+        tuner.close()  # never started a child: nothing to wait for
+        old.reset()
         return index
 
     # -- eviction by worth (SpecContext.policy; docs/vllm.md, "Eviction by worth") -------------
 
-    def _tune(self, rc: ReqContext) -> None:
+    def _tune(self, rc: ReqContext, memo: Placed | None) -> None:
         """Once per finished request: its chunks to the worth tuner, which hands a tuning to its
         child process every `period` chunks once the first tier has evicted (never waits). The
-        index only: worth picks victims, the workers never hear of it."""
+        index only: worth picks victims, the workers never hear of it. The chunks are the
+        placement's (`memo`, `_request_places`) when it saw the request's keys as they are now."""
         if self.tuner is None:
             return
         positions = offload_key_positions(rc)
-        chunks = self._request_chunks(positions) if isinstance(positions, dict) else []
+        if not isinstance(positions, dict):
+            chunks: list[bytes] = []
+        elif memo is not None and memo[0] == len(positions):
+            chunks = memo[3]
+        else:
+            chunks = self._request_chunks(positions)
         # ReqContext carries no prompt length: the hit rule's P as if the prompt ran one token past
         # the request's last whole chunk (every chunk vLLM hashed, its output's too, may be hit)
         tokens = len(chunks) * self.ctx.span(self.ctx.plan.cacheable_groups[0].index)
@@ -402,12 +422,15 @@ class KvtierManager(OffloadingManager):
         self._tuner_counts = now
 
     def _close_tuner(self) -> None:
-        """Adopt a tuning that finished, count it, stop the child (an unfinished one is dropped)."""
-        if self.tuner is not None:
-            self.tuner.poll()
-            self._export_tunings()
-            self.tuner.close()
-            self.tuner = None
+        """Stop the tuner's child, never waiting for it (shutdown): a finished tuning is adopted,
+        one still in flight is dropped and counted failed (`WorthTuner.close`), exported once."""
+        tuner = self.tuner
+        if tuner is None:
+            return
+        tuner.poll()
+        tuner.close()
+        self._export_tunings()
+        self.tuner = None
 
     # -- the learned share (SpecContext.learned; docs/vllm.md, "The learned share") ------------
 
@@ -683,7 +706,7 @@ class KvtierManager(OffloadingManager):
         if len(self._placed) >= PLACED_REQUESTS:  # requests vLLM never finished: the oldest go
             del self._placed[next(iter(self._placed))]
         self._placed.pop(req_id, None)
-        self._placed[req_id] = (len(positions), places, learned or bool(places))
+        self._placed[req_id] = (len(positions), places, learned or bool(places), chunks)
         return places
 
     def _request_chunks(self, positions: dict) -> list[bytes]:
@@ -743,9 +766,9 @@ class KvtierManager(OffloadingManager):
         are then kept until the load completes, so a failed load still forgets them."""
         self.promotions.request_finished(req_context.req_id)
         self.loads.finished(req_context.req_id)
-        self._placed.pop(str(req_context.req_id), None)
+        memo = self._placed.pop(str(req_context.req_id), None)
         self._observe()
-        self._tune(req_context)
+        self._tune(req_context, memo)
 
     def load_failed(self, req_id: str) -> None:
         """The worker could not restore this request's load (a tier error, a corrupt payload):
@@ -772,7 +795,8 @@ class KvtierManager(OffloadingManager):
         the first completion of a store prepared after the reset, which the workers submit only
         after the flush. Records written between the flush and that mark are not adopted at a
         restart (misses, never a dropped chunk back); a crash before the flush is reported can
-        still adopt a pre-reset job's write."""
+        still adopt a pre-reset job's write. Eviction by worth keeps its tuner, w and child
+        (`_tuned_index`)."""
         self._new_index()
         self._reset_unflushed = True
         self._pending.clear()
