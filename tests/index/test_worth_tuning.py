@@ -426,7 +426,9 @@ def test_the_child_gets_no_secrets_and_no_cwd_on_its_path(monkeypatch):
 
 def test_a_child_whose_parent_is_gone_exits():
     """The watchdog: a child told of a parent that is not its parent exits at once."""
-    argv = tuning_child.command(1)  # not our pid: as if the parent had died
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a reaped pid: nobody's parent (pid 1 would be pytest's own in some containers)
+    argv = tuning_child.command(gone.pid)  # not our pid: as if the parent had died
     proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=tuning_child.child_env())
     try:
         assert proc.wait(timeout=10) == 0  # its stdin is still open: only the watchdog ends it

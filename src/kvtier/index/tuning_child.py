@@ -46,7 +46,9 @@ MAGIC = b"kvtier worth tuner 1\n"  # the child's hello, before any answer
 MAX_JOB = 1 << 31  # a job's length prefix above this is garbage
 MAX_ANSWER = 1 << 16  # an answer's: a few doubles or one error line
 IDLE = True  # the child at idle CPU priority; tests that wait for busy children's answers say False
-ENV_KEPT = ("PATH", "HOME", "LANG", "LANGUAGE", "TMPDIR")  # and LC_*, and PYTHONPATH as computed
+# and LC_*, and PYTHONPATH as computed; the loader's and Python's own paths, without which some
+# installs (a shared libpython, a relocated prefix) cannot start the child at all
+ENV_KEPT = ("PATH", "HOME", "LANG", "LANGUAGE", "TMPDIR", "LD_LIBRARY_PATH", "DYLD_LIBRARY_PATH", "PYTHONHOME")
 _CHILDREN: weakref.WeakSet[Child] = weakref.WeakSet()  # every runner of this process, for fork
 
 

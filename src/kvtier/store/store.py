@@ -720,6 +720,8 @@ class Store(TierIO):
             for t in (*self.slot_tiers.values(), *self.shared):
                 t.close()
             if self.tuner is not None:
+                self.tuner.poll()  # a tuning that finished but was not taken yet is counted
+                self._count_tunings()
                 self.tuner.close()  # never waits: its thread stops the child (a tuning in flight: failed)
 
     def __enter__(self) -> Store:
