@@ -173,3 +173,77 @@ def learned_start(plan: Plan, share: object, placement: object,
     except ConfigError:
         return None
     return split
+
+
+def tail_chunks(plan: Plan, group: int, num_chunks: int, endpoints: int) -> list[int]:
+    """What a non-anchor group must hold so hits can end at the prompt's last `endpoints` chunk
+    boundaries: the union of `plan.chunks_for_hit` over T = j*C, j = n-endpoints+1 .. n.
+
+    Why: a sliding window or a state checkpoint serves only hits that end near it, and follow-up
+    requests (the next turn of a chat) hit at the end of an earlier prompt, so a sliding group's
+    early chunks and a state group's early checkpoints are bytes few hits read. With
+    endpoints=2 a Mooncake next turn (which repeats all but the last, partial block) still hits.
+    Replay stores these warm; the group's other chunks are stored *cold* (evicted before
+    any warm entry, never refreshed by a save), so they cost nothing while there is room and
+    still serve a prompt that branches in the middle of a cached one.
+    """
+    if endpoints <= 0:
+        raise ConfigError(f"tail endpoints {endpoints} must be a positive number of chunk boundaries")
+    c = plan.chunk_tokens
+    out: set[int] = set()
+    for j in range(max(1, num_chunks - endpoints + 1), num_chunks + 1):
+        out.update(plan.chunks_for_hit(group, j * c))
+    return sorted(out)
+
+
+class StoreChunks:
+    """Per prompt length n (in chunks), memoized: for each cacheable group, anchors first, the
+    chunk indices worth storing (None = all of 0..n-1) and, with `tail_endpoints`, the warm ones
+    (the rest is stored cold and not touched). Replay and the worth tuner's shadows share it."""
+
+    def __init__(self, plan: Plan, tail_endpoints: int | None) -> None:
+        self.plan, self.tail_endpoints = plan, tail_endpoints
+        self.order = sorted(plan.cacheable_groups, key=lambda gp: gp.kind not in ("full", "mla"))
+        self._memo: dict[int, list[tuple[int, set[int] | None, set[int] | None]]] = {}
+
+    def __call__(self, n: int) -> list[tuple[int, set[int] | None, set[int] | None]]:
+        got = self._memo.get(n)
+        if got is None:
+            plan, c, got = self.plan, self.plan.chunk_tokens, []
+            for gp in self.order:
+                idx = plan.store_chunks(gp.index, n * c)
+                warm = None
+                if self.tail_endpoints and gp.kind not in ("full", "mla"):
+                    warm = set(tail_chunks(plan, gp.index, n, self.tail_endpoints))
+                got.append((gp.index, None if idx == list(range(n)) else set(idx), warm))
+            self._memo[n] = got
+        return got
+
+
+def store_request(chunks: Sequence[object], n: int, wanted: StoreChunks, spots: Mapping | None,
+                  contains, touch_all, save) -> None:  # noqa: ANN001 - the index's methods, a save(h, g, cold=False)
+    """Replay's save of one request's first n chunks by placement: a warm chunk already held is
+    touched, else saved; a cold one is saved (cold) only when not held. `spots`: the placement's
+    (warm, cold) per group it places, None for every chunk warm (tail endpoints aside)."""
+    if not n:
+        return
+    for g, idx, warm in wanted(n):
+        if spots is not None and g in spots:
+            warm_g, cold_g = spots[g]
+            for i in range(n):
+                if idx is not None and i not in idx:
+                    continue
+                if warm_g is None or i in warm_g:
+                    if not touch_all(chunks[i], g):
+                        save(chunks[i], g)
+                elif i in cold_g and not contains(chunks[i], g):
+                    save(chunks[i], g, True)
+            continue
+        for i in range(n):
+            if idx is not None and i not in idx:
+                continue
+            if warm is not None and i not in warm:
+                if not contains(chunks[i], g):
+                    save(chunks[i], g, True)
+            elif not touch_all(chunks[i], g):
+                save(chunks[i], g)

@@ -46,7 +46,7 @@ from kvtier.core.cost import ComputeModel, compute_model
 from kvtier.core.plan import Plan
 from kvtier.errors import ConfigError
 from kvtier.index.index import Index
-from kvtier.index.placement import HitsLand, learned_start
+from kvtier.index.placement import HitsLand, StoreChunks, learned_start, store_request, tail_chunks  # noqa: F401 (tail_chunks: kvtier.index.tuning's name for it)
 from kvtier.index.policies import policy_options
 from kvtier.index.worth import WorthLRU, WorthWeight, worth_value
 
@@ -209,27 +209,6 @@ def _compute(plan: Plan, cost: object | None) -> ComputeModel:
     return model
 
 
-def tail_chunks(plan: Plan, group: int, num_chunks: int, endpoints: int) -> list[int]:
-    """What a non-anchor group must hold so hits can end at the prompt's last `endpoints` chunk
-    boundaries: the union of `plan.chunks_for_hit` over T = j*C, j = n-endpoints+1 .. n.
-
-    Why: a sliding window or a state checkpoint serves only hits that end near it, and follow-up
-    requests (the next turn of a chat) hit at the end of an earlier prompt, so a sliding group's
-    early chunks and a state group's early checkpoints are bytes few hits read. With
-    endpoints=2 a Mooncake next turn (which repeats all but the last, partial block) still hits.
-    Replay stores these warm; the group's other chunks are stored *cold* (evicted before
-    any warm entry, never refreshed by a save), so they cost nothing while there is room and
-    still serve a prompt that branches in the middle of a cached one.
-    """
-    if endpoints <= 0:
-        raise ConfigError(f"tail endpoints {endpoints} must be a positive number of chunk boundaries")
-    c = plan.chunk_tokens
-    out: set[int] = set()
-    for j in range(max(1, num_chunks - endpoints + 1), num_chunks + 1):
-        out.update(plan.chunks_for_hit(group, j * c))
-    return sorted(out)
-
-
 def shadow_flops(shadow: Shadow, window: Sequence[Req], w: float) -> float:
     """Prefill FLOPs the window's hits save in a fresh index with w fixed: `replay`'s loop
     (lookup, promotion, write-through save by placement, learned share) without its accounting."""
@@ -245,22 +224,8 @@ def _shadow(shadow: Shadow, window: Sequence[Req], w: float) -> tuple[float, boo
     index = _build(plan, caps, shadow.share, shadow.start, shadow.anchored, placement,
                    WorthWeight(w), shadow.compute)
     tiers = list(caps)
-    first, c = tiers[0], plan.chunk_tokens
-    order = sorted(plan.cacheable_groups, key=lambda gp: gp.kind not in ANCHORS)  # anchors first
-    cache: dict[int, list[tuple[int, set[int] | None, set[int] | None]]] = {}
-
-    def wanted(n: int) -> list[tuple[int, set[int] | None, set[int] | None]]:
-        got = cache.get(n)
-        if got is None:
-            got = []
-            for gp in order:
-                idx = plan.store_chunks(gp.index, n * c)
-                warm = None
-                if shadow.tail_endpoints and gp.kind not in ANCHORS:
-                    warm = set(tail_chunks(plan, gp.index, n, shadow.tail_endpoints))
-                got.append((gp.index, None if idx == list(range(n)) else set(idx), warm))
-            cache[n] = got
-        return got
+    first = tiers[0]
+    wanted = StoreChunks(plan, shadow.tail_endpoints)
 
     def save(h: int, g: int, cold: bool = False) -> None:
         if not cold:
@@ -291,27 +256,7 @@ def _shadow(shadow: Shadow, window: Sequence[Req], w: float) -> tuple[float, boo
                         index.put(ld.chunk_hash, g, first)  # promotion
         n = len(chunks)
         spots = placement.place(chunks, n) if placement is not None else None
-        if n:
-            for g, idx, warm in wanted(n):
-                if spots is not None and g in spots:
-                    warm_g, cold_g = spots[g]
-                    for i in range(n):
-                        if idx is not None and i not in idx:
-                            continue
-                        if warm_g is None or i in warm_g:
-                            if not touch_all(chunks[i], g):
-                                save(chunks[i], g)
-                        elif i in cold_g and not contains(chunks[i], g):
-                            save(chunks[i], g, True)
-                    continue
-                for i in range(n):
-                    if idx is not None and i not in idx:
-                        continue
-                    if warm is not None and i not in warm:
-                        if not contains(chunks[i], g):
-                            save(chunks[i], g, True)
-                    elif not touch_all(chunks[i], g):
-                        save(chunks[i], g)
+        store_request(chunks, n, wanted, spots, contains, touch_all, save)
         if learned:
             index.observe()
     evicted = any(index.counters(gp.index, t)["evictions"] or index.counters(gp.index, t)["dead_evictions"]

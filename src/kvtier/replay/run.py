@@ -36,7 +36,8 @@ from kvtier.core.cost import ComputeModel, Term
 from kvtier.errors import ConfigError
 from kvtier.index.index import ChunkHash, Index
 from kvtier.index.placement import learned_start
-from kvtier.index.tuning import tail_chunks, worth_index, worth_options
+from kvtier.index.placement import StoreChunks, store_request, tail_chunks  # noqa: F401 (tail_chunks: tests import it from here)
+from kvtier.index.tuning import worth_index, worth_options
 from kvtier.core.plan import Plan
 from kvtier.index.policies import POLICIES, EvictionPolicy
 from kvtier.replay.oracle import NEVER, Belady, next_uses
@@ -192,27 +193,11 @@ def replay(
     first = tiers[0]
     c = plan.chunk_tokens
     cacheable = plan.cacheable_groups
-    order = sorted(cacheable, key=lambda gp: gp.kind not in ("full", "mla"))  # anchors first
     names = {gp.index: gp.name for gp in cacheable}
     chunk_bytes = {gp.index: gp.chunk_bytes for gp in cacheable}
     zero = lambda: {t: {gp.name: 0 for gp in cacheable} for t in tiers}  # noqa: E731
     loads, loaded, written = zero(), zero(), zero()
-    store_cache: dict[int, list[tuple[int, set[int] | None, set[int] | None]]] = {}
-
-    def wanted(n: int) -> list[tuple[int, set[int] | None, set[int] | None]]:
-        # per group (anchors first): the chunk indices worth storing (None = all of 0..n-1) and,
-        # with tail endpoints, the warm ones (the rest is stored cold and not touched)
-        got = store_cache.get(n)
-        if got is None:
-            got = []
-            for gp in order:
-                idx = plan.store_chunks(gp.index, n * c)
-                warm = None
-                if tail_endpoints and gp.kind not in ("full", "mla"):
-                    warm = set(tail_chunks(plan, gp.index, n, tail_endpoints))
-                got.append((gp.index, None if idx == list(range(n)) else set(idx), warm))
-            store_cache[n] = got
-        return got
+    wanted = StoreChunks(plan, tail_endpoints)
 
     def put(h: ChunkHash, g: int, tier: str, cold: bool = False) -> None:
         # what this evicts is dropped: write-through put it in the lower tiers already
@@ -275,27 +260,7 @@ def replay(
         admitted = adm.admit(list(chunks))  # type: ignore[attr-defined]  (every request: oracles count calls)
         n = min(n, int(admitted))
         spots = placement.place(chunks, n) if placement is not None else None
-        if n:
-            for g, idx, warm in wanted(n):
-                if spots is not None and g in spots:
-                    warm_g, cold_g = spots[g]
-                    for i in range(n):
-                        if idx is not None and i not in idx:
-                            continue
-                        if warm_g is None or i in warm_g:
-                            if not touch_all(chunks[i], g):
-                                save(chunks[i], g)
-                        elif i in cold_g and not contains(chunks[i], g):
-                            save(chunks[i], g, True)
-                    continue
-                for i in range(n):
-                    if idx is not None and i not in idx:
-                        continue
-                    if warm is not None and i not in warm:
-                        if not contains(chunks[i], g):
-                            save(chunks[i], g, True)
-                    elif not touch_all(chunks[i], g):
-                        save(chunks[i], g)
+        store_request(chunks, n, wanted, spots, contains, touch_all, save)
         if learned:
             index.observe()  # a resize's evictions are dropped, its moves cost no bytes here
         if tuner is not None:
