@@ -134,7 +134,7 @@ def test_learned_share_stays_within_the_tier_and_every_entry_in_its_pool(request
             assert ix.used(g, "cpu") <= ix.slots(g, "cpu")
             pool = ix._pool(g, "cpu")
             assert all(rec.slot < pool.num_slots for rec in pool.recs.values())
-        assert learner.memory_bytes == memory  # 3 numbers per group, whatever the traffic
+        assert learner.memory_bytes == memory  # 4 numbers per group, whatever the traffic
     for h in pinned:
         assert ix.contains(h, 1)
 
@@ -169,3 +169,26 @@ def test_victim_and_demote():
     ix.touch(3, 0, "cpu")  # a touch warms it again
     assert ix.victim(0, "cpu").chunk_hash == 1
     assert ix.put(4, 0, "cpu").evicted[0].chunk_hash == 1
+
+
+def test_learned_share_leaves_no_bytes_empty_while_another_pool_evicts():
+    """A full pool still filling (slowly: its stores a period below `step`) keeps at most what it
+    holds plus `step`; the state pool's cold entries keep the rest. The rule before moved bytes by
+    warm rate alone: the state pool shrank to 1/3 and evicted its cold entries while the full pool
+    sat on empty slots."""
+    ix = Index(hybrid(state_bytes=1024), {"cpu": 4000 * 2048}, share="learned")  # 4000 slots each
+    for r in range(1800):  # full: 2 chunks warm; ssm: the last warm, the first cold
+        for i in (0, 1):
+            ix.put(r * 10 + i, 0, "cpu")
+        ix.put(r * 10, 1, "cpu", cold=True)
+        ix.put(r * 10 + 1, 1, "cpu")
+        ix.observe()
+    assert ix.used(0, "cpu") == ix.used(1, "cpu") == 3600  # nothing evicted
+    assert ix.counters(1, "cpu")["evictions"] == 0
+    for r in range(1800, 4000):  # the full pool fills: bytes move by warm rate again (2/3 full)
+        for i in (0, 1):
+            ix.put(r * 10 + i, 0, "cpu")
+        ix.put(r * 10, 1, "cpu", cold=True)
+        ix.put(r * 10 + 1, 1, "cpu")
+        ix.observe()
+    assert ix.learners[0].shares()[0] == pytest.approx(2 / 3, abs=0.02)

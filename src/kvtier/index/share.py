@@ -12,6 +12,14 @@ dead entries first). With every chunk warm this is the proportional share; with 
 hits land (`kvtier.index.placement`) a state group's share falls to what its endpoints need
 (docs/admission.md).
 
+Bytes a pool leaves empty serve no hit. A pool with empty slots that stored at most `step` x the
+tier's bytes in the last period gets at most what it holds plus `step` (the controller gives bytes
+back as fast as it fills); the rest goes to the other pools by their warm rates (water-filling),
+and while every pool has room nothing moves. Without this, a full-attention pool still filling (a
+large tier: early on, or for good when it holds the whole trace) took bytes from a state or sliding
+pool that then evicted cold entries; a cold entry serves a hit ending where none ended before (a
+new branch point), which no warm entry can.
+
 No group goes below `floor` x its proportional bytes (and one chunk): a hit needs every group, so
 none may be starved, even one that stored nothing warm lately. Starts proportional, or from the
 split `Index(start=...)` gives (the Store: its placement's fixed share).
@@ -20,7 +28,7 @@ Not ghost lists (the compute a group's recent evictions would have saved): a gro
 are few and joint with the other groups' (a hit needs every group), so that share swung and lost
 hits (docs/admission.md).
 
-Memory: 3 numbers per group.
+Memory: 4 numbers per group.
 """
 
 from __future__ import annotations
@@ -66,6 +74,7 @@ class LearnedShare:
         self._low = {g: min(self.floor_slots[g], self.pools[g].num_slots) for g in self.groups}
         self.rate = dict.fromkeys(self.groups, 0.0)  # warm bytes stored, fading
         self._seen = {g: self.pools[g].counts["warm_commits"] for g in self.groups}
+        self._stored = {g: self.pools[g].counts["commits"] for g in self.groups}  # warm and cold
         self.requests = 0
         self.moves = 0
 
@@ -115,18 +124,36 @@ class LearnedShare:
         return self.rebalance()
 
     def targets(self) -> dict[int, int] | None:
-        """Slots per group that equalise warm lifetimes, from the fading warm byte rates (None:
-        nothing stored warm yet)."""
+        """Slots per group that equalise warm lifetimes, from the fading warm byte rates, no pool
+        above what it fills (module docstring). None: nothing to move (nothing stored warm yet, or
+        every pool has room)."""
         pools, cb = self.pools, self.chunk_bytes
+        step = self.step * self.capacity
+        room: dict[int, float] = {}  # the most bytes a pool with empty slots needs
         for g in self.groups:
-            c = pools[g].counts["warm_commits"]
+            pool = pools[g]
+            c, stored = pool.counts["warm_commits"], pool.counts["commits"]
             self.rate[g] = self.rate[g] * self.fade + (c - self._seen[g]) * cb[g]
-            self._seen[g] = c
-        total = sum(self.rate.values())
-        if total <= 0:
+            inflow = (stored - self._stored[g]) * cb[g]
+            self._seen[g], self._stored[g] = c, stored
+            if pool.used < pool.num_slots and inflow <= step:
+                room[g] = pool.used * cb[g] + step
+        if sum(self.rate.values()) <= 0:
             return None
-        return {g: max(self.floor_slots[g], int(self.capacity * self.rate[g] / total) // cb[g])
-                for g in self.groups}
+        capped: dict[int, float] = {}
+        while True:  # water-filling: bytes by warm rate, no pool above its room
+            free = [g for g in self.groups if g not in capped]
+            if not free:
+                return None
+            left = self.capacity - sum(capped.values())
+            total = sum(self.rate[g] for g in free)
+            share = {g: left * self.rate[g] / total if total > 0 else left / len(free) for g in free}
+            over = [g for g in free if g in room and share[g] > room[g]]
+            if not over:
+                break
+            capped.update((g, room[g]) for g in over)
+        share.update(capped)
+        return {g: max(self.floor_slots[g], int(share[g]) // cb[g]) for g in self.groups}
 
     def rebalance(self) -> list:
         target = self.targets()
@@ -152,4 +179,4 @@ class LearnedShare:
 
     @property
     def memory_bytes(self) -> int:
-        return 3 * 8 * len(self.groups)
+        return 4 * 8 * len(self.groups)
