@@ -414,6 +414,46 @@ def test_a_child_that_writes_garbage_is_a_failed_tuning(monkeypatch, tmp_path):
         tuner.close()
 
 
+def test_a_child_that_hangs_is_killed_after_its_time_and_the_next_tuning_starts_a_new_one(monkeypatch, tmp_path):
+    """A child that says hello and then never answers holds no caller: `poll` kills it once
+    `timeout_s` has passed (a failed tuning, w kept), and the next tuning starts a fresh child."""
+    fake = tmp_path / "hang.py"
+    fake.write_text("import sys, time\n"
+                    f"sys.stdout.buffer.write({tuning_child.MAGIC!r})\nsys.stdout.flush()\n"
+                    "sys.stdin.buffer.read(1)\ntime.sleep(120)\n")
+    monkeypatch.setattr(tuning_child, "command", lambda parent: [sys.executable, str(fake)])
+    tuner = tuner_for("process")
+    tuner._child.timeout_s = 1.0
+    try:
+        fill(tuner, head(200))
+        tuner.weight.w = 3.0
+        t = time.monotonic()
+        tuner.tune()
+        end = time.monotonic() + 10
+        while tuner.pid is None:  # started, said hello, got its job
+            assert time.monotonic() < end, "the fake child never started"
+            time.sleep(0.01)
+        first = tuner.pid
+        wait_idle(tuner, timeout=10)
+        assert 1.0 <= time.monotonic() - t < 5
+        assert tuner.counts()["worth_tunings_failed"] == 1 and tuner.weight.w == 3.0
+        with pytest.raises(ProcessLookupError):  # killed and reaped
+            end = time.monotonic() + 5
+            while True:
+                os.kill(first, 0)
+                assert time.monotonic() < end, "the hung child was not killed"
+                time.sleep(0.05)
+        tuner.tune()
+        end = time.monotonic() + 10
+        while tuner.pid in (None, first):
+            assert time.monotonic() < end, "the next tuning started no child"
+            time.sleep(0.01)
+        wait_idle(tuner, timeout=10)
+        assert tuner.counts()["worth_tunings_failed"] == 2
+    finally:
+        tuner.close()
+
+
 def test_the_child_gets_no_secrets_and_no_cwd_on_its_path(monkeypatch):
     monkeypatch.setenv("KVTIER_REDIS_PASSWORD", "hunter2")
     monkeypatch.setenv("LC_ALL", "C.UTF-8")

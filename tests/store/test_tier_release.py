@@ -93,17 +93,34 @@ def test_cpu_release_keeps_the_page_a_kept_slot_ends_in() -> None:
     assert tier.list() is not None and list(tier.list()) == [] and tier.resident_bytes() == 0
 
 
-def test_cpu_release_of_locked_or_shared_slabs_clears_headers_only(tmp_path: Path) -> None:
+def test_cpu_release_of_locked_slabs_clears_headers_only(tmp_path: Path) -> None:
     layout = TierLayout(slot_bytes=(8192,), num_slots=(8,))
     registered = CpuTier(layout, pin_memory=True, host_register=(lambda p, n: True, lambda p: None))
+    for s in range(8):
+        assert registered.write(0, s, header(s, n=8192), data(s, 8192))
+    resident = registered.resident_bytes()
+    assert registered.release(0, 3) == 0 and registered.resident_bytes() == resident
+    assert all(reads_back(registered, 0, s, s, 8192) for s in range(3))
+    assert not any(reads_back(registered, 0, s, s, 8192) for s in range(3, 8))
+
+
+def test_cpu_release_in_a_host_region_punches_the_pages_and_lowers_the_reserved_count(tmp_path: Path) -> None:
+    """The region's file gives the slots' pages back (host_region.py, "Reserved slots"): what it
+    holds follows the pool; the kept slots read back, the released ones take no writes until a
+    `reserve` again."""
+    layout = TierLayout(slot_bytes=(8192,), num_slots=(8,))
     shared = CpuTier(layout, pin_memory=False, region=HostRegion.create(tmp_path, "rel", layout))
-    for tier in (registered, shared):
-        for s in range(8):
-            assert tier.write(0, s, header(s, n=8192), data(s, 8192))
-        resident = tier.resident_bytes()
-        assert tier.release(0, 3) == 0 and tier.resident_bytes() == resident
-        assert all(reads_back(tier, 0, s, s, 8192) for s in range(3))
-        assert not any(reads_back(tier, 0, s, s, 8192) for s in range(3, 8))
+    for s in range(8):
+        assert shared.write(0, s, header(s, n=8192), data(s, 8192))
+    blocks = os.stat(shared.region.path).st_blocks
+    assert shared.release(0, 3) == 0 and shared.region.reserved(0) == 3  # the count falls at once
+    assert shared.region.settle() and shared.region.released_bytes == 5 * 8192  # the pages after
+    assert os.stat(shared.region.path).st_blocks == blocks - 5 * 8192 // 512
+    assert all(reads_back(shared, 0, s, s, 8192) for s in range(3))
+    assert not any(reads_back(shared, 0, s, s, 8192) for s in range(3, 8))
+    assert not shared.write(0, 5, header(5, n=8192), data(5, 8192))  # not reserved: not written
+    shared.reserve(0, 8)
+    assert shared.region.settle() and shared.write(0, 5, header(5, n=8192), data(5, 8192))
 
 
 def test_cpu_move_copies_the_payload_and_its_header_then_frees_the_source() -> None:

@@ -225,6 +225,9 @@ VLLM = Registry("vllm", (
             "Redis and could not be promoted (host-only loads: sync_load_budget_bytes).", GROUP),
     Counter("promote_skipped_full", "Promotions skipped because every cpu slot of the group was pinned "
             "or reserved (the load still reads the slower tier).", GROUP),
+    Counter("promote_skipped_share", "Promotions at lookup read but not filled: a learned-share op on "
+            "the group had not reached the workers yet, or the slot's memory is not reserved (host "
+            "region); the chunk is served as before.", GROUP),
     Counter("promote_dropped", "Promotions at lookup not started because the reads out would pass "
             "kvtier.io_queue_bytes: the chunk is served as before (its load reads the slower tier; a "
             "miss with host-only loads).", GROUP),
@@ -304,6 +307,9 @@ VLLM = Registry("vllm", (
             "cleared, a load of it a counted miss (none expected).", GROUP),
     Counter("share_released_bytes", "Bytes of cpu-tier memory a worker gave back past the end of a "
             "pool the learned share shrank.", GROUP),
+    Counter("share_reserve_failed", "Pools the learned share grew whose new slots a worker could not "
+            "reserve in its host region (no room in the tmpfs): those slots take no writes, each "
+            "store there a counted failed write and its load a counted miss.", GROUP),
 ))
 
 REGISTRIES = (STORE, TIER, VLLM)

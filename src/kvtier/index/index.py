@@ -54,7 +54,7 @@ Not thread-safe: callers serialize (the store holds one lock; vLLM's scheduler i
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvtier.errors import ConfigError
@@ -137,13 +137,16 @@ class Index:
         *,
         anchored: bool = True,
         start: str | Mapping[str, float] | None = None,
+        learned_tiers: Collection[str] | None = None,
     ) -> None:
         """`anchored=False` turns the dead-first rule off: for plans whose groups' chunks span
         different tokens (vLLM's chunking of groups with different tokens per block), chunk
         hashes line up across groups only at common boundaries, so most chunks of a
         small-block group would look dead to the anchor groups from the moment they commit.
         `start` (share="learned" only): the share rule the pools start from (default
-        "proportional"; the Store starts from its placement's fixed share)."""
+        "proportional"; the Store starts from its placement's fixed share). `learned_tiers`
+        (share="learned" only): the tiers whose bytes move (default every tier); the others keep
+        the `start` split (vLLM's manager learns only its cpu tier: a move elsewhere is I/O)."""
         if start is not None and share != "learned":
             raise ConfigError(f"start={start!r} is the learned share's first split; give share='learned' "
                               f"with it, not share={share!r}")
@@ -178,7 +181,8 @@ class Index:
         # share="learned": one controller per tier (kvtier.index.share)
         self.learners: tuple[LearnedShare, ...] = ()
         if share == "learned":
-            self.learners = tuple(LearnedShare(self, tier) for tier in self.tiers)
+            self.learners = tuple(LearnedShare(self, tier) for tier in self.tiers
+                                  if learned_tiers is None or tier in learned_tiers)
         self._learner_of = {learner.tier: learner for learner in self.learners}
 
     # -- queries -------------------------------------------------------------------------------

@@ -96,6 +96,7 @@ class Shadow:
     compute: ComputeModel
     anchored: bool = True
     cold_in_first: bool = False
+    learned_tiers: tuple[str, ...] | None = None  # Index(learned_tiers=): the caller's
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,10 +157,12 @@ def renumber(window: Sequence[Record]) -> tuple[Req, ...]:
 
 def _build(plan: Plan, capacities: Mapping[str, int], share: str | Mapping[str, float],
            start: str | Mapping[str, float] | None, anchored: bool, placement: object,
-           weight: WorthWeight, compute: ComputeModel) -> Index:
+           weight: WorthWeight, compute: ComputeModel,
+           learned_tiers: tuple[str, ...] | None = None) -> Index:
     """An Index whose pools evict by worth with `weight`; depth from the placement's prefix tree."""
     index = Index(plan, capacities, policy=lambda slots: WorthLRU(slots, weight), share=share,
-                  start=start, anchored=anchored)
+                  start=start, anchored=anchored,
+                  learned_tiers=learned_tiers if share == "learned" else None)
     tree = getattr(placement, "tree", None)
     depth = tree.depth if tree is not None else (lambda key: 0)
     for gp in plan.cacheable_groups:
@@ -173,18 +176,21 @@ def worth_index(plan: Plan, capacities: Mapping[str, int], *, share: str | Mappi
                 placement: object, cost: object | None = None, tail_endpoints: int | None = None,
                 w: float | None = None, runner: str = "process", max_chunks: int = 32768,
                 period: int = 32768, start: object = _LEARNED, anchored: bool = True,
-                grid: Sequence[float] = GRID, cold_in_first: bool = False) -> tuple[Index, WorthTuner | None]:
+                grid: Sequence[float] = GRID, cold_in_first: bool = False,
+                learned_tiers: Sequence[str] | None = None) -> tuple[Index, WorthTuner | None]:
     """An Index whose pools evict by worth and its tuner (None when `w` fixes the weight).
     `cost`: a ComputeModel, or replay's CostModel (its `.model`); default: the plan geometry's
     estimate. `start`: the learned share's first split (default `learned_start`, as the Store and
     replay start); the shadows use the same one, and a fresh placement of the same rule.
     `cold_in_first`: with one tier, whether the caller stores cold chunks in it as first victims
-    (replay) or skips them (the Store and vLLM's manager: the default), so the shadows do the same."""
+    (replay) or skips them (the Store and vLLM's manager: the default), so the shadows do the same.
+    `learned_tiers`: `Index(learned_tiers=)`, the shadows' too."""
+    learned = None if learned_tiers is None else tuple(learned_tiers)
     compute = _compute(plan, cost)
     if start is _LEARNED:
         start = learned_start(plan, share, placement, capacities)
     weight = WorthWeight(0.0 if w is None else w)
-    index = _build(plan, capacities, share, start, anchored, placement, weight, compute)  # type: ignore[arg-type]
+    index = _build(plan, capacities, share, start, anchored, placement, weight, compute, learned)  # type: ignore[arg-type]
     if w is not None:
         return index, None
     if placement is None:
@@ -196,7 +202,7 @@ def worth_index(plan: Plan, capacities: Mapping[str, int], *, share: str | Mappi
                           f"{getattr(placement, 'name', placement)!r}; give a fixed weight (worth:w=W)")
     shadow = Shadow(plan, dict(capacities), share if isinstance(share, str) else dict(share),
                     start if start is None or isinstance(start, str) else dict(start),  # type: ignore[arg-type]
-                    rule, tail_endpoints, compute, anchored, cold_in_first)
+                    rule, tail_endpoints, compute, anchored, cold_in_first, learned)
     return index, WorthTuner(shadow, weight, runner=runner, max_chunks=max_chunks, period=period, grid=grid)
 
 
@@ -222,7 +228,7 @@ def _shadow(shadow: Shadow, window: Sequence[Req], w: float) -> tuple[float, boo
     placement = None if rule is None else HitsLand(plan, tree_nodes=rule[0], ratio=rule[1],
                                                      warmup=rule[2], decay=rule[3])
     index = _build(plan, caps, shadow.share, shadow.start, shadow.anchored, placement,
-                   WorthWeight(w), shadow.compute)
+                   WorthWeight(w), shadow.compute, shadow.learned_tiers)
     tiers = list(caps)
     first = tiers[0]
     wanted = StoreChunks(plan, shadow.tail_endpoints)

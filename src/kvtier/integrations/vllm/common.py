@@ -33,6 +33,9 @@ from .placement import header_span
 from .counters import Metrics  # noqa: F401
 
 log = logging.getLogger("kvtier.vllm")
+# the tiers whose bytes the learned share moves: the cpu tier (slots in host memory, a move is a
+# memory copy); a disk tier keeps the fixed split (a move there would be I/O in a step)
+LEARNED_TIERS = ("cpu",)
 _LOGGED: set[str] = set()  # the learned share's and worth's "why not" lines, once per process
 
 # every per-key map of the scheduler side (the manager's key memo, promotion and Redis answers)
@@ -80,6 +83,16 @@ class SlotMove:
 class SlotRelease:
     """A share op: `group`'s pool in `tier` shrank to `slots`; the worker gives back the memory of
     its slots >= `slots` (after the moves before it in the same batch)."""
+
+    tier: str
+    group: int
+    slots: int
+
+
+@dataclass(frozen=True, slots=True)
+class SlotReserve:
+    """A share op: `group`'s pool in `tier` grew to `slots`; the worker reserves their memory
+    (a host region's pages: host_region.py, "Reserved slots") before any store of this step."""
 
     tier: str
     group: int
@@ -173,13 +186,14 @@ class SpecContext:
         """Why the learned share does not apply to this engine ("" where it does). Both sides ask
         the same config and platform, so they agree without a handshake. It needs slabs that are
         address space, committed where written: the worker lays each group out for the most slots
-        it may get (`slot_counts`). A host region is fallocated whole (one exists only with a disk
-        or Redis tier), and page-locked slabs (a GPU) are committed whole: N x the tier."""
+        it may get (`slot_counts`); a host region (made with a disk or Redis tier) reserves only
+        the pools' slots and follows them (store/tiers/host_region.py, "Reserved slots"), but
+        page-locked slabs (a GPU) are committed whole: N x the tier."""
         if not self.kvtier_connector:
             return ("the learned share needs kv_connector \"KvtierConnector\" (vLLM's OffloadingConnector "
                     "does not carry its slot moves to the workers)")
-        if self.config.tiers != ("cpu",):
-            return f"the learned share is applied only where the cpu tier is the only tier, not {','.join(self.config.tiers)}"
+        if "cpu" not in self.config.tiers:
+            return f"the learned share moves the cpu tier's bytes, and kvtier.tiers is {','.join(self.config.tiers)}"
         from vllm.platforms import current_platform
 
         device = str(getattr(current_platform, "device_type", ""))
@@ -248,7 +262,7 @@ class SpecContext:
         policy = self.policy
         if policy.partition(":")[0] != "worth":
             return Index(self.plan, self.config.capacities, policy=policy, share=share, start=start,
-                         anchored=not self.mixed_spans), None
+                         anchored=not self.mixed_spans, learned_tiers=LEARNED_TIERS if learned else None), None
         from kvtier.index.tuning import worth_index, worth_options
 
         opts = worth_options(policy)
@@ -256,7 +270,8 @@ class SpecContext:
         sizes = {k: int(v) for k, v in opts.items() if k in ("max_chunks", "period")}
         # cold_in_first left False: with one tier the manager stores no cold chunk (`_place`)
         return worth_index(self.plan, self.config.capacities, share=share, placement=placement, w=w,
-                           runner="process", start=start, anchored=not self.mixed_spans, **sizes)
+                           runner="process", start=start, anchored=not self.mixed_spans,
+                           learned_tiers=LEARNED_TIERS if learned else None, **sizes)
 
     def slot_counts(self) -> dict[tuple[str, int], int]:
         """Slots per (tier, cacheable group) the worker lays each tier out for: those of

@@ -15,7 +15,7 @@ vLLM's and are left to it.
 | `kvtier.directory` | existing directory: disk slabs and the metrics file | required with disk |
 | `kvtier.policy` | eviction policy: `auto` (`worth` where placement `hits` places a cacheable group other than full/MLA, else `lru`), `worth` (LRU plus the compute an entry saves, its weight tuned online; `worth:w=W` fixes it), `lru`, `fifo`, `arc`, `s3fifo` | `"auto"` |
 | `kvtier.placement` | `hits`: full-attention chunks every time, a state checkpoint or sliding window only where hits land (docs/admission.md), the rest to a later tier (disk, Redis) or not at all; `every`: every chunk to every tier | `"hits"` |
-| `kvtier.share` | how a tier's bytes are shared by groups (`auto`: `learned` where it applies, else the placement's fixed rule; `learned`: moved toward the groups' warm bytes as traffic goes, where the cpu tier is the only tier and the engine runs on CPU (docs/vllm.md, "The learned share"); `proportional`, `equal`) | `"auto"` |
+| `kvtier.share` | how a tier's bytes are shared by groups (`auto`: `learned` where it applies, else the placement's fixed rule; `learned`: moved toward the groups' warm bytes as traffic goes, on the cpu tier, where the engine runs on CPU (docs/vllm.md, "The learned share"); `proportional`, `equal`) | `"auto"` |
 | `kvtier.chunk_tokens` | tokens per chunk (a multiple of vLLM's block size) | vLLM's blocks_per_chunk |
 | `kvtier.redis_bytes` | bytes of this namespace the index tracks in Redis (Redis's maxmemory is the real bound) | required with redis |
 | `kvtier.redis_url` | `redis://host:port/db`, `rediss://`, `redis+cluster://`, `redis+sentinel://`; never with a password in it, in the userinfo or the query (`?password=`): vLLM logs this config | required with redis |

@@ -64,7 +64,7 @@ from kvtier.index.tuning import WorthTuner
 
 from .compat import offload_key_positions
 from .placement import lookup_window
-from .common import SPLIT_MEMO_KEYS, ChunkItem, KvtierLoadStoreSpec, SlotMove, SlotRelease, SpecContext
+from .common import SPLIT_MEMO_KEYS, ChunkItem, KvtierLoadStoreSpec, SlotMove, SlotRelease, SlotReserve, SpecContext
 from .counters import Metrics
 from .events import HeldKeys, KvEvents
 from .host_only import HostOnlyHits
@@ -286,6 +286,7 @@ class KvtierManager(OffloadingManager):
         self._pending: dict[OffloadKey, list[tuple[str, int]]] = {}  # places reserved by a store in flight
         self.loads = LoadLedger()  # each request's loads: their chunks, jobs and pins
         self.promotions = Promotions(ctx, self.index, metrics)
+        self.promotions.settled = self.share_settled
         # vLLM's key of every chunk the index holds; a chunk is not gone while a store (_pending)
         # or a promotion into another tier is in flight
         self.held = HeldKeys(self.index, metrics, self._pending, self.promotions)
@@ -294,11 +295,13 @@ class KvtierManager(OffloadingManager):
         self.host_only = HostOnlyHits(metrics)  # host-only loads: the hits this step pinned
         # shared with other engines: a key this index lacks may still be in Redis
         self.redis_lookup = RedisLookup(ctx, metrics) if "redis" in ctx.config.tiers else None
-        # the learned share's ops for the workers (moves, releases), in order, until the connector
-        # takes them into the step's metadata (`take_share_ops`); batches numbered from 1
-        self._share_ops: list[SlotMove | SlotRelease] = []
+        # the learned share's ops for the workers (moves, releases, reserves), in order, until the
+        # connector takes them into the step's metadata (`take_share_ops`); batches numbered from 1
+        self._share_ops: list[SlotMove | SlotRelease | SlotReserve] = []
         self._share_batch = 0
         self._share_slots = self._pool_slots()
+        # per cpu group, the last batch with an op on it (`share_settled`)
+        self._share_touched: dict[int, int] = {}
         self._reset_unflushed = False  # a reset whose in-flight jobs may still write (reset_cache)
         rebuild_from_disk(ctx, self.index, metrics)
         metrics.flush(force=True)
@@ -364,8 +367,10 @@ class KvtierManager(OffloadingManager):
         # the new pools start at the first split, so every pool's tail past it is given back: a
         # pool the old share had grown would otherwise keep its pages while another grows again
         self._share_slots = self._pool_slots()
-        self._share_ops = [SlotRelease(tier, g, slots) for (tier, g), slots in self._share_slots.items()
-                           if self.index.learners]
+        learned = {learner.tier for learner in self.index.learners}
+        pools = [(tier, g, slots) for (tier, g), slots in self._share_slots.items() if tier in learned]
+        self._share_ops = ([SlotRelease(tier, g, slots) for tier, g, slots in pools]
+                           + [SlotReserve(tier, g, slots) for tier, g, slots in pools])
 
     def _tuned_index(self) -> Index:
         """A fresh index for `self.ctx` and the placement's prefix tree. A running tuner (a
@@ -459,21 +464,35 @@ class KvtierManager(OffloadingManager):
             self._share_ops.append(SlotMove(m.tier, m.group, m.chunk_hash, m.from_slot, m.to_slot))
             self.metrics.add("share_moved", group=m.group)
         now = self._pool_slots()
-        for (tier, g), slots in now.items():
-            if slots < self._share_slots[(tier, g)]:
-                self._share_ops.append(SlotRelease(tier, g, slots))
+        # every release before any reserve: a host region gives pages back before it takes more
+        self._share_ops += [SlotRelease(tier, g, slots) for (tier, g), slots in now.items()
+                            if slots < self._share_slots[(tier, g)]]
+        self._share_ops += [SlotReserve(tier, g, slots) for (tier, g), slots in now.items()
+                            if slots > self._share_slots[(tier, g)]]
         if now != self._share_slots:
             self.metrics.add("share_resizes")
         self._share_slots = now
 
-    def take_share_ops(self) -> tuple[int, tuple[SlotMove | SlotRelease, ...]]:
+    def take_share_ops(self) -> tuple[int, tuple[SlotMove | SlotRelease | SlotReserve, ...]]:
         """(batch number, the ops queued since the last call) for the step's metadata
         (KvtierConnector.build_connector_meta); (0, ()) when none."""
         if not self._share_ops:
             return 0, ()
         ops, self._share_ops = tuple(self._share_ops), []
         self._share_batch += 1
+        for op in ops:
+            if op.tier == "cpu":
+                self._share_touched[op.group] = self._share_batch
         return self._share_batch, ops
+
+    def share_settled(self, group: int) -> int | None:
+        """The share-op batch the workers must have applied before a slot of the cpu tier's
+        `group` may be written from this process (promotion at lookup; host_region.py, "Reserved
+        slots"): the last batch with an op on it (0: none), None while an op on it waits for
+        the next step's metadata."""
+        if any(op.tier == "cpu" and op.group == group for op in self._share_ops):
+            return None
+        return self._share_touched.get(group, 0)
 
     def _key(self, key: OffloadKey) -> tuple[bytes, int] | None:
         split = self._split.get(key)

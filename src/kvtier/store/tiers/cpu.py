@@ -214,6 +214,20 @@ class CpuTier(SlotTier):
         of it may be touched then."""
         return self.region is not None and not self.region.intact()
 
+    def _unreserved(self, group: int, slot: int) -> bool:
+        """Whether the slot's pages are not reserved in the host region (a learned share's pool
+        grew where tmpfs had no room: host_region.py, "Reserved slots"): never written then."""
+        return self.region is not None and slot >= self.region.reserved(group)
+
+    def reserve(self, group: int, slots: int) -> None:
+        """The group's pool grew to `slots`. Private memory is committed where written: nothing to
+        do. A host region reserves the pages off the caller's thread (`HostRegion.resize`): the
+        slots take writes once they are had (before that, or if a full tmpfs refuses them, each
+        write there is a counted failed write)."""
+        self._check_release(group, min(slots, self.layout.num_slots[group]))
+        if self.region is not None:
+            self.region.resize(group, slots)
+
     def generation(self, group: int, slot: int) -> int:
         """The slot's sequence number: odd while it is being written, changed by every `begin`."""
         if self._lost():  # as if being written, and never the number a committed chunk had
@@ -268,7 +282,7 @@ class CpuTier(SlotTier):
         else:
             as_bytes_view(row[:n])[:] = src
         self.commit(group, slot, header)
-        return self.region is None or not self.region.lost
+        return self.region is None or not (self.region.lost or self._unreserved(group, slot))
 
     def begin(self, group: int, slot: int) -> torch.Tensor:
         """Start writing a slot in place: its sequence number turns odd and its header is dropped
@@ -281,8 +295,10 @@ class CpuTier(SlotTier):
         stand-in of this process's own memory (the caller's fill goes nowhere) and the write is
         counted failed."""
         self._check(group, slot)
-        if self._lost():
-            self._failed_write(group, slot, "its host region file was truncated")
+        lost = self._lost()
+        if lost or self._unreserved(group, slot):
+            self._failed_write(group, slot, "its host region file was truncated" if lost else
+                               "its memory is not reserved (no room in the host region's tmpfs)")
             if group not in self._stand_ins:
                 self._stand_ins[group] = torch.empty(self.layout.slot_bytes[group], dtype=torch.uint8)
             return self._stand_ins[group]
@@ -297,7 +313,7 @@ class CpuTier(SlotTier):
         which follows the job's end; the job's disk and Redis writes wait for its copies). A new
         reader of the slot table must be gated the same way."""
         self._check(group, slot, header.payload_bytes)
-        if self._lost():  # nothing is published (begin, or the region's warning, said why)
+        if self._lost() or self._unreserved(group, slot):  # nothing is published (begin said why)
             return
         self._set_header(group, slot, header, bump=False)
         self.writes += 1
@@ -356,17 +372,18 @@ class CpuTier(SlotTier):
         row[:n].copy_(self.slabs[group][src, :n])
         self.commit(group, dst, stored)
         self.free(group, src)
-        return self.region is None or not self.region.lost
+        return self.region is None or not (self.region.lost or self._unreserved(group, dst))
 
     def release(self, group: int, slots: int) -> int:
         """`SlotTier.release`. Each slot's sequence number is odd while its bytes go and changed
         after (a copy taken across it is disowned), its header cleared, and the whole pages of the
         slab from slot `slots` on given back (`madvise(MADV_DONTNEED)`: they read as zeros and
-        are committed again when written); the page holding slot `slots - 1`'s last bytes is kept.
-        Pageable slabs only: a page-locked slab (pinned, registered) and a host region (its
-        memory is reserved at creation, so a full tmpfs fails there, not with SIGBUS at a later
-        store) only have their headers cleared, and 0 is returned; a learned share is not used
-        with those. Returns the bytes of memory given back (resident before, `mincore`)."""
+        are committed again when written; in a host region the count of reserved slots falls at
+        once and the pages are punched off this thread, `HostRegion.resize`, counted in
+        `region.released_bytes`, and reserved again by `reserve`); the page holding slot
+        `slots - 1`'s last bytes is kept. A page-locked slab (pinned, registered) only has its
+        headers cleared; a learned share is not used with those. Returns the bytes of memory
+        given back now (resident before, `mincore`; 0 for a region or a locked slab)."""
         self._check_release(group, slots)
         n, b = self.layout.num_slots[group], self.layout.slot_bytes[group]
         if slots == n or self._lost():
@@ -377,7 +394,9 @@ class CpuTier(SlotTier):
         words[:, 1:] = 0  # headers cleared: every read is a miss from here on
         fence()
         freed = 0
-        if self.region is None and not self.locked[group] and _LIBC is not None:
+        if self.region is not None and not self.locked[group]:
+            self.region.resize(group, slots)  # punched off this thread: `region.released_bytes`
+        elif self.region is None and not self.locked[group] and _LIBC is not None:
             base = self.slabs[group].data_ptr()
             start = -(-(base + slots * b) // PAGE) * PAGE  # a kept slot's last page stays
             end = -(-(base + n * b) // PAGE) * PAGE  # the mapping's last page is the slab's own

@@ -7,6 +7,8 @@ module lays the cpu tier out in one file both processes map `MAP_SHARED`:
 
     page 0        a record: MAGIC, then JSON: the creator's pid (for log lines only) and the
                   layout (slot bytes and slots per group)
+    page 1        control words (int64): the last share-op batch the worker applied, then per
+                  group the slots reserved (below)
     per group g   its slot table (`SLOT_RECORD` bytes a slot: an 8-byte sequence number, then
                   the 128-byte chunk header, zero when empty), then its slab (slots x slot
                   bytes); each part starts on a page
@@ -52,6 +54,24 @@ MAP_FIXED, same addresses: every tensor and view stays valid), so a caller that 
 disowns, instead of faulting. What is left: a truncation that races an operation already past
 its check, or a direct copy before any check saw the cut, can still fault.
 
+Reserved slots (the learned share, docs/vllm.md): a group's slab may be laid out for more slots
+than its pool has now (address space), with only the pool's slots reserved (`create(reserve=)`):
+record, control page and slot tables whole, each slab's first `reserve[g]` slots. The rules:
+- a slot's bytes are written only below its group's reserved count (`CpuTier.begin` hands a
+  stand-in row and counts a failed write past it): an unreserved page of a full tmpfs is SIGBUS;
+- a slot's bytes are read from another thread than the writer's only below the count and under
+  the region's lock (`copy_out`): on tmpfs a read of a hole allocates a page too;
+- only the worker changes a count, in the order of the manager's share ops (`resize`): a release
+  lowers the count at once, then its keeper thread punches the pages (`fallocate(PUNCH_HOLE)`,
+  after taking the lock, so no copy is still reading them); a grow is reserved on the keeper
+  (`posix_fallocate`, then page tables: a full tmpfs fails there, counted, the count unchanged)
+  and raises the count after, unless a punch is still queued for that group (the reservation
+  queued after that punch raises it). The keeper runs them in order, off the engine thread. So the
+  region's memory follows the pools' and stays within the tier's bytes;
+- after each batch of ops the worker publishes its number (`applied`); the scheduler fills a slot
+  of a group (promotion at lookup) only once every batch that touched that group is applied, so
+  no release still in flight can punch a slot while it is being filled.
+
 Not `multiprocessing.shared_memory`: a name anyone may guess, no O_NOFOLLOW, and its resource
 tracker unlinks it when the first process exits.
 """
@@ -65,8 +85,12 @@ import mmap
 import os
 import re
 import stat
+import sys
 import tempfile
+import threading
+import time
 import weakref
+from collections import deque
 
 import torch
 
@@ -94,7 +118,7 @@ def _up(n: int) -> int:
 
 def _offsets(layout: TierLayout) -> tuple[list[tuple[int, int]], int]:
     """[(table offset, slab offset)] per group and the file's size."""
-    off, out = PAGE, []
+    off, out = 2 * PAGE, []
     for b, n in zip(layout.slot_bytes, layout.num_slots):
         table = off
         off += _up(n * SLOT_RECORD)
@@ -256,15 +280,23 @@ class HostRegion:
     def __init__(self, mm: mmap.mmap, fd: int, layout: TierLayout, path: str, *, populate: bool) -> None:
         self._mm = mm
         self._fd = fd  # the file: its size is checked against the mapping (intact)
-        if populate:  # page tables filled now: a store into a slot never touched pays no faults in a step
-            try:
-                mm.madvise(getattr(mmap, "MADV_POPULATE_WRITE", 23))
-            except (OSError, ValueError):  # a kernel before 5.14: faulted at first touch instead
-                pass
         self.layout = layout
         self.path = path
         self.name = f"{os.path.basename(os.path.dirname(path))}/{os.path.basename(path)[:-len('.host')]}"
         offsets, self.size = _offsets(layout)
+        self._offsets = offsets
+        # word 0: the last share-op batch the worker applied; word 1 + g: group g's reserved slots
+        self._ctl = memoryview(mm)[PAGE:2 * PAGE].cast("q")
+        # the worker's side of the reserved slots (resize): each pool's slots as its ops say, the
+        # punches queued per group, the keeper's jobs, and what it did
+        self._lock = threading.Lock()
+        self._limit = [self._ctl[1 + g] for g in range(len(layout.num_slots))]
+        self._punching = [0] * len(layout.num_slots)
+        self._jobs: deque[tuple] = deque()
+        self._jobs_lock = threading.Lock()
+        self._busy = False
+        self.released_bytes = 0  # given back by punches
+        self.reserve_failed = 0  # reservations a full tmpfs refused
         self.lost = False  # the file shrank below the mapping once (intact)
         self.slabs: list[torch.Tensor] = []
         self.tables: list[memoryview] = []
@@ -276,6 +308,147 @@ class HostRegion:
                 continue
             self.slabs.append(torch.frombuffer(mm, dtype=torch.uint8, count=n * b, offset=s_off).view(n, b))
         self._close_fd = weakref.finalize(self, os.close, fd)  # last: a failed __init__ leaves it the caller's
+        if populate:  # page tables filled now: a store into a slot never touched pays no faults in a step
+            self._populate(0, 2 * PAGE)
+            for g, (t_off, s_off) in enumerate(offsets):  # its table, then its reserved slots
+                self._populate(t_off, s_off - t_off + self.reserved(g) * layout.slot_bytes[g])
+
+    def _populate(self, start: int, length: int) -> None:
+        """Fill the page tables of [start, start + length) of the file (reserved pages only: on a
+        hole this would allocate)."""
+        if length <= 0:
+            return
+        try:
+            self._mm.madvise(getattr(mmap, "MADV_POPULATE_WRITE", 23), start, _up(length))
+        except (OSError, ValueError):  # a kernel before 5.14: faulted at first touch instead
+            pass
+
+    # -- reserved slots (the module docstring's rules) ----------------------------------------
+
+    def reserved(self, group: int) -> int:
+        """Slots of `group` whose pages are reserved: the only ones a process may touch."""
+        return 0 if self.lost else self._ctl[1 + group]
+
+    def applied(self) -> int:
+        """The last batch of share ops the worker applied to this region."""
+        return 0 if self.lost else self._ctl[0]
+
+    def set_applied(self, batch: int) -> None:
+        if not self.lost and batch > self._ctl[0]:
+            self._ctl[0] = batch
+
+    def resize(self, group: int, slots: int) -> None:
+        """The worker's pool of `group` now has `slots` slots (its share ops, in order, on the
+        engine thread). Shrinking lowers the reserved count at once (no write or copy starts past
+        it) and queues the punch of the pages past it; growing queues their reservation, and the
+        count rises once they are had. Both run on this region's keeper thread, in order: a
+        reservation and a punch of tmpfs pages take about 0.35 and 0.2 ms a MiB (fallocate, page
+        tables), too long for an engine step."""
+        if self.lost:
+            return
+        slots = max(0, min(slots, self.layout.num_slots[group]))
+        with self._lock:  # waits for a copy out of a slot in flight (copy_out): one chunk at most
+            if slots < self._limit[group]:
+                self._limit[group] = slots
+                if slots < self._ctl[1 + group]:
+                    self._ctl[1 + group] = slots
+                self._punching[group] += 1
+                self._queue(("punch", group, slots))
+            elif slots > self._limit[group]:
+                self._limit[group] = slots
+                self._queue(("reserve", group, slots))
+
+    def copy_out(self, group: int, slot: int, out) -> bool:  # noqa: ANN001 - a uint8 tensor
+        """Copy slot `slot`'s row into `out` if the slot is reserved (a background reader: the
+        worker's disk/Redis write-behind), under the lock a punch waits for: a page being punched
+        is never read (on tmpfs a read of a hole allocates a page; on a full one it is SIGBUS).
+        False: not reserved, nothing read."""
+        with self._lock:
+            if self.lost or slot >= self._ctl[1 + group]:
+                return False
+            out.copy_(self.slabs[group][slot])
+            return True
+
+    def settle(self, timeout: float = 30.0) -> bool:
+        """Wait until the keeper ran every queued punch and reservation (tests, shutdown)."""
+        end = time.monotonic() + timeout
+        while True:
+            with self._jobs_lock:
+                if not self._jobs and not self._busy:
+                    return True
+            if time.monotonic() > end:
+                return False
+            time.sleep(0.001)
+
+    def _queue(self, job: tuple) -> None:
+        with self._jobs_lock:
+            self._jobs.append(job)
+            if self._busy:
+                return
+            self._busy = True
+        threading.Thread(target=self._keep, name="kvtier-host-region", daemon=True).start()
+
+    def _keep(self) -> None:
+        """The keeper: run the queued punches and reservations in order, then end."""
+        while True:
+            with self._jobs_lock:
+                if not self._jobs:
+                    self._busy = False
+                    return
+                job = self._jobs.popleft()
+            try:
+                if job[0] == "punch":
+                    self._punch(job[1], job[2])
+                else:
+                    self._reserve(job[1])
+            except Exception:  # noqa: BLE001 - a keeper that died would leave its jobs unrun
+                log.exception("host region %s: %s of group %d failed", self.path, job[0], job[1])
+
+    def _punch(self, group: int, slots: int) -> None:
+        """Give back `group`'s pages past slot `slots - 1`'s last byte: the count fell to `slots`
+        or below when this was queued and rises only by a reservation queued after it."""
+        with self._lock:  # a copy out of one of these slots that began before the count fell ends
+            self._punching[group] -= 1
+        if self.lost or not self.intact():
+            return
+        n, b, s_off = self.layout.num_slots[group], self.layout.slot_bytes[group], self._offsets[group][1]
+        start, end = _up(slots * b), _up(n * b)
+        if end <= start:
+            return
+        from kvtier.store.tiers.disk import punch_hole
+
+        before = os.fstat(self._fd).st_blocks
+        try:
+            punch_hole(self._fd, s_off + start, end - start)
+        except OSError as exc:
+            log.warning("host region %s: cannot punch group %d's slots from %d (%s); their memory "
+                        "stays reserved", self.path, group, slots, exc.strerror)
+            return
+        self.released_bytes += max(0, before - os.fstat(self._fd).st_blocks) * 512
+
+    def _reserve(self, group: int) -> None:
+        """Reserve `group`'s pages up to its pool's slots (`posix_fallocate`, then page tables),
+        then raise the count, unless a punch queued after this would take them back (it lowered
+        the count; the reservation queued after that punch raises it). A full tmpfs fails here,
+        counted (`reserve_failed`), the count unchanged: no process touches those slots."""
+        with self._lock:
+            have, want = self._ctl[1 + group], self._limit[group]
+        if want <= have or self.lost or not self.intact():
+            return
+        b, s_off = self.layout.slot_bytes[group], self._offsets[group][1]
+        start = have * b // PAGE * PAGE
+        try:
+            os.posix_fallocate(self._fd, s_off + start, _up(want * b) - start)
+        except OSError as exc:
+            self.reserve_failed += 1
+            log.warning("host region %s: cannot reserve group %d's slots %d..%d (%d bytes: %s); they "
+                        "take no writes (give the container more shared memory: docker --shm-size)",
+                        self.path, group, have, want, _up(want * b) - start, exc.strerror)
+            return
+        self._populate(s_off + start, _up(want * b) - start)
+        with self._lock:
+            if not self._punching[group]:
+                self._ctl[1 + group] = max(self._ctl[1 + group], min(want, self._limit[group]))
 
     def intact(self) -> bool:
         """Whether every page of the mapping is still backed by the file (one fstat): a process
@@ -316,11 +489,18 @@ class HostRegion:
             log.warning("host region %s: cannot replace its lost mapping (%s)", self.path, exc)
 
     @classmethod
-    def create(cls, base: str | os.PathLike[str], name: str, layout: TierLayout) -> HostRegion:
+    def create(cls, base: str | os.PathLike[str], name: str, layout: TierLayout,
+               reserve: tuple[int, ...] | None = None) -> HostRegion:
         """Make and map a new region file `<base>/kvtier-<uid>-<random>/<name>.host` for `layout`,
-        every page allocated and mapped now; file and directory are removed when this region is
-        collected or the process exits. Sweeps first what crashed creators left. Raises
+        every page allocated and mapped now (with `reserve`, per group the slots reserved: the
+        rest of each slab is a hole until `reserve`); file and directory are removed when this
+        region is collected or the process exits. Sweeps first what crashed creators left. Raises
         RegionError (and leaves no file of its own, and any other's alone)."""
+        if reserve is not None and len(reserve) != len(layout.num_slots):
+            raise ValueError(f"reserve={reserve} names {len(reserve)} groups, the layout {len(layout.num_slots)}")
+        reserved = [n if reserve is None else max(0, min(r, n)) for r, n in zip(reserve or layout.num_slots, layout.num_slots)]
+        if len(reserved) + 1 > PAGE // 8:
+            raise RegionError(f"host region layout of {len(reserved)} groups does not fit a page")
         if not _NAME_RE.match(name):
             raise RegionError(f"host region name {name!r} must be letters, digits, '.', '_' or '-'")
         base = os.fspath(base)
@@ -337,13 +517,22 @@ class HostRegion:
             if len(record) + len(MAGIC) > PAGE:
                 raise RegionError(f"host region layout of {len(layout.slot_bytes)} groups does not fit a page")
             try:
-                os.posix_fallocate(fd, 0, size)
+                os.ftruncate(fd, size)
+                offsets, _ = _offsets(layout)
+                if reserve is None or not offsets:
+                    os.posix_fallocate(fd, 0, size)
+                else:  # record, control page and every slot table; each slab's reserved slots
+                    os.posix_fallocate(fd, 0, offsets[0][0])
+                    for (t_off, s_off), b, r in zip(offsets, layout.slot_bytes, reserved):
+                        if s_off + _up(r * b) > t_off:
+                            os.posix_fallocate(fd, t_off, s_off + _up(r * b) - t_off)
             except OSError as exc:
                 raise RegionError(
                     f"cannot reserve {size} bytes in {base!r} ({exc.strerror}); give the "
                     "container more shared memory (docker --shm-size or --ipc=host) or lower "
                     "kvtier.cpu_bytes") from None
             os.pwrite(fd, MAGIC + record, 0)
+            os.pwrite(fd, b"".join(int(r).to_bytes(8, sys.byteorder, signed=True) for r in [0, *reserved]), PAGE)
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             region = cls(mm, fd, layout, path, populate=True)
         except BaseException:
