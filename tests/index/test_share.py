@@ -192,3 +192,17 @@ def test_learned_share_leaves_no_bytes_empty_while_another_pool_evicts():
         ix.put(r * 10 + 1, 1, "cpu")
         ix.observe()
     assert ix.learners[0].shares()[0] == pytest.approx(2 / 3, abs=0.02)
+
+
+def test_learned_share_moves_nothing_while_every_pool_has_room():
+    """Bytes moved while every pool still has empty slots serve no hit and cost resizes (in vLLM,
+    moves and page releases): with every pool filling slowly the share stays where it started."""
+    ix = Index(hybrid(state_bytes=1024), {"cpu": 100_000 * 2048}, share="learned")
+    learner = ix.learners[0]
+    start = learner.shares()
+    for r in range(640):  # ten periods, two warm full chunks and one warm checkpoint a request
+        for i in (0, 1):
+            ix.put(r * 10 + i, 0, "cpu")
+        ix.put(r * 10 + 1, 1, "cpu")
+        ix.observe()
+    assert learner.moves == 0 and learner.shares() == start

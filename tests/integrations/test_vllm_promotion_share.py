@@ -79,3 +79,28 @@ def test_a_fill_never_writes_past_the_groups_reserved_slots(tmp_path: Path) -> N
     assert cpu.generation(g, slot) == gen
     assert manager.metrics.counts.get("promote_skipped_share") == 1
     assert cpu.failed_writes == 0  # refused before any write, not a stand-in row
+
+
+def test_with_tensor_parallel_every_ranks_worker_must_have_applied_the_ops(tmp_path: Path) -> None:
+    """A promotion fills every rank's shard: one rank behind (its worker has not applied the batch,
+    or has not reserved the slot) holds the fill back for all."""
+    from types import SimpleNamespace
+
+    from kvtier.integrations.vllm.promotion import LookupPromoter
+    from kvtier.store.tiers.base import TierLayout
+    from kvtier.store.tiers.host_region import HostRegion
+
+    layout = TierLayout(slot_bytes=(4096,), num_slots=(16,))
+    regions = [HostRegion.create(tmp_path, f"rank{r}", layout, reserve=(8,)) for r in range(2)]
+    promoter = LookupPromoter.__new__(LookupPromoter)
+    promoter.ranks = [SimpleNamespace(cpu=SimpleNamespace(region=r)) for r in regions]
+    regions[0].set_applied(4)
+    assert not promoter.writable(0, 3, 4)  # rank 1 has applied nothing yet
+    regions[1].set_applied(4)
+    assert promoter.writable(0, 3, 4)
+    assert not promoter.writable(0, 3, None)  # an op on the group not sent yet
+    assert not promoter.writable(0, 8, 4)  # past both ranks' reserved slots
+    regions[0].resize(0, 12)
+    assert regions[0].settle() and not promoter.writable(0, 8, 4)  # rank 1 has not reserved it
+    regions[1].resize(0, 12)
+    assert regions[1].settle() and promoter.writable(0, 8, 4)

@@ -516,19 +516,20 @@ class HostRegion:
                                  "num_slots": list(layout.num_slots)}).encode()
             if len(record) + len(MAGIC) > PAGE:
                 raise RegionError(f"host region layout of {len(layout.slot_bytes)} groups does not fit a page")
+            offsets, _ = _offsets(layout)
+            if reserve is None or not offsets:
+                ranges = [(0, size)]
+            else:  # record, control page and every slot table; each slab's reserved slots
+                ranges = [(0, offsets[0][0])] + [(t_off, s_off + _up(r * b) - t_off) for (t_off, s_off), b, r
+                                                 in zip(offsets, layout.slot_bytes, reserved)]
             try:
                 os.ftruncate(fd, size)
-                offsets, _ = _offsets(layout)
-                if reserve is None or not offsets:
-                    os.posix_fallocate(fd, 0, size)
-                else:  # record, control page and every slot table; each slab's reserved slots
-                    os.posix_fallocate(fd, 0, offsets[0][0])
-                    for (t_off, s_off), b, r in zip(offsets, layout.slot_bytes, reserved):
-                        if s_off + _up(r * b) > t_off:
-                            os.posix_fallocate(fd, t_off, s_off + _up(r * b) - t_off)
+                for off, length in ranges:
+                    if length > 0:
+                        os.posix_fallocate(fd, off, length)
             except OSError as exc:
                 raise RegionError(
-                    f"cannot reserve {size} bytes in {base!r} ({exc.strerror}); give the "
+                    f"cannot reserve {sum(n for _, n in ranges)} bytes in {base!r} ({exc.strerror}); give the "
                     "container more shared memory (docker --shm-size or --ipc=host) or lower "
                     "kvtier.cpu_bytes") from None
             os.pwrite(fd, MAGIC + record, 0)
