@@ -10,16 +10,13 @@ again after the reset are published with their token ids."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from vllm_versions import VERSIONS, finish, start
 
 HERE = Path(__file__).parent
 DRIVER = HERE / "vllm_engineless" / "router_harness.py"
-VLLM033 = Path(os.environ.get("VLLM033", HERE.parents[1] / ".vllm033"))
 
 QUERIES = [["a+", 8], ["a", 1024], ["branch", 768, 300], ["branch", 700, 300], ["reset"], ["a+", 8], ["a+", 8]]
 SCENARIOS = [
@@ -29,27 +26,15 @@ SCENARIOS = [
     {"name": "dsv4_mtp", "dsv4": "fp8_ds_mla", "prompt_tokens": 1100, "draft_groups": [1],
      "extra": {"kvtier.cpu_bytes": "512MiB"}, "queries": QUERIES},
 ]
-VERSIONS = ["0.32", "0.33"]
 _RESULTS: dict[str, dict] = {}
 
 
 def _run_all() -> None:
     procs = {}
     for version in VERSIONS:
-        env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1", VLLM_LOGGING_LEVEL="WARNING")
-        if version == "0.33":
-            if not (VLLM033 / "vllm" / "__init__.py").is_file():
-                pytest.fail(f"vLLM 0.33's Python code is not in {VLLM033}; run `bash scripts/setup-vllm033.sh`")
-            env["PYTHONPATH"] = os.pathsep.join([str(VLLM033), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-        procs[version] = subprocess.Popen([sys.executable, str(DRIVER), json.dumps(SCENARIOS)], env=env,
-                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    for version, proc in procs.items():
-        out, err = proc.communicate(timeout=600)
-        line = next((x for x in out.splitlines() if x.startswith("RESULT ")), None)
-        assert line is not None, f"router harness {version} failed (rc {proc.returncode}):\n{err[-4000:]}"
-        result = json.loads(line[len("RESULT "):])
-        assert result["vllm_version"].startswith(version), result["vllm_version"]
-        _RESULTS[version] = result
+        procs[version] = start([str(DRIVER), json.dumps(SCENARIOS)], version)
+    for version, driver in procs.items():
+        _RESULTS[version] = finish(driver, version, timeout=600)
 
 
 @pytest.fixture(params=VERSIONS, scope="module")

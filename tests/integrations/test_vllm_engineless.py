@@ -10,18 +10,15 @@ One harness process per version runs every scenario (vLLM's import is the slow p
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import tempfile
 import sys
 from pathlib import Path
 
 import pytest
+from vllm_versions import VERSIONS, Driver, Drivers, start, wanted
 
 HERE = Path(__file__).parent
 HARNESS = HERE / "vllm_engineless" / "harness.py"
 REPO = HERE.parents[1]
-VLLM033 = Path(os.environ.get("VLLM033", REPO / ".vllm033"))
 # the first 2,700 requests of Mooncake's conversation trace, shipped as package data (SOURCES.md)
 TRACE = REPO / "src" / "kvtier" / "data" / "mooncake_conversation_head.jsonl"
 
@@ -168,19 +165,11 @@ GPU_COPIES = ["gemma3_like", "gemma3_like_chunk4", "partial_chunk", "partial_chu
               "dsv4_fp8_ds_mla", "promote", "promote_chunk4", "promote_lookup", "promote_sync", "abort_load",
               "reset_store", "preempt_store", "slow_disk", "stats", "keyed_disk", "disk_unpromoted"]
 SCENARIOS += [dict(sc, name=sc["name"] + "_gpu", fake_cuda=True) for sc in SCENARIOS if sc["name"] in GPU_COPIES]
-VERSIONS = ["0.32", "0.33"]
 
 
-def _start(version: str) -> tuple:
+def _start(version: str) -> Driver:
     """Start the harness for one vLLM version (a subprocess with its own redis-server); both
     versions run at once, which takes about half a minute less than one after the other."""
-    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1",
-               VLLM_LOGGING_LEVEL="WARNING", TOKENIZERS_PARALLELISM="false")
-    if version == "0.33":
-        if not (VLLM033 / "vllm" / "__init__.py").is_file():
-            pytest.fail(f"vLLM 0.33's Python code is not in {VLLM033}; run `bash scripts/setup-vllm033.sh` "
-                        "(make test does)")
-        env["PYTHONPATH"] = os.pathsep.join([str(VLLM033), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     sys.path.insert(0, str(HERE.parent))
     from redis_servers import redis_server
 
@@ -188,68 +177,24 @@ def _start(version: str) -> tuple:
     srv = server.__enter__()
     try:
         text = json.dumps(SCENARIOS).replace('"@redis"', json.dumps(srv.url))
-        out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-        proc = subprocess.Popen([sys.executable, str(HARNESS), text], env=env, stdout=out, stderr=err,
-                                text=True)
+        return start([str(HARNESS), text], version, cleanup=lambda: server.__exit__(None, None, None))
     except BaseException:
         server.__exit__(None, None, None)
         raise
-    return proc, server, out, err
 
 
-def _finish(version: str, started: tuple) -> dict:
-    proc, server, out, err = started
-    try:
-        try:
-            proc.wait(timeout=600)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    finally:
-        server.__exit__(None, None, None)
-    out.seek(0)
-    err.seek(0)
-    stdout, stderr = out.read(), err.read()
-    out.close()
-    err.close()
-    for line in stdout.splitlines():
-        if line.startswith("RESULT "):
-            result = json.loads(line[len("RESULT "):])
-            assert result["vllm_version"].startswith(version), result["vllm_version"]
-            return result
-    raise AssertionError(f"harness failed (rc {proc.returncode}):\n{stderr[-4000:]}")
-
-
-_CACHE: dict[str, dict] = {}
-_STARTED: dict[str, tuple] = {}
-
-
-def _wanted(session: pytest.Session) -> list[str]:
-    """The versions the selected tests of this session ask `results` for."""
-    got = {getattr(item, "callspec", None) and item.callspec.params.get("results") for item in session.items}
-    return [v for v in VERSIONS if v in got]
+_DRIVERS = Drivers(_start, timeout=600)
 
 
 @pytest.fixture(params=VERSIONS, scope="module")
 def results(request: pytest.FixtureRequest) -> dict:
-    if request.param not in _CACHE:
-        for version in _wanted(request.session) or [request.param]:  # all wanted at once
-            if version not in _CACHE and version not in _STARTED:
-                _STARTED[version] = _start(version)
-        _CACHE[request.param] = _finish(request.param, _STARTED.pop(request.param))
-    return _CACHE[request.param]
+    return _DRIVERS.results(request.param, wanted(request.session))
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _no_harness_left() -> object:
     yield
-    for version in list(_STARTED):  # started for tests that did not run (a failure, -x)
-        proc, server, out, err = _STARTED.pop(version)
-        proc.kill()
-        proc.wait()
-        server.__exit__(None, None, None)
-        out.close()
-        err.close()
+    _DRIVERS.close()  # started for tests that did not run (a failure, -x)
 
 
 def ok(results: dict, name: str) -> dict:

@@ -22,23 +22,20 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
+from vllm_versions import VERSIONS, Drivers, start, wanted
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-VLLM033 = Path(os.environ.get("VLLM033", REPO / ".vllm033"))
 TRACE = REPO / "src" / "kvtier" / "data" / "mooncake_conversation_head.jsonl"
 SCENARIO = {"trace": str(TRACE), "sessions": 48,
             "layers": ["full", {"kind": "state"}, {"kind": "state"}, {"kind": "state"}],
             "extra": {"kvtier.cpu_bytes": "1536KiB", "kvtier.placement": "hits"}}
 DISK = {"kvtier.tiers": "cpu,disk", "kvtier.disk_bytes": "16MiB"}
 MODES = ("fixed", "learned", "skip_moves", "fixed_disk", "learned_disk")
-VERSIONS = ["0.32", "0.33"]
 PAGE = 4096
 
 
@@ -168,44 +165,18 @@ def main() -> None:
 
 # -- the test ------------------------------------------------------------------------------------
 
-def _start(version: str) -> tuple:
-    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1", VLLM_LOGGING_LEVEL="WARNING",
-               TOKENIZERS_PARALLELISM="false")
-    if version == "0.33":
-        if not (VLLM033 / "vllm" / "__init__.py").is_file():
-            pytest.fail(f"vLLM 0.33's Python code is not in {VLLM033}; run `bash scripts/setup-vllm033.sh`")
-        env["PYTHONPATH"] = os.pathsep.join([str(VLLM033), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-    proc = subprocess.Popen([sys.executable, __file__, json.dumps(SCENARIO)], env=env, stdout=out,
-                            stderr=err, text=True)
-    return proc, out, err
-
-
-_STARTED: dict[str, tuple] = {}
-_CACHE: dict[str, dict] = {}
+_DRIVERS = Drivers(lambda v: start([__file__, json.dumps(SCENARIO)], v), timeout=1500)
 
 
 @pytest.fixture(params=VERSIONS, scope="module")
 def results(request: pytest.FixtureRequest) -> dict:
-    if request.param not in _CACHE:
-        for v in VERSIONS:  # both at once
-            if v not in _CACHE and v not in _STARTED:
-                _STARTED[v] = _start(v)
-        proc, out, err = _STARTED.pop(request.param)
-        try:
-            proc.wait(timeout=1500)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        out.seek(0)
-        err.seek(0)
-        stdout, stderr = out.read(), err.read()
-        line = next((x for x in stdout.splitlines() if x.startswith("RESULT ")), None)
-        assert line is not None, f"driver failed (rc {proc.returncode}):\n{stderr[-4000:]}"
-        r = json.loads(line[len("RESULT "):])
-        assert r["vllm_version"].startswith(request.param), r["vllm_version"]
-        _CACHE[request.param] = r
-    return _CACHE[request.param]
+    return _DRIVERS.results(request.param, wanted(request.session))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_driver_left() -> object:
+    yield
+    _DRIVERS.close()
 
 
 def _ok(results: dict, mode: str) -> dict:

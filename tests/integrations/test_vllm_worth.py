@@ -14,24 +14,21 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
+from vllm_versions import VERSIONS, Drivers, start, wanted
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-VLLM033 = Path(os.environ.get("VLLM033", REPO / ".vllm033"))
 TRACE = REPO / "src" / "kvtier" / "data" / "mooncake_conversation_head.jsonl"
 STATE_HYBRID = ["full", {"kind": "state"}, {"kind": "state"}, {"kind": "state"}]
 PERIOD = 256  # chunks between tunings in the "tuned" run (the default, 32768, is longer than the run)
 SCENARIO = {"trace": str(TRACE), "sessions": 48, "layers": STATE_HYBRID,
             "extra": {"kvtier.cpu_bytes": "1536KiB", "kvtier.placement": "hits"}}
 MODES = {"lru": "lru", "auto": None, "tuned": f"worth:period={PERIOD}"}  # None: the key left out
-VERSIONS = ["0.32", "0.33"]
 
 
 # -- the driver (run in a subprocess per vLLM version) ---------------------------------------------
@@ -176,44 +173,18 @@ def test_an_unknown_policy_is_one_line_naming_the_value_and_the_names(policy: ob
     assert needle in str(err.value) and "\n" not in str(err.value), str(err.value)
 
 
-def _start(version: str) -> tuple:
-    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1", VLLM_LOGGING_LEVEL="WARNING",
-               TOKENIZERS_PARALLELISM="false")
-    if version == "0.33":
-        if not (VLLM033 / "vllm" / "__init__.py").is_file():
-            pytest.fail(f"vLLM 0.33's Python code is not in {VLLM033}; run `bash scripts/setup-vllm033.sh`")
-        env["PYTHONPATH"] = os.pathsep.join([str(VLLM033), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-    proc = subprocess.Popen([sys.executable, __file__, json.dumps(SCENARIO)], env=env, stdout=out,
-                            stderr=err, text=True)
-    return proc, out, err
-
-
-_STARTED: dict[str, tuple] = {}
-_CACHE: dict[str, dict] = {}
+_DRIVERS = Drivers(lambda v: start([__file__, json.dumps(SCENARIO)], v), timeout=900)
 
 
 @pytest.fixture(params=VERSIONS, scope="module")
 def results(request: pytest.FixtureRequest) -> dict:
-    if request.param not in _CACHE:
-        for v in VERSIONS:  # both at once
-            if v not in _CACHE and v not in _STARTED:
-                _STARTED[v] = _start(v)
-        proc, out, err = _STARTED.pop(request.param)
-        try:
-            proc.wait(timeout=900)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        out.seek(0)
-        err.seek(0)
-        stdout, stderr = out.read(), err.read()
-        line = next((x for x in stdout.splitlines() if x.startswith("RESULT ")), None)
-        assert line is not None, f"driver failed (rc {proc.returncode}):\n{stderr[-4000:]}"
-        r = json.loads(line[len("RESULT "):])
-        assert r["vllm_version"].startswith(request.param), r["vllm_version"]
-        _CACHE[request.param] = r
-    return _CACHE[request.param]
+    return _DRIVERS.results(request.param, wanted(request.session))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_driver_left() -> object:
+    yield
+    _DRIVERS.close()
 
 
 def _ok(results: dict, name: str) -> dict:
