@@ -3,12 +3,14 @@ real processes, real mappings."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import stat
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -197,25 +199,33 @@ def test_no_room_for_the_region_is_one_line_naming_the_fix(tmp_path: Path) -> No
     assert os.listdir(tmp_path) == []  # nothing half-made is left
 
 
+@contextlib.contextmanager
+def small_tmpfs(tmp_path: Path, size: str, otherwise: str = "") -> Iterator[Path]:
+    """A real tmpfs of `size` (a full /dev/shm in miniature), unmounted after; the test is skipped
+    where none can be mounted (`otherwise`: what covers it then)."""
+    mnt = tmp_path / "shm"
+    mnt.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=1777", "tmpfs", str(mnt)],
+                          capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({made.stderr.strip()}){otherwise}")
+    try:
+        yield mnt
+    finally:
+        gc.collect()  # regions made there are unmapped first
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
 def test_a_full_tmpfs_fails_at_creation_not_at_the_first_store(tmp_path: Path) -> None:
     """On a real 64 KiB tmpfs (Docker's /dev/shm is 64 MiB): a file of the region's size could
     be made sparse and fault with SIGBUS at the first store; the space is reserved at creation
     instead, so this is a RegionError naming the fix."""
-    mnt = tmp_path / "shm"
-    mnt.mkdir()
-    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k,mode=1777", "tmpfs", str(mnt)],
-                          capture_output=True, text=True)
-    if made.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({made.stderr.strip()}); the RLIMIT test covers the error path")
-    try:
+    with small_tmpfs(tmp_path, "64k", "; the RLIMIT test covers the error path") as mnt:
         with pytest.raises(RegionError, match="--shm-size"):
             HostRegion.create(mnt, "eng", TierLayout(slot_bytes=(65536,), num_slots=(4,)))
         assert os.listdir(mnt) == []
         small = TierLayout(slot_bytes=(4096,), num_slots=(2,))
         assert HostRegion.create(mnt, "eng", small).slabs[0].shape == (2, 4096)  # what fits is made
-    finally:
-        gc.collect()
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_the_seqlock_fence_is_the_c_barrier_where_the_extension_is_built() -> None:

@@ -5,14 +5,11 @@ mappings, a real tmpfs where one can be mounted."""
 
 from __future__ import annotations
 
-import gc
 import os
-import subprocess
 import threading
 import time
 from pathlib import Path
 
-import pytest
 import torch
 
 from kvtier.store.payload import make_header
@@ -20,7 +17,7 @@ from kvtier.store.tiers.base import TierLayout
 from kvtier.store.tiers.cpu import CpuTier
 from kvtier.store.tiers.host_region import PAGE, HostRegion
 
-from test_host_region import other_process
+from test_host_region import other_process, small_tmpfs
 
 NS = "0123456789abcdef"
 LAYOUT = TierLayout(slot_bytes=(4096, 1536), num_slots=(4, 3))  # other_process's layout
@@ -121,13 +118,7 @@ def test_a_full_tmpfs_refuses_a_grow_and_the_slots_take_no_writes(tmp_path: Path
     """On a real 256 KiB tmpfs: a region laid out for 1.25 MiB is made with its starting pools
     reserved; a grow past what the tmpfs holds fails at `reserve` (counted by the worker), and a
     store into those slots is a failed write, never SIGBUS."""
-    mnt = tmp_path / "shm"
-    mnt.mkdir()
-    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k,mode=1777", "tmpfs", str(mnt)],
-                          capture_output=True, text=True)
-    if made.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({made.stderr.strip()})")
-    try:
+    with small_tmpfs(tmp_path, "256k") as mnt:
         region = HostRegion.create(mnt, "eng", BIG, reserve=(8, 4))
         cpu = CpuTier(BIG, pin_memory=False, region=region)
         cpu.reserve(0, 64)  # 1 MiB more than the tmpfs has
@@ -141,9 +132,6 @@ def test_a_full_tmpfs_refuses_a_grow_and_the_slots_take_no_writes(tmp_path: Path
         assert region.settle() and region.reserved(0) == 10
         assert cpu.write(0, 9, header(6, 0), torch.full((16384,), 2, dtype=torch.uint8))
         del cpu, region
-    finally:
-        gc.collect()
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_a_region_made_whole_reserves_every_slot(tmp_path: Path) -> None:
