@@ -167,16 +167,17 @@ GPU_COPIES = ["gemma3_like", "gemma3_like_chunk4", "partial_chunk", "partial_chu
 SCENARIOS += [dict(sc, name=sc["name"] + "_gpu", fake_cuda=True) for sc in SCENARIOS if sc["name"] in GPU_COPIES]
 
 
-def _start(version: str) -> Driver:
-    """Start the harness for one vLLM version (a subprocess with its own redis-server); both
-    versions run at once, which takes about half a minute less than one after the other."""
+def _start(version: str, scenarios: list[dict] | None = None) -> Driver:
+    """Start the harness for one vLLM version on `scenarios` (default: this module's), a
+    subprocess with its own redis-server; both versions run at once, which takes about half a
+    minute less than one after the other."""
     sys.path.insert(0, str(HERE.parent))
     from redis_servers import redis_server
 
     server = redis_server()  # for the scenarios with "@redis" as their URL
     srv = server.__enter__()
     try:
-        text = json.dumps(SCENARIOS).replace('"@redis"', json.dumps(srv.url))
+        text = json.dumps(SCENARIOS if scenarios is None else scenarios).replace('"@redis"', json.dumps(srv.url))
         return start([str(HARNESS), text], version, cleanup=lambda: server.__exit__(None, None, None))
     except BaseException:
         server.__exit__(None, None, None)

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from test_vllm_engineless import TRACE, VERSIONS, _finish, _start, every_and_hits, ok, restored
-
-import test_vllm_engineless as engineless
+from test_vllm_engineless import TRACE, _start, every_and_hits, ok, restored
+from vllm_versions import VERSIONS, Drivers, wanted
 
 GEMMA3_LIKE = ["sliding", "sliding", "full", "sliding"]
 SCENARIOS = [
@@ -23,16 +22,19 @@ SCENARIOS = [
 ]
 
 
+_DRIVERS = Drivers(lambda version: _start(version, SCENARIOS), timeout=600)
+
+
 @pytest.fixture(params=VERSIONS, scope="module")
 def results(request: pytest.FixtureRequest) -> dict:
-    """The harness for one vLLM version on these scenarios only (`_start` sends its module's)."""
-    every_scenario = engineless.SCENARIOS
-    engineless.SCENARIOS = SCENARIOS
-    try:
-        started = _start(request.param)
-    finally:
-        engineless.SCENARIOS = every_scenario
-    return _finish(request.param, started)
+    """The harness for each vLLM version on these scenarios only."""
+    return _DRIVERS.results(request.param, wanted(request.session))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_harness_left() -> object:
+    yield
+    _DRIVERS.close()
 
 
 def test_a_follow_up_turn_restores_its_whole_previous_prompt(results: dict) -> None:
