@@ -24,7 +24,8 @@ tar cJf .devstub/vllm033.tar.xz .vllm033
 cp scripts/gpu-device/_C_stable_libtorch.py scripts/gpu-device/run.sh .devstub/
 rm -rf .devstub/snap && mkdir -p .devstub/snap && git archive HEAD src tests scripts | tar x -C .devstub/snap
 .venv/bin/python - <<'PY'
-import importlib.util, json
+import importlib.util, json, sys
+sys.path.insert(0, "tests/integrations")  # its sibling vllm_versions
 spec = importlib.util.spec_from_file_location("t", "tests/integrations/test_vllm_engineless.py")
 m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)
 want = set(m.GPU_COPIES) - {"slow_disk"}
