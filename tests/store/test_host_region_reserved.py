@@ -131,6 +131,12 @@ def test_a_full_tmpfs_refuses_a_grow_and_the_slots_take_no_writes(tmp_path: Path
         cpu.reserve(0, 10)
         assert region.settle() and region.reserved(0) == 10
         assert cpu.write(0, 9, header(6, 0), torch.full((16384,), 2, dtype=torch.uint8))
+        # a pool refused for want of room gets its pages once another pool gives some back
+        cpu.reserve(1, 20)  # 128 KiB more: refused (36 KiB left of the 256)
+        assert region.settle() and region.reserve_failed == 2 and region.reserved(1) == 4
+        cpu.release(0, 1)  # 144 KiB back: the refused reservation is tried again, and fits
+        assert region.settle() and region.reserved(1) == 20
+        assert cpu.write(1, 19, header(7, 1), torch.full((8192,), 4, dtype=torch.uint8))
         del cpu, region
 
 

@@ -425,12 +425,18 @@ class HostRegion:
                         "stays reserved", self.path, group, slots, exc.strerror)
             return
         self.released_bytes += max(0, before - os.fstat(self._fd).st_blocks) * 512
+        with self._lock:  # pages came back: a pool a full tmpfs refused gets its reservation again
+            short = [h for h in range(len(self._limit))
+                     if self._ctl[1 + h] < self._limit[h] and not self._punching[h]]
+        for h in short:
+            self._queue(("reserve", h, self._limit[h]))
 
     def _reserve(self, group: int) -> None:
         """Reserve `group`'s pages up to its pool's slots (`posix_fallocate`, then page tables),
         then raise the count, unless a punch queued after this would take them back (it lowered
         the count; the reservation queued after that punch raises it). A full tmpfs fails here,
-        counted (`reserve_failed`), the count unchanged: no process touches those slots."""
+        counted (`reserve_failed`), the count unchanged: no process touches those slots, until a
+        punch gives pages back and the reservation is tried again."""
         with self._lock:
             have, want = self._ctl[1 + group], self._limit[group]
         if want <= have or self.lost or not self.intact():
