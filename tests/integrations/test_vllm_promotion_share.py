@@ -88,12 +88,13 @@ def test_with_tensor_parallel_every_ranks_worker_must_have_applied_the_ops(tmp_p
 
     from kvtier.integrations.vllm.promotion import LookupPromoter
     from kvtier.store.tiers.base import TierLayout
+    from kvtier.store.tiers.cpu import CpuTier
     from kvtier.store.tiers.host_region import HostRegion
 
     layout = TierLayout(slot_bytes=(4096,), num_slots=(16,))
     regions = [HostRegion.create(tmp_path, f"rank{r}", layout, reserve=(8,)) for r in range(2)]
     promoter = LookupPromoter.__new__(LookupPromoter)
-    promoter.ranks = [SimpleNamespace(cpu=SimpleNamespace(region=r)) for r in regions]
+    promoter.ranks = [SimpleNamespace(cpu=CpuTier(layout, pin_memory=False, region=r)) for r in regions]
     regions[0].set_applied(4)
     assert not promoter.writable(0, 3, 4)  # rank 1 has applied nothing yet
     regions[1].set_applied(4)

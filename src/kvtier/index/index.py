@@ -145,8 +145,8 @@ class Index:
         small-block group would look dead to the anchor groups from the moment they commit.
         `start` (share="learned" only): the share rule the pools start from (default
         "proportional"; the Store starts from its placement's fixed share). `learned_tiers`
-        (share="learned" only): the tiers whose bytes move (default every tier); the others keep
-        the `start` split (vLLM's manager learns only its cpu tier: a move elsewhere is I/O)."""
+        (read under share="learned" only): the tiers whose bytes move (default every tier); the
+        others keep the `start` split (vLLM's manager learns only its cpu tier: a move elsewhere is I/O)."""
         if start is not None and share != "learned":
             raise ConfigError(f"start={start!r} is the learned share's first split; give share='learned' "
                               f"with it, not share={share!r}")

@@ -161,8 +161,7 @@ def _build(plan: Plan, capacities: Mapping[str, int], share: str | Mapping[str, 
            learned_tiers: tuple[str, ...] | None = None) -> Index:
     """An Index whose pools evict by worth with `weight`; depth from the placement's prefix tree."""
     index = Index(plan, capacities, policy=lambda slots: WorthLRU(slots, weight), share=share,
-                  start=start, anchored=anchored,
-                  learned_tiers=learned_tiers if share == "learned" else None)
+                  start=start, anchored=anchored, learned_tiers=learned_tiers)
     tree = getattr(placement, "tree", None)
     depth = tree.depth if tree is not None else (lambda key: 0)
     for gp in plan.cacheable_groups:

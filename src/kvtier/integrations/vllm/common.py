@@ -262,7 +262,7 @@ class SpecContext:
         policy = self.policy
         if policy.partition(":")[0] != "worth":
             return Index(self.plan, self.config.capacities, policy=policy, share=share, start=start,
-                         anchored=not self.mixed_spans, learned_tiers=LEARNED_TIERS if learned else None), None
+                         anchored=not self.mixed_spans, learned_tiers=LEARNED_TIERS), None
         from kvtier.index.tuning import worth_index, worth_options
 
         opts = worth_options(policy)
@@ -271,7 +271,7 @@ class SpecContext:
         # cold_in_first left False: with one tier the manager stores no cold chunk (`_place`)
         return worth_index(self.plan, self.config.capacities, share=share, placement=placement, w=w,
                            runner="process", start=start, anchored=not self.mixed_spans,
-                           learned_tiers=LEARNED_TIERS if learned else None, **sizes)
+                           learned_tiers=LEARNED_TIERS, **sizes)
 
     def slot_counts(self) -> dict[tuple[str, int], int]:
         """Slots per (tier, cacheable group) the worker lays each tier out for: those of

@@ -474,7 +474,7 @@ class LookupPromoter:
             return False
         for r in self.ranks:
             region = getattr(r.cpu, "region", None)
-            if region is not None and (region.applied() < batch or slot >= region.reserved(g)):
+            if region is not None and (region.applied() < batch or r.cpu.unreserved(g, slot)):
                 return False
         return True
 

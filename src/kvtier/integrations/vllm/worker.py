@@ -393,10 +393,9 @@ class KvtierWorker(OffloadingWorker):
             cpu.free(g, slot)
             self.metrics.add("promote_skipped_partial", group=g)
             return None, None
-        region = getattr(cpu, "region", None)
-        if region is not None and slot >= region.reserved(g):  # its pages not had (yet): never
-            self.metrics.add("promote_skipped_share", group=g)  # begun, so no stand-in row is
-            return None, None  # a copy source; the load fills the blocks from `buf`
+        if cpu.unreserved(g, slot):  # its pages not had (yet): never begun, so no stand-in row
+            self.metrics.add("promote_skipped_share", group=g)  # is a copy source; the load
+            return None, None  # fills the blocks from `buf`
         row = cpu.begin(g, slot)
         row.copy_(buf)
         cpu.commit(g, slot, self.ctx.blocks_header(item, blocks))

@@ -214,9 +214,10 @@ class CpuTier(SlotTier):
         of it may be touched then."""
         return self.region is not None and not self.region.intact()
 
-    def _unreserved(self, group: int, slot: int) -> bool:
+    def unreserved(self, group: int, slot: int) -> bool:
         """Whether the slot's pages are not reserved in the host region (a learned share's pool
-        grew where tmpfs had no room: host_region.py, "Reserved slots"): never written then."""
+        grew and its pages are not had yet, or tmpfs had no room: host_region.py, "Reserved
+        slots"): never written then."""
         return self.region is not None and slot >= self.region.reserved(group)
 
     def reserve(self, group: int, slots: int) -> None:
@@ -282,7 +283,7 @@ class CpuTier(SlotTier):
         else:
             as_bytes_view(row[:n])[:] = src
         self.commit(group, slot, header)
-        return self.region is None or not (self.region.lost or self._unreserved(group, slot))
+        return self.region is None or not (self.region.lost or self.unreserved(group, slot))
 
     def begin(self, group: int, slot: int) -> torch.Tensor:
         """Start writing a slot in place: its sequence number turns odd and its header is dropped
@@ -296,7 +297,7 @@ class CpuTier(SlotTier):
         counted failed."""
         self._check(group, slot)
         lost = self._lost()
-        if lost or self._unreserved(group, slot):
+        if lost or self.unreserved(group, slot):
             self._failed_write(group, slot, "its host region file was truncated" if lost else
                                "its memory is not reserved (no room in the host region's tmpfs)")
             if group not in self._stand_ins:
@@ -313,7 +314,7 @@ class CpuTier(SlotTier):
         which follows the job's end; the job's disk and Redis writes wait for its copies). A new
         reader of the slot table must be gated the same way."""
         self._check(group, slot, header.payload_bytes)
-        if self._lost() or self._unreserved(group, slot):  # nothing is published (begin said why)
+        if self._lost() or self.unreserved(group, slot):  # nothing is published (begin said why)
             return
         self._set_header(group, slot, header, bump=False)
         self.writes += 1
@@ -372,7 +373,7 @@ class CpuTier(SlotTier):
         row[:n].copy_(self.slabs[group][src, :n])
         self.commit(group, dst, stored)
         self.free(group, src)
-        return self.region is None or not (self.region.lost or self._unreserved(group, dst))
+        return self.region is None or not (self.region.lost or self.unreserved(group, dst))
 
     def release(self, group: int, slots: int) -> int:
         """`SlotTier.release`. Each slot's sequence number is odd while its bytes go and changed
