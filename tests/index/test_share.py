@@ -173,9 +173,8 @@ def test_victim_and_demote():
 
 def test_learned_share_leaves_no_bytes_empty_while_another_pool_evicts():
     """A full pool still filling (slowly: its stores a period below `step`) keeps at most what it
-    holds plus `step`; the state pool's cold entries keep the rest. The rule before moved bytes by
-    warm rate alone: the state pool shrank to 1/3 and evicted its cold entries while the full pool
-    sat on empty slots."""
+    holds plus `step`; the state pool's cold entries keep the rest (moving bytes by warm rate alone
+    would shrink the state pool to 1/3 and evict them while the full pool sat on empty slots)."""
     ix = Index(hybrid(state_bytes=1024), {"cpu": 4000 * 2048}, share="learned")  # 4000 slots each
     for r in range(1800):  # full: 2 chunks warm; ssm: the last warm, the first cold
         for i in (0, 1):

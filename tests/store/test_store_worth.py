@@ -50,8 +50,7 @@ def test_tuned_worth_restores_at_least_lru_in_the_same_bytes() -> None:
     the tuner every 4096 chunks over the last 16384 (the product's: 32768 and 32768). The test
     waits for each tuning after the save that started it, so the tunings land at the same saves
     every run (a save itself never waits: the next test, and tests/index/test_worth_tuning.py).
-    Measured: LRU restores 60,704 tokens, the default 67,168 (w tuned 0 -> 1 -> 2 -> 4; 67,200 before
-    the learned share capped pools with room); every
+    Measured: LRU restores 60,704 tokens, the default 67,168 (w tuned 0 -> 1 -> 2 -> 4); every
     loaded byte is the one saved."""
     prompts = conversation(2700)
     unique = len({tuple(p[: (k + 1) * C]) for p in prompts for k in range(len(p) // C)})

@@ -12,13 +12,12 @@ dead entries first). With every chunk warm this is the proportional share; with 
 hits land (`kvtier.index.placement`) a state group's share falls to what its endpoints need
 (docs/admission.md).
 
-Bytes a pool leaves empty serve no hit. A pool with empty slots that stored at most `step` x the
-tier's bytes in the last period gets at most what it holds plus `step` (the controller gives bytes
-back as fast as it fills); the rest goes to the other pools by their warm rates (water-filling),
-and while every pool has room nothing moves. Without this, a full-attention pool still filling (a
-large tier: early on, or for good when it holds the whole trace) took bytes from a state or sliding
-pool that then evicted cold entries; a cold entry serves a hit ending where none ended before (a
-new branch point), which no warm entry can.
+A pool with empty slots that stored at most `step` x the tier's bytes in the last period gets at
+most what it holds plus `step` (the controller gives bytes back as fast as it fills); the rest
+goes to the other pools by their warm rates (water-filling), and while every pool has room nothing
+moves. Why: bytes a pool leaves empty serve no hit, while another pool's cold entries, which live
+on its free room, serve hits ending where none ended before (a new branch point), which no warm
+entry can.
 
 No group goes below `floor` x its proportional bytes (and one chunk): a hit needs every group, so
 none may be starved, even one that stored nothing warm lately. Starts proportional, or from the

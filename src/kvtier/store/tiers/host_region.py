@@ -341,9 +341,9 @@ class HostRegion:
         """The worker's pool of `group` now has `slots` slots (its share ops, in order, on the
         engine thread). Shrinking lowers the reserved count at once (no write or copy starts past
         it) and queues the punch of the pages past it; growing queues their reservation, and the
-        count rises once they are had. Both run on this region's keeper thread, in order: a
-        reservation and a punch of tmpfs pages take about 0.35 and 0.2 ms a MiB (fallocate, page
-        tables), too long for an engine step."""
+        count rises once they are had. Both run on this region's keeper thread, in order:
+        allocating or freeing tmpfs pages and filling page tables is too slow for an engine step
+        (docs/changelog.md has the figures)."""
         if self.lost:
             return
         slots = max(0, min(slots, self.layout.num_slots[group]))
