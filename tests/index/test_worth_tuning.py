@@ -66,6 +66,15 @@ def fill(tuner: WorthTuner, trace: Trace, hashes=as_bytes) -> None:
         tuner.observe(hashes(r.chunks), r.prompt_tokens, r.input_tokens, False)
 
 
+def wait_child(tuner: WorthTuner, not_pid: int | None = None, timeout: float = 30.0) -> int:
+    """The pid of the tuner's child once one runs (another than `not_pid`)."""
+    end = time.monotonic() + timeout
+    while (pid := tuner.pid) in (None, not_pid):
+        assert time.monotonic() < end, "the tuner started no child"
+        time.sleep(0.001)
+    return pid
+
+
 def wait_idle(tuner: WorthTuner, timeout: float = 60.0) -> None:
     end = time.monotonic() + timeout
     while tuner.busy:
@@ -256,11 +265,7 @@ def test_a_killed_child_is_a_failed_tuning_and_the_next_one_starts_another():
         fill(tuner, head(500))
         tuner.weight.w = 3.0  # not in the grid: any adoption would change it
         tuner.tune()
-        end = time.monotonic() + 30
-        while tuner.pid is None:
-            assert time.monotonic() < end
-            time.sleep(0.001)
-        first = tuner.pid
+        first = wait_child(tuner)
         os.kill(first, signal.SIGKILL)
         wait_idle(tuner)
         assert tuner.counts()["worth_tunings_failed"] == 1 and tuner.counts()["worth_tunings"] == 0
@@ -324,11 +329,8 @@ def test_close_does_not_wait_and_counts_a_tuning_in_flight_failed(monkeypatch):
     tuner = tuner_for("process")
     fill(tuner, head(800))
     tuner.tune()
+    pid = wait_child(tuner)
     end = time.monotonic() + 30
-    while tuner.pid is None:
-        assert time.monotonic() < end
-        time.sleep(0.001)
-    pid = tuner.pid
     while os.sched_getscheduler(pid) != os.SCHED_IDLE:  # it lowers its priority as it starts
         assert time.monotonic() < end
         time.sleep(0.001)
@@ -368,11 +370,7 @@ def test_a_forked_copy_starts_its_own_child():
     try:
         fill(tuner, head(500))
         tuner.tune()
-        end = time.monotonic() + 30
-        while tuner.pid is None:
-            assert time.monotonic() < end
-            time.sleep(0.001)
-        parent_child = tuner.pid
+        parent_child = wait_child(tuner)
         pid = os.fork()
         if pid == 0:  # the copy: report through the exit status only
             code = 1
@@ -429,11 +427,7 @@ def test_a_child_that_hangs_is_killed_after_its_time_and_the_next_tuning_starts_
         tuner.weight.w = 3.0
         t = time.monotonic()
         tuner.tune()
-        end = time.monotonic() + 10
-        while tuner.pid is None:  # started, said hello, got its job
-            assert time.monotonic() < end, "the fake child never started"
-            time.sleep(0.01)
-        first = tuner.pid
+        first = wait_child(tuner, timeout=10)  # started, said hello, got its job
         wait_idle(tuner, timeout=10)
         assert 1.0 <= time.monotonic() - t < 5
         assert tuner.counts()["worth_tunings_failed"] == 1 and tuner.weight.w == 3.0
@@ -444,10 +438,7 @@ def test_a_child_that_hangs_is_killed_after_its_time_and_the_next_tuning_starts_
                 assert time.monotonic() < end, "the hung child was not killed"
                 time.sleep(0.05)
         tuner.tune()
-        end = time.monotonic() + 10
-        while tuner.pid in (None, first):
-            assert time.monotonic() < end, "the next tuning started no child"
-            time.sleep(0.01)
+        wait_child(tuner, not_pid=first, timeout=10)
         wait_idle(tuner, timeout=10)
         assert tuner.counts()["worth_tunings_failed"] == 2
     finally:

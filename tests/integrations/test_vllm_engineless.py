@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from vllm_versions import VERSIONS, Driver, Drivers, start, wanted
+from vllm_versions import Driver, fixtures, start
 
 HERE = Path(__file__).parent
 HARNESS = HERE / "vllm_engineless" / "harness.py"
@@ -184,18 +184,7 @@ def _start(version: str, scenarios: list[dict] | None = None) -> Driver:
         raise
 
 
-_DRIVERS = Drivers(_start, timeout=600)
-
-
-@pytest.fixture(params=VERSIONS, scope="module")
-def results(request: pytest.FixtureRequest) -> dict:
-    return _DRIVERS.results(request.param, wanted(request.session))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _no_harness_left() -> object:
-    yield
-    _DRIVERS.close()  # started for tests that did not run (a failure, -x)
+results, _no_driver_left = fixtures(_start, timeout=600)
 
 
 def ok(results: dict, name: str) -> dict:

@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from vllm_versions import VERSIONS, Drivers, start, wanted
+from vllm_versions import fixtures, start
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -165,18 +165,7 @@ def main() -> None:
 
 # -- the test ------------------------------------------------------------------------------------
 
-_DRIVERS = Drivers(lambda v: start([__file__, json.dumps(SCENARIO)], v), timeout=1500)
-
-
-@pytest.fixture(params=VERSIONS, scope="module")
-def results(request: pytest.FixtureRequest) -> dict:
-    return _DRIVERS.results(request.param, wanted(request.session))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _no_driver_left() -> object:
-    yield
-    _DRIVERS.close()
+results, _no_driver_left = fixtures(lambda v: start([__file__, json.dumps(SCENARIO)], v), timeout=1500)
 
 
 def _ok(results: dict, mode: str) -> dict:

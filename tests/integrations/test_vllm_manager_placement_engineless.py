@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from test_vllm_engineless import TRACE, _start, every_and_hits, ok, restored
-from vllm_versions import VERSIONS, Drivers, wanted
+from vllm_versions import fixtures
 
 GEMMA3_LIKE = ["sliding", "sliding", "full", "sliding"]
 SCENARIOS = [
@@ -22,19 +22,7 @@ SCENARIOS = [
 ]
 
 
-_DRIVERS = Drivers(lambda version: _start(version, SCENARIOS), timeout=600)
-
-
-@pytest.fixture(params=VERSIONS, scope="module")
-def results(request: pytest.FixtureRequest) -> dict:
-    """The harness for each vLLM version on these scenarios only."""
-    return _DRIVERS.results(request.param, wanted(request.session))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _no_harness_left() -> object:
-    yield
-    _DRIVERS.close()
+results, _no_driver_left = fixtures(lambda version: _start(version, SCENARIOS), timeout=600)
 
 
 def test_a_follow_up_turn_restores_its_whole_previous_prompt(results: dict) -> None:

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from vllm_versions import VERSIONS, Drivers, start, wanted
+from vllm_versions import fixtures, start
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -173,18 +173,7 @@ def test_an_unknown_policy_is_one_line_naming_the_value_and_the_names(policy: ob
     assert needle in str(err.value) and "\n" not in str(err.value), str(err.value)
 
 
-_DRIVERS = Drivers(lambda v: start([__file__, json.dumps(SCENARIO)], v), timeout=900)
-
-
-@pytest.fixture(params=VERSIONS, scope="module")
-def results(request: pytest.FixtureRequest) -> dict:
-    return _DRIVERS.results(request.param, wanted(request.session))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _no_driver_left() -> object:
-    yield
-    _DRIVERS.close()
+results, _no_driver_left = fixtures(lambda v: start([__file__, json.dumps(SCENARIO)], v), timeout=900)
 
 
 def _ok(results: dict, name: str) -> dict:

@@ -96,6 +96,24 @@ class Drivers:
             self.started.pop(version).close(kill=True)
 
 
+def fixtures(start_one: Callable[[str], Driver], timeout: float) -> tuple:
+    """A module's `results` fixture (param: the vLLM version; every wanted version's driver starts
+    at the first use) and its autouse cleanup, which kills a driver a failed test left running:
+    `results, _no_driver_left = fixtures(start_one, timeout)`."""
+    drivers = Drivers(start_one, timeout)
+
+    @pytest.fixture(params=VERSIONS, scope="module")
+    def results(request: pytest.FixtureRequest) -> dict:
+        return drivers.results(request.param, wanted(request.session))
+
+    @pytest.fixture(scope="module", autouse=True)
+    def _no_driver_left() -> object:
+        yield
+        drivers.close()
+
+    return results, _no_driver_left
+
+
 def wanted(session: pytest.Session) -> list[str]:
     """The versions the selected tests of this session ask a `results` fixture for."""
     got = {getattr(item, "callspec", None) and item.callspec.params.get("results") for item in session.items}
